@@ -1,0 +1,76 @@
+"""The archetype table: one source of truth from a proven MoeStructure to the recipe that executes it.
+
+Every consumer (``resolve_plan``, the ``autoep-plan`` printer, ``apply_plan``) reads only this table.
+A structure with no row is refused with the opt-out hint.
+
+Compute-fn factory contract (what a ``local_compute_fn._target_`` names):
+
+    factory(module: nn.Module, *, ep_mesh: DeviceMesh, **kwargs) -> None
+
+The factory is called once per matched module by ``apply_plan`` after the expert parameters listed
+by the archetype have been sharded ``Shard(0)`` over ``ep_mesh``. It makes ``module`` EP-ready in
+place (binds a new forward on the block or on its experts) and returns nothing. ``kwargs`` are the
+keys written next to ``_target_`` in the config (for auto decisions: the table's kwargs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoep.errors import UnsupportedModuleStructure
+from autoep.structure import MoeStructure
+
+RECIPES = "autoep.recipes"
+
+
+@dataclass(frozen=True)
+class Archetype:
+    """One row: the factory ``_target_``, its kwargs, and the roles of the block's parameters."""
+
+    target: str
+    kwargs: dict = field(default_factory=dict)
+    # Parameter names (relative to the block) whose dim 0 is the expert dim; sharded Shard(0) over ep.
+    # Everything else in the block is dense and replicated.
+    expert_params: str = "experts"  # "experts": every parameter under block.experts
+
+
+BATCHED = Archetype(target=f"{RECIPES}.batched.ep_batched_experts")
+MODULE_LIST_BLOCK = Archetype(target=f"{RECIPES}.module_list.ep_module_list_block")
+
+# (router, expert_storage) -> recipe. The remaining MoeStructure fields are passed to the factory as
+# its ``structure`` kwarg, so the decision's full lookup key is every field (jitter included).
+# batched_parameters rows keep the block's own forward (router, shared branch, jitter run as
+# written) and replace only the experts' token exchange and compute, honouring the layout facts.
+# module_list rows replace the whole block forward (routing, dispatch, experts, shared, jitter).
+TABLE: dict[tuple[str, str], Archetype] = {
+    ("topk_router_module", "batched_parameters"): BATCHED,
+    ("softmax_topk", "batched_parameters"): BATCHED,
+    ("sigmoid_group", "batched_parameters"): BATCHED,
+    ("softmax_topk", "module_list"): MODULE_LIST_BLOCK,
+    ("sigmoid_group", "module_list"): MODULE_LIST_BLOCK,
+}
+
+
+def lookup_key(structure: MoeStructure) -> tuple:
+    """Every field changes the computation, so every field is part of the key."""
+    return tuple(sorted(structure.as_dict().items()))
+
+
+def archetype_for(structure: MoeStructure, cls_name: str = "module") -> Archetype:
+    """The row for ``structure``, or ``UnsupportedModuleStructure`` naming what has no recipe."""
+    row = TABLE.get((structure.router, structure.expert_storage))
+    if row is None:
+        raise UnsupportedModuleStructure(
+            cls_name, f"no recipe for router={structure.router} with expert_storage={structure.expert_storage}"
+        )
+    return row
+
+
+def compute_fn_config(structure: MoeStructure, cls_name: str = "module") -> dict:
+    """The ``local_compute_fn`` mapping an auto decision writes: ``_target_`` plus its kwargs."""
+    row = archetype_for(structure, cls_name)
+    return {"_target_": row.target, **row.kwargs, "structure": structure.as_dict()}
+
+
+def known_targets() -> set[str]:
+    return {row.target for row in TABLE.values()}

@@ -1,0 +1,20 @@
+"""Errors autoep raises to its users. Each names the key, the value and the fix."""
+
+OPT_OUT_HINT = "Declare an explicit local_compute_fn._target_ to opt out of structure detection."
+
+
+class UnsupportedModuleStructure(ValueError):
+    """A matched module's structure could not be proven; the message ends with the opt-out hint."""
+
+    def __init__(self, cls_name: str, reason: str):
+        self.cls_name = cls_name
+        self.reason = reason
+        super().__init__(f"{cls_name}: {reason}. {OPT_OUT_HINT}")
+
+
+class PlanError(ValueError):
+    """A parallel plan (YAML, command line or resolved.yaml) is invalid; the message says how to fix it."""
+
+
+class DriftError(PlanError):
+    """A replayed decision no longer matches the model's code."""

@@ -1,0 +1,38 @@
+"""Recognise what kind of MoE block a module is by reading its source, never by running it.
+
+``detect_moe_structure(module)`` returns a ``MoeStructure`` or raises ``UnsupportedModuleStructure``.
+Rules: never call a forward, never allocate, never read a model's or class's name; refuse rather
+than guess. Source parsing and proofs are cached per class.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from autoep.errors import OPT_OUT_HINT, UnsupportedModuleStructure
+
+DETECTOR_VERSION = "1"
+
+ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module")
+SHARED_KINDS = ("none", "gated", "additive")
+STORAGE_KINDS = ("module_list", "batched_parameters")
+
+
+@dataclass(frozen=True)
+class MoeStructure:
+    """What a recipe needs to know about an MoE block, every field proven from source and attributes."""
+
+    router: str  # softmax_topk | sigmoid_group | topk_router_module
+    shared_experts: str  # none | gated | additive
+    expert_storage: str  # module_list | batched_parameters
+    jitter: bool  # the block has ``jitter_noise`` (multiplicative input noise in training)
+    # Expert layout facts (batched_parameters; module_list experts are stacked to the default layout).
+    expert_bias: bool = False  # gate_up_proj_bias / down_proj_bias are added
+    expert_transposed: bool = False  # weights stored (E, in, out) and applied as x @ w
+    gate_up_layout: str = "concatenated"  # concatenated [gate | up] | interleaved [g0, u0, g1, u1, ...]
+    activation: str = "glu"  # glu: act_fn(gate) * up | clamped_glu: the experts' own _apply_gate (GPT-OSS)
+    # Routing facts for whole-block recipes (module_list). "router" when a router module computes them.
+    topk_norm: str = "router"  # router | always | never | norm_topk_prob
+    returns_router_logits: bool = False  # the block's forward returns (hidden, router_logits)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -36,3 +36,25 @@ class MoeStructure:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def detect_router_kind(module) -> str:  # filled in by the detection work (issue 2)
+    raise NotImplementedError
+
+
+def detect_moe_structure(module) -> MoeStructure:  # filled in by the detection work (issue 2)
+    raise NotImplementedError
+
+
+def count_experts(module) -> int:
+    """Number of routed experts of an MoE block (from the experts' shapes; reads no data)."""
+    import torch.nn as nn
+
+    experts = getattr(module, "experts", None)
+    if isinstance(experts, nn.ModuleList):
+        return len(experts)
+    for name in ("gate_up_proj", "w1", "down_proj"):
+        p = getattr(experts, name, None)
+        if isinstance(p, nn.Parameter) and p.dim() == 3:
+            return int(p.shape[0])
+    raise UnsupportedModuleStructure(type(module).__name__, "cannot count experts: no ModuleList or 3-D expert weights")

@@ -33,6 +33,11 @@ class MoeStructure:
     # Routing facts for whole-block recipes (module_list). "router" when a router module computes them.
     topk_norm: str = "router"  # router | always | never | norm_topk_prob
     returns_router_logits: bool = False  # the block's forward returns (hidden, router_logits)
+    # module_list experts: attribute names of the gate, up and down projections (comma-separated,
+    # e.g. "gate_proj,up_proj,down_proj" or "w1,w3,w2"), and how the gate is activated:
+    # "act_fn" = the expert's own ``act_fn`` module, "silu" = F.silu written in the expert's forward.
+    expert_projs: str = ""
+    expert_act: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,331 @@
+"""Hand-written v4-style and research-style MoE blocks, written the way their model files are.
+
+They copy the *semantics* of code nobody here owns: transformers 4.x ``MixtralSparseMoeBlock``
+and ``Qwen2MoeSparseMoeBlock`` (bare ``nn.Linear`` gate, routing inside the block forward, a
+``ModuleList`` of SwiGLU experts, the per-expert ``index_add_`` loop), DeepSeek-V3's remote-code /
+transformers 4.x ``DeepseekV3MoE`` (sigmoid scores, group-limited top-k on bias-corrected scores,
+``routed_scaling_factor``, additive ``shared_experts``), and a research block with
+torchtitan/Mixtral ``w1``/``w2``/``w3`` experts.
+
+Used by the detector tests (``tests/test_structure.py``) and the recipe parity tests
+(``tests/test_module_list_recipe.py``); keep class and attribute spellings realistic. Every block
+takes simple keyword arguments and keeps a tiny config object as ``self.config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------------
+# Mixtral, transformers 4.x style
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MixtralStyleConfig:
+    hidden_size: int = 16
+    intermediate_size: int = 32
+    num_local_experts: int = 4
+    num_experts_per_tok: int = 2
+    router_jitter_noise: float = 0.0
+
+
+class MixtralStyleMLP(nn.Module):
+    def __init__(self, config: MixtralStyleConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states):
+        return self.down_proj(self.act_fn(self.gate_proj(hidden_states)) * self.up_proj(hidden_states))
+
+
+class MixtralStyleSparseMoeBlock(nn.Module):
+    """Softmax top-k, weights always renormalised; returns ``(final_hidden_states, router_logits)``."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2, jitter_noise=0.0):
+        super().__init__()
+        self.config = MixtralStyleConfig(hidden, ffn, num_experts, top_k, jitter_noise)
+        self.hidden_dim = hidden
+        self.ffn_dim = ffn
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.gate = nn.Linear(self.hidden_dim, self.num_experts, bias=False)
+        self.experts = nn.ModuleList([MixtralStyleMLP(self.config) for _ in range(self.num_experts)])
+        self.jitter_noise = jitter_noise
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            # transformers 4.x multiplies in place (``*=``); out of place here so a leaf input works.
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - self.jitter_noise, 1.0 + self.jitter_noise
+            )
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+
+        final_hidden_states = torch.zeros(
+            (batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen2-MoE, transformers 4.x style
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Qwen2MoeStyleConfig:
+    hidden_size: int = 16
+    moe_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 48
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = False
+
+
+class Qwen2MoeStyleMLP(nn.Module):
+    def __init__(self, config: Qwen2MoeStyleConfig, intermediate_size: int):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2MoeStyleSparseMoeBlock(nn.Module):
+    """Softmax top-k, renormalised only when ``norm_topk_prob``; sigmoid-gated shared expert."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2, norm_topk_prob=False, shared_ffn=48):
+        super().__init__()
+        self.config = Qwen2MoeStyleConfig(hidden, ffn, shared_ffn, num_experts, top_k, norm_topk_prob)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            [Qwen2MoeStyleMLP(self.config, intermediate_size=ffn) for _ in range(self.num_experts)]
+        )
+        self.shared_expert = Qwen2MoeStyleMLP(self.config, intermediate_size=shared_ffn)
+        self.shared_expert_gate = torch.nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+
+        final_hidden_states = torch.zeros(
+            (batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+
+        shared_expert_output = self.shared_expert(hidden_states)
+        shared_expert_output = F.sigmoid(self.shared_expert_gate(hidden_states)) * shared_expert_output
+        final_hidden_states = final_hidden_states + shared_expert_output
+
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3, remote-code / transformers 4.x style, with a bare nn.Linear gate
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DeepseekV3StyleConfig:
+    hidden_size: int = 16
+    moe_intermediate_size: int = 32
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    n_group: int = 4
+    topk_group: int = 2
+    n_shared_experts: int = 1
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+
+
+class DeepseekV3StyleMLP(nn.Module):
+    def __init__(self, config: DeepseekV3StyleConfig, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeepseekV3StyleMoE(nn.Module):
+    """Sigmoid scores; top-k restricted to the best ``topk_group`` of ``n_group`` groups, chosen on
+    ``scores + e_score_correction_bias``; weights gathered from the un-biased scores, optionally
+    renormalised, times ``routed_scaling_factor``; plus additive ``shared_experts``. Returns a tensor."""
+
+    def __init__(
+        self,
+        *,
+        hidden=16,
+        ffn=32,
+        num_experts=8,
+        top_k=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        n_shared_experts=1,
+    ):
+        super().__init__()
+        self.config = DeepseekV3StyleConfig(
+            hidden, ffn, num_experts, top_k, n_group, topk_group, n_shared_experts, routed_scaling_factor, norm_topk_prob
+        )
+        self.n_routed_experts = num_experts
+        self.num_experts_per_tok = top_k
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+        self.experts = nn.ModuleList(
+            [DeepseekV3StyleMLP(self.config, intermediate_size=ffn) for _ in range(self.n_routed_experts)]
+        )
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        # Trained outside backprop (aux-loss-free balancing), so a buffer, not a parameter.
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        self.shared_experts = DeepseekV3StyleMLP(self.config, intermediate_size=ffn * n_shared_experts)
+
+    def route_tokens_to_experts(self, router_logits):
+        router_logits = router_logits.sigmoid()
+        router_logits_for_choice = router_logits + self.e_score_correction_bias
+        group_scores = (
+            router_logits_for_choice.view(-1, self.n_group, self.n_routed_experts // self.n_group)
+            .topk(2, dim=-1)[0]
+            .sum(dim=-1)
+        )
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = (
+            group_mask.unsqueeze(-1)
+            .expand(-1, self.n_group, self.n_routed_experts // self.n_group)
+            .reshape(-1, self.n_routed_experts)
+        )
+        scores_for_choice = router_logits_for_choice.masked_fill(~score_mask.bool(), 0.0)
+        topk_indices = torch.topk(scores_for_choice, k=self.num_experts_per_tok, dim=-1, sorted=False)[1]
+        topk_weights = router_logits.gather(1, topk_indices)
+        if self.norm_topk_prob:
+            denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+            topk_weights /= denominator
+        topk_weights = topk_weights * self.routed_scaling_factor
+        return topk_indices, topk_weights
+
+    def moe(self, hidden_states: torch.Tensor, topk_indices: torch.Tensor, topk_weights: torch.Tensor):
+        final_hidden_states = torch.zeros_like(hidden_states, dtype=topk_weights.dtype)
+        expert_mask = F.one_hot(topk_indices, num_classes=len(self.experts)).permute(2, 0, 1)
+        for expert_idx in range(len(self.experts)):
+            expert = self.experts[expert_idx]
+            mask = expert_mask[expert_idx]
+            token_indices, weight_indices = torch.where(mask)
+            if token_indices.numel() > 0:
+                expert_weights = topk_weights[token_indices, weight_indices]
+                expert_input = hidden_states[token_indices]
+                expert_output = expert(expert_input)
+                weighted_output = expert_output * expert_weights.unsqueeze(-1)
+                final_hidden_states.index_add_(0, token_indices, weighted_output)
+        return final_hidden_states.type(hidden_states.dtype)
+
+    def forward(self, hidden_states):
+        residuals = hidden_states
+        orig_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        router_logits = self.gate(hidden_states)
+        topk_indices, topk_weights = self.route_tokens_to_experts(router_logits)
+        hidden_states = self.moe(hidden_states, topk_indices, topk_weights).view(*orig_shape)
+        hidden_states = hidden_states + self.shared_experts(residuals)
+        return hidden_states
+
+
+# ---------------------------------------------------------------------------------------------
+# Research style: torchtitan / original-Mixtral ``w1``/``w2``/``w3`` experts in a ModuleList
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoEArgs:
+    dim: int = 16
+    hidden_dim: int = 32
+    num_experts: int = 4
+    top_k: int = 2
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Softmax top-k without renormalisation; ``top_k`` lives only on ``self.config``. Returns a tensor."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.config = MoEArgs(hidden, ffn, num_experts, top_k)
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList([FeedForward(hidden, ffn) for _ in range(num_experts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = F.softmax(self.gate(x), dim=1, dtype=torch.float)
+        top_scores, selected_experts = torch.topk(scores, self.config.top_k, dim=-1)
+        top_scores = top_scores.to(x.dtype)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(selected_experts == i)
+            if token_idx.numel() == 0:
+                continue
+            out.index_add_(0, token_idx, expert(x[token_idx]) * top_scores[token_idx, slot, None])
+        return out.view(bs, slen, dim)

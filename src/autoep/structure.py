@@ -356,7 +356,7 @@ def _apply_gate_facts(fn) -> tuple[str, str]:
     slices = {ast.unparse(n.slice) for n in ast.walk(result) if isinstance(n, ast.Subscript)}
     attrs = _self_attrs_read(result)
     calls = _call_names(result)
-    if slices == {"..., ::2", "..., 1::2"} and calls <= {"clamp", "sigmoid"} and attrs <= {"limit", "alpha"}:
+    if slices == {"(..., ::2)", "(..., 1::2)"} and calls <= {"clamp", "sigmoid"} and attrs <= {"limit", "alpha"}:
         return "interleaved", "clamped_glu"
     raise _Refusal(f"_apply_gate computes `{ast.unparse(result)[:100]}`, not a recognised gated activation")
 

@@ -1,0 +1,133 @@
+"""Token exchange for expert parallelism: send every (token, expert) pair to the rank that owns the
+expert, run the local experts on what arrived, send the results back and combine them per token.
+
+Shape legend: T tokens on this rank, K top-k, D hidden, S (token, expert) pairs (= T*K sent, or the
+number received), E routed experts in the model, L experts local to this rank (E // ep_size),
+W ep ranks.
+
+Experts are split contiguously: rank r owns experts [r*L, (r+1)*L). Sorting pairs by expert id thus
+also groups them by destination rank, so one stable sort serves both the exchange and the grouping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ExpertFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven ``all_to_all_single`` whose backward is the reverse exchange (splits swapped).
+
+    Written here rather than taken from ``torch.distributed.nn.functional.all_to_all_single`` so the
+    backward makes its incoming gradient contiguous (gloo and NCCL both need it) and so the same code
+    runs with zero-row sends or receives on every backend.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        # NOTE: collective in backward. Every rank runs the same forward collectives in the same order, so
+        # autograd replays their reverses in the same (reverse) order on every rank.
+        grad_in = _all_to_all(grad_out, ctx.in_splits, ctx.out_splits, ctx.group)
+        return grad_in, None, None, None
+
+
+def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    # NOTE: collective. Every rank calls it even when it sends and receives zero rows, or peers would hang.
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    """Differentiable uneven all-to-all of the rows of ``x``: ``in_splits[r]`` rows go to rank r,
+    ``out_splits[r]`` rows arrive from rank r, concatenated in rank order."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+def _ep_size(ep_group) -> int:
+    if ep_group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(ep_group)
+
+
+def ep_experts_forward(
+    hidden_TD: Tensor,
+    top_k_index_TK: Tensor,
+    top_k_weights_TK: Tensor,
+    *,
+    num_experts: int,
+    ep_group,
+    expert_fn: ExpertFn,
+) -> Tensor:
+    """Compute ``sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden[t])`` with experts
+    spread over ``ep_group``.
+
+    Each rank's (token, expert) pairs go to the rank owning the expert (experts split contiguously,
+    ``num_experts // ep_size`` per rank) by an uneven all-to-all (one host sync for split sizes);
+    ``expert_fn(x_SD, tokens_per_local_expert)`` runs on the received rows sorted by local expert
+    (``tokens_per_local_expert`` a LongTensor[L] on the rows' device) and returns ``y_SD``; results go
+    back by the reverse all-to-all, are weighted by ``top_k_weights`` and summed per token in fp32 in
+    top-k order. Returns (T, D) in ``hidden_TD``'s dtype. ``ep_group`` None or of size 1: no exchange.
+    Autograd flows through both exchanges; a rank with zero rows still joins every exchange.
+    """
+    T, K = top_k_index_TK.shape
+    D = hidden_TD.shape[-1]
+    W = _ep_size(ep_group)
+    if num_experts % W:
+        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={W}; pick an ep_size dividing it")
+    L = num_experts // W
+
+    expert_ids_S = top_k_index_TK.reshape(-1)
+    # Stable sort: pairs of one expert keep token order, so every rank sees a deterministic layout.
+    sorted_ids_S, perm_S = torch.sort(expert_ids_S, stable=True)
+    x_sorted_SD = hidden_TD.index_select(0, perm_S // K)
+    tokens_per_expert_E = torch.bincount(sorted_ids_S, minlength=num_experts)
+
+    if W == 1:
+        y_sorted_SD = expert_fn(x_sorted_SD, tokens_per_expert_E)
+    else:
+        y_sorted_SD = _exchange_and_compute(x_sorted_SD, tokens_per_expert_E, W, L, ep_group, expert_fn)
+
+    # Undo the sort: row s of y_SD is pair s = t*K + k again (layout change, no communication).
+    y_SD = torch.empty_like(y_sorted_SD).index_copy(0, perm_S, y_sorted_SD)
+    weighted_TKD = y_SD.float().view(T, K, D) * top_k_weights_TK.float().unsqueeze(-1)
+    return weighted_TKD.sum(dim=1).to(hidden_TD.dtype)
+
+
+def _exchange_and_compute(
+    x_sorted_SD: Tensor, tokens_per_expert_E: Tensor, W: int, L: int, ep_group, expert_fn: ExpertFn
+) -> Tensor:
+    """Send sorted pairs to their owners, run ``expert_fn`` grouped by local expert, send results back."""
+    # NOTE: collective. Each rank learns how many rows every peer sends to each of its local experts:
+    # row r of recv_counts_WL is what rank r sends to this rank's experts.
+    recv_counts_WL = torch.empty_like(tokens_per_expert_E)
+    dist.all_to_all_single(recv_counts_WL, tokens_per_expert_E.contiguous(), group=ep_group)
+    recv_counts_WL = recv_counts_WL.view(W, L)
+    send_counts_W = tokens_per_expert_E.view(W, L).sum(dim=1)
+    # NOTE: .tolist() syncs the host once per layer for the split sizes of both exchanges.
+    counts = torch.cat([send_counts_W, recv_counts_WL.sum(dim=1)]).tolist()
+    send_splits, recv_splits = counts[:W], counts[W:]
+
+    x_recv_SD = all_to_all(x_sorted_SD, recv_splits, send_splits, ep_group)
+
+    # Received rows come grouped by source rank, then by local expert; regroup by local expert
+    # (stable, so within one expert the source-rank order is kept). Layout change on device.
+    local_ids_S = torch.arange(L, device=x_recv_SD.device).repeat(W)
+    row_expert_S = torch.repeat_interleave(local_ids_S, recv_counts_WL.reshape(-1).to(x_recv_SD.device))
+    regroup_S = torch.sort(row_expert_S, stable=True).indices
+    y_grouped_SD = expert_fn(x_recv_SD.index_select(0, regroup_S), recv_counts_WL.sum(dim=0))
+    y_recv_SD = torch.empty_like(y_grouped_SD).index_copy(0, regroup_S, y_grouped_SD)
+
+    # Reverse exchange: results go home in the order they were sent.
+    return all_to_all(y_recv_SD, send_splits, recv_splits, ep_group)

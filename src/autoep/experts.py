@@ -1,0 +1,113 @@
+"""Local expert compute in grouped form: rows sorted by local expert, one grouped GEMM per projection.
+
+Shape legend: S rows (token, expert) pairs sorted by local expert, D hidden, F expert intermediate
+size, L local experts.
+
+Weight layouts (``transposed=False`` is the transformers/torch ``nn.Linear`` convention):
+  gate_up_w (L, 2F, D), down_w (L, D, F)   applied as x @ w[e].T
+  gate_up_w (L, D, 2F), down_w (L, F, D)   transposed: applied as x @ w[e]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_grouped_mm_op = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    The grouped-mm backward rejects expanded gradients (e.g. the stride-0 grad of ``y.sum()``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _aligned(t: Tensor) -> bool:
+    # The grouped-mm kernels need every stride but the unit one and the base pointer 16-byte aligned.
+    item = t.element_size()
+    strides_ok = all((s * item) % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1)
+    return strides_ok and t.data_ptr() % 16 == 0
+
+
+def can_use_grouped_mm(x_SD: Tensor, w_LIO: Tensor) -> bool:
+    """Whether ``grouped_mm(x, w)`` (w viewed as (L, in, out)) runs on this device, dtype and layout."""
+    if _grouped_mm_op is None or x_SD.dtype != w_LIO.dtype:
+        return False
+    if x_SD.device.type == "cuda":
+        # CUDA kernels: bf16 only in every torch that has them; sm80+.
+        if w_LIO.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x_SD.device) < (8, 0):
+            return False
+    elif x_SD.device.type != "cpu" or w_LIO.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return _aligned(x_SD) and _aligned(w_LIO)
+
+
+def grouped_linear(x_SD: Tensor, tokens_per_expert: Tensor, w_LIO: Tensor, bias_LO: Tensor | None = None) -> Tensor:
+    """``y[s] = x[s] @ w[e(s)] (+ bias[e(s)])`` for rows grouped by expert (``w`` as (L, in, out))."""
+    x_SD = x_SD.contiguous()
+    if can_use_grouped_mm(x_SD, w_LIO):
+        offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
+        y = _ContiguousGrad.apply(_grouped_mm_op(x_SD, w_LIO, offs=offs))
+    else:
+        y = _loop_linear(x_SD, tokens_per_expert, w_LIO)
+    if bias_LO is not None:
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(w_LIO.shape[0], device=x_SD.device), tokens_per_expert.to(x_SD.device), output_size=x_SD.shape[0]
+        )
+        y = y + bias_LO.index_select(0, expert_of_row)
+    return y
+
+
+def _loop_linear(x_SD: Tensor, tokens_per_expert: Tensor, w_LIO: Tensor) -> Tensor:
+    # NOTE: .tolist() syncs the host once for the group sizes (exact fallback path only).
+    chunks = torch.split(x_SD, tokens_per_expert.tolist())
+    outs = [chunk @ w_LIO[e] for e, chunk in enumerate(chunks)]
+    # An expert with no rows still contributes an (empty) product, so its weight gets a zero gradient.
+    return torch.cat(outs) if outs else x_SD.new_empty((0, w_LIO.shape[-1]))
+
+
+def grouped_swiglu(
+    x_SD: Tensor,
+    tokens_per_expert: Tensor,
+    gate_up_w: Tensor,
+    down_w: Tensor,
+    *,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+    transposed: bool = False,
+    apply_gate: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """Gated expert MLP on rows grouped by local expert: ``down(apply_gate(gate_up(x)))``.
+
+    ``gate_up_w`` is (L, 2F, D) or, ``transposed``, (L, D, 2F); ``down_w`` (L, D, F) or (L, F, D).
+    ``apply_gate(h_S2F) -> h_SF`` is the model's own gate (e.g. the experts' ``_apply_gate``).
+    Uses ``torch._grouped_mm``/``F.grouped_mm`` when shapes and 16-byte alignment allow, an exact loop
+    otherwise; returns (S, D).
+    """
+    gate_up_LIO = gate_up_w if transposed else gate_up_w.transpose(-2, -1)
+    down_LIO = down_w if transposed else down_w.transpose(-2, -1)
+    h_S2F = grouped_linear(x_SD, tokens_per_expert, gate_up_LIO, gate_up_bias)
+    h_SF = apply_gate(h_S2F)
+    return grouped_linear(h_SF, tokens_per_expert, down_LIO, down_bias)
+
+
+def glu_gate(act_fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """The concatenated-layout SwiGLU gate: ``act_fn(gate) * up`` with ``gate, up = h.chunk(2, -1)``."""
+
+    def apply_gate(h_S2F: Tensor) -> Tensor:
+        gate, up = h_S2F.chunk(2, dim=-1)
+        return act_fn(gate) * up
+
+    return apply_gate

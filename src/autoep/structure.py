@@ -570,17 +570,16 @@ def _experts_only_called(tree: ast.FunctionDef, cls_name: str) -> None:
         raise _Refusal(f"{cls_name}.forward never calls self.experts")
 
 
-BLOCK_ATTRS = {"gate", "experts", "top_k", "num_experts", "num_experts_per_tok", "num_local_experts", "config"}
+BLOCK_ATTRS = {"gate", "experts", "top_k", "num_experts", "num_experts_per_tok", "num_local_experts", "n_routed_experts"}
+BLOCK_ATTRS |= {"config"}
 BLOCK_ATTRS |= {"norm_topk_prob", "jitter_noise", "training", "hidden_dim", "ffn_dim", "hidden_size"}
 BLOCK_ATTRS |= {"routed_scaling_factor", "n_group", "topk_group", "e_score_correction_bias"}
 BLOCK_ATTRS |= set(SHARED_ATTRS)
 
 
-def _divides_by_sum(node: ast.AST) -> bool:
-    right = node.right if isinstance(node, (ast.BinOp, ast.AugAssign)) else None
-    return isinstance(node.op if right is not None else None, ast.Div) and any(
-        _is_call_to(c, "sum") for c in ast.walk(right)
-    )
+def _divides_by_sum(node: ast.BinOp | ast.AugAssign) -> bool:
+    right = node.right if isinstance(node, ast.BinOp) else node.value
+    return isinstance(node.op, ast.Div) and any(_is_call_to(c, "sum") for c in ast.walk(right))
 
 
 def _topk_norm(tree: ast.FunctionDef) -> str:
@@ -598,24 +597,54 @@ def _topk_norm(tree: ast.FunctionDef) -> str:
     raise _Refusal("top-k weights are normalised both conditionally and unconditionally")
 
 
+def _block_trees(cls: type) -> list[ast.FunctionDef]:
+    """The block's forward plus every method of its own that the forward calls as ``self.name(...)``."""
+    trees, seen = [forward_tree(cls)], {"forward"}
+    for tree in trees:
+        for call in _calls(tree):
+            name = _self_attr(call.func)
+            if name and name not in seen and inspect.isfunction(getattr(cls, name, None)):
+                seen.add(name)
+                trees.append(_function_tree(getattr(cls, name)))
+    return trees
+
+
 @functools.lru_cache(maxsize=None)
-def _routing_facts(forward, cls_name: str, router: str) -> dict:
+def _routing_facts(cls: type, router: str) -> dict:
     """Whole-block recipes re-run the block's routing: prove it is the one they reproduce."""
-    tree = _function_tree(forward)
-    unknown = _self_attrs_read(tree) - BLOCK_ATTRS
+    trees = _block_trees(cls)
+    methods = {t.name for t in trees}
+    unknown = set().union(*(_self_attrs_read(t) for t in trees)) - BLOCK_ATTRS - methods
     if unknown:
-        raise _Refusal(f"{cls_name}.forward also uses {sorted(unknown)}, which the block recipe does not reproduce")
-    first = {}
-    for call in sorted(_calls(tree), key=lambda c: (c.lineno, c.col_offset)):
-        first.setdefault(_last_name(call.func), call.lineno)
+        raise _Refusal(f"{cls.__name__}.forward also uses {sorted(unknown)}, which the block recipe does not reproduce")
     score_fn = "softmax" if router == "softmax_topk" else "sigmoid"
-    if score_fn not in first or "topk" not in first or first[score_fn] > first["topk"]:
-        raise _Refusal(f"{cls_name}.forward does not take {score_fn} of the gate logits before topk")
-    returns = [r.value for r in ast.walk(tree) if isinstance(r, ast.Return)]
+    names = set().union(*(_call_names(t) for t in trees))
+    if score_fn not in names or "topk" not in names:
+        raise _Refusal(f"{cls.__name__}.forward does not take {score_fn} of the gate logits and then topk")
+    for tree in trees:  # within one function, the scores come before the top-k
+        first = {}
+        for call in sorted(_calls(tree), key=lambda c: (c.lineno, c.col_offset)):
+            first.setdefault(_last_name(call.func), call.lineno)
+        if score_fn in first and "topk" in first and first[score_fn] > first["topk"]:
+            raise _Refusal(f"{cls.__name__}.{tree.name} takes topk before {score_fn}")
+    if router == "sigmoid_group":
+        _sigmoid_group_reads(cls, trees)
+    returns = [r.value for r in ast.walk(trees[0]) if isinstance(r, ast.Return)]
     pairs = {isinstance(v, ast.Tuple) and len(v.elts) == 2 for v in returns}
     if len(pairs) != 1:
-        raise _Refusal(f"{cls_name}.forward returns both tuples and tensors")
-    return dict(topk_norm=_topk_norm(tree), returns_router_logits=pairs.pop())
+        raise _Refusal(f"{cls.__name__}.forward returns both tuples and tensors")
+    norms = {_topk_norm(t) for t in trees} - {"never"}
+    if len(norms) > 1:
+        raise _Refusal(f"{cls.__name__} normalises top-k weights in more than one way")
+    return dict(topk_norm=norms.pop() if norms else "never", returns_router_logits=pairs.pop())
+
+
+def _sigmoid_group_reads(cls: type, trees: list[ast.FunctionDef]) -> None:
+    """Group-limited routing must read every group/bias/scale attribute it is configured with."""
+    text = "\n".join(ast.unparse(t) for t in trees)
+    for name in ("n_group", "topk_group", "routed_scaling_factor", "e_score_correction_bias"):
+        if name not in text:
+            raise _Refusal(f"{cls.__name__} is group-routed but its forward never reads `{name}`")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,7 +662,7 @@ def _structure(module: nn.Module) -> MoeStructure:
         facts = _module_list_facts(experts)
         if router == "topk_router_module":
             raise _Refusal("a router module with ModuleList experts has no recipe (routing lives in the block)")
-        facts |= _routing_facts(cls.forward, cls.__name__, router)
+        facts |= _routing_facts(cls, router)
         if shared == "gated" and "sigmoid" not in _call_names(forward_tree(cls)):
             raise _Refusal(f"{cls.__name__}.forward does not gate the shared expert with a sigmoid")
     elif isinstance(experts, nn.Module):

@@ -51,7 +51,10 @@ def can_use_grouped_mm(x_SD: Tensor, w_LIO: Tensor) -> bool:
             return False
     elif x_SD.device.type != "cpu" or w_LIO.dtype not in (torch.float32, torch.bfloat16):
         return False
-    return _aligned(x_SD) and _aligned(w_LIO)
+    # The output and the backward's transposed operands need the in/out row sizes aligned as well.
+    item = x_SD.element_size()
+    rows_ok = (w_LIO.shape[-1] * item) % 16 == 0 and (w_LIO.shape[-2] * item) % 16 == 0
+    return rows_ok and _aligned(x_SD) and _aligned(w_LIO)
 
 
 def grouped_linear(x_SD: Tensor, tokens_per_expert: Tensor, w_LIO: Tensor, bias_LO: Tensor | None = None) -> Tensor:

@@ -1,0 +1,81 @@
+"""Spawn gloo process groups on CPU for multi-rank tests.
+
+Spawning costs seconds per rank (imports), so tests group many cases into one spawned group:
+``run_cases(world_size, "module:function", ...)`` runs ``function(rank, world_size)`` on every rank
+inside one gloo group; the function returns ``{case_name: error_text_or_None}``; the merged result
+per case lists the ranks that failed. Use ``guarded`` inside the worker so one failing case records its
+error and the next case still runs (collectives stay in step: compute first, compare last).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, target: str, out_dir: str, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        module_name, _, fn_name = target.partition(":")
+        fn = getattr(importlib.import_module(module_name), fn_name)
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world_size: int, target: str, *args) -> list:
+    """Run ``target`` ("module:function", importable from the tests dir) on ``world_size`` gloo ranks;
+    return each rank's return value."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_entry, args=(world_size, free_port(), target, out_dir, args), nprocs=world_size, join=True)
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+    return results
+
+
+def run_cases(world_size: int, target: str, *args) -> dict[str, list[str]]:
+    """Spawn once; return ``{case: [error texts of failing ranks]}`` (empty list = passed on all ranks)."""
+    merged: dict[str, list[str]] = {}
+    for rank, cases in enumerate(spawn(world_size, target, *args)):
+        for name, err in cases.items():
+            merged.setdefault(name, [])
+            if err is not None:
+                merged[name].append(f"rank {rank}: {err}")
+    return merged
+
+
+def guarded(results: dict, name: str, fn, *args) -> None:
+    """Run one case, recording ``None`` or its traceback under ``name``."""
+    try:
+        fn(*args)
+        results[name] = None
+    except Exception:  # noqa: BLE001 - recorded and re-raised by the test that reads it
+        results[name] = traceback.format_exc()

@@ -577,9 +577,11 @@ BLOCK_ATTRS |= {"routed_scaling_factor", "n_group", "topk_group", "e_score_corre
 BLOCK_ATTRS |= set(SHARED_ATTRS)
 
 
-def _divides_by_sum(node: ast.BinOp | ast.AugAssign) -> bool:
+def _divides_by_sum(node: ast.BinOp | ast.AugAssign, assigned: dict[str, list[ast.AST]]) -> bool:
+    """``w / w.sum(...)`` or ``w /= denominator`` where ``denominator`` was assigned from a sum."""
     right = node.right if isinstance(node, ast.BinOp) else node.value
-    return isinstance(node.op, ast.Div) and any(_is_call_to(c, "sum") for c in ast.walk(right))
+    exprs = [right] + [v for n in ast.walk(right) if isinstance(n, ast.Name) for v in assigned.get(n.id, [])]
+    return isinstance(node.op, ast.Div) and any(_is_call_to(c, "sum") for e in exprs for c in ast.walk(e))
 
 
 def _topk_norm(tree: ast.FunctionDef) -> str:
@@ -587,7 +589,15 @@ def _topk_norm(tree: ast.FunctionDef) -> str:
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "norm_topk_prob" in ast.unparse(node.test):
             conditional |= {id(n) for s in node.body for n in ast.walk(s)}
-    norms = [n for n in ast.walk(tree) if isinstance(n, (ast.BinOp, ast.AugAssign)) and _divides_by_sum(n)]
+    assigned: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    assigned.setdefault(target.id, []).append(node.value)
+    norms = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.BinOp, ast.AugAssign)) and _divides_by_sum(n, assigned)
+    ]
     if not norms:
         return "never"
     if all(id(n) in conditional for n in norms):

@@ -712,3 +712,10 @@ def count_experts(module: nn.Module) -> int:
     if isinstance(p, nn.Parameter) and p.dim() == 3:
         return int(p.shape[0])
     raise UnsupportedModuleStructure(type(module).__name__, "cannot count experts: no ModuleList or 3-D gate_up_proj")
+
+
+def clear_caches() -> None:
+    """Forget every per-class proof (benchmarks measure a cold detection with this)."""
+    for fn in (_function_tree, _router_module_proof, _apply_gate_facts, _batched_forward_facts_cached,
+               _swiglu_expert_proof, _routing_facts):
+        fn.cache_clear()

@@ -1,0 +1,60 @@
+"""Detection over every MoE block class of the installed transformers, built on meta (issue 2 item 5)."""
+import pytest
+
+from autoep.coverage import markdown, survey
+from autoep.errors import OPT_OUT_HINT
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return survey()  # raises if detection raises anything but UnsupportedModuleStructure
+
+
+def by_class(rows):
+    return {r.cls: r for r in rows}
+
+
+def test_walk_finds_the_families(rows):
+    assert len(rows) > 40
+    built = [r for r in rows if not r.reason.startswith("not built")]
+    assert len(built) >= 0.9 * len(rows), [r.reason for r in rows if r.reason.startswith("not built")]
+
+
+def test_known_decisions(rows):
+    got = by_class(rows)
+
+    def fields(cls):
+        s = got[cls].structure
+        assert s is not None, got[cls].reason
+        return (s.router, s.shared_experts, s.expert_storage, s.jitter)
+
+    assert fields("Qwen3MoeSparseMoeBlock") == ("topk_router_module", "none", "batched_parameters", False)
+    assert fields("DeepseekV3MoE") == ("topk_router_module", "additive", "batched_parameters", False)
+    assert fields("Qwen2MoeSparseMoeBlock")[1] == "gated"
+    assert fields("MixtralSparseMoeBlock")[3] is True
+    gpt = got["GptOssMLP"].structure
+    assert (gpt.expert_bias, gpt.expert_transposed, gpt.gate_up_layout, gpt.activation) == (
+        True, True, "interleaved", "clamped_glu")
+
+
+def test_refusals_name_class_and_hint(rows):
+    from autoep import UnsupportedModuleStructure
+
+    refused = [r for r in rows if r.structure is None and not r.reason.startswith("not built")]
+    assert refused, "some transformers blocks (e.g. a post-expert norm) must be refused"
+    for r in refused:
+        msg = str(UnsupportedModuleStructure(r.cls, r.reason))
+        assert r.cls in msg and msg.endswith(OPT_OUT_HINT)
+
+
+def test_post_expert_norm_and_unknown_routers_are_refused(rows):
+    got = by_class(rows)
+    assert "post_expert_norm" in got["MuseSparkMoE"].reason
+    assert got["Llama4TextMoe"].structure is None
+
+
+def test_markdown_lists_every_class(rows):
+    text = markdown(rows)
+    assert all(f"| {r.cls} |" in text for r in rows)

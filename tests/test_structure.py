@@ -1,0 +1,210 @@
+"""Detection semantics (issue 2): each rule of the contract, on meta modules, without calling a forward."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import blocks
+from autoep import MoeStructure, UnsupportedModuleStructure, detect_moe_structure, detect_router_kind
+from autoep.errors import OPT_OUT_HINT
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d=8, f=16):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluMLP(SwiGLU):
+    def forward(self, x):  # not a gated unit: the recipe would compute something else
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class Block(nn.Module):
+    """A v4-style block whose forward the routing proof accepts (softmax -> topk -> renormalise)."""
+
+    def __init__(self, expert=SwiGLU, gate=None, n=4, **attrs):
+        super().__init__()
+        self.gate = gate if gate is not None else nn.Linear(8, n, bias=False)
+        self.experts = nn.ModuleList([expert() for _ in range(n)])
+        for k, v in attrs.items():
+            setattr(self, k, v)
+
+    def forward(self, x):
+        logits = self.gate(x)
+        w = F.softmax(logits, dim=-1, dtype=torch.float)
+        w, idx = torch.topk(w, self.top_k, dim=-1)
+        w /= w.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e in range(len(self.experts)):
+            tok, k = torch.where(idx == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * w[tok, k, None])
+        return out
+
+
+class ExplodingRouter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 8))
+
+    def forward(self, x):
+        raise AssertionError("the detector called a forward")
+
+
+class GoodRouter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 8))
+        self.top_k = 2
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        scores, indices = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, scores, indices
+
+
+class ScoresLastRouter(GoodRouter):
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        scores, indices = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return logits, indices, scores  # last item is not the index half of topk
+
+
+def refusal(module) -> str:
+    with pytest.raises(UnsupportedModuleStructure) as info:
+        detect_moe_structure(module)
+    msg = str(info.value)
+    assert type(module).__name__ in msg and msg.endswith(OPT_OUT_HINT)
+    return msg
+
+
+def test_gate_or_router_is_required():
+    m = Block(top_k=2)
+    del m.gate
+    assert "no `gate` or `router`" in refusal(m)
+
+
+def test_router_attribute_is_used_when_there_is_no_gate():
+    m = Block(top_k=2)
+    m.router = GoodRouter()
+    del m.gate
+    assert detect_router_kind(m) == "topk_router_module"
+
+
+def test_bare_linear_gate_needs_an_explicit_top_k():
+    assert "no explicit `top_k`" in refusal(Block())
+    assert detect_router_kind(Block(top_k=2)) == "softmax_topk"
+    assert detect_router_kind(Block(num_experts_per_tok=2)) == "softmax_topk"
+
+
+def test_top_k_on_the_config_counts():
+    m = Block()
+    m.config = type("Cfg", (), {"num_experts_per_tok": 2})()
+    assert detect_router_kind(m) == "softmax_topk"
+
+
+@pytest.mark.parametrize("marker", ["routed_scaling_factor", "n_group", "topk_group"])
+def test_sigmoid_markers(marker):
+    assert detect_router_kind(Block(top_k=2, **{marker: 1})) == "sigmoid_group"
+
+
+def test_linear_subclass_is_not_a_bare_gate():
+    class MyLinear(nn.Linear):
+        pass
+
+    m = Block(top_k=2, gate=MyLinear(8, 4, bias=False))
+    with pytest.raises(UnsupportedModuleStructure, match="MyLinear.forward does not call topk"):
+        detect_router_kind(m)
+
+
+def test_router_module_proven_from_source_without_calling_it():
+    with pytest.raises(UnsupportedModuleStructure, match="ExplodingRouter.forward does not call"):
+        detect_router_kind(Block(gate=ExplodingRouter()))
+    assert detect_router_kind(Block(gate=GoodRouter())) == "topk_router_module"
+    with pytest.raises(UnsupportedModuleStructure, match="indices taken from a topk"):
+        detect_router_kind(Block(gate=ScoresLastRouter()))
+
+
+def test_experts_must_be_swiglu_module_list_or_batched():
+    m = Block(top_k=2)
+    m.experts = nn.Linear(8, 8)
+    assert "no 3-D nn.Parameters" in refusal(m)
+    assert "not down(act(gate(x)) * up(x))" in refusal(Block(expert=GeluMLP, top_k=2))
+
+
+@pytest.mark.parametrize(
+    "attrs, expected",
+    [
+        ({}, "none"),
+        ({"shared_expert": SwiGLU(), "shared_expert_gate": nn.Linear(8, 1)}, "gated"),
+        ({"shared_experts": SwiGLU()}, "additive"),
+    ],
+)
+def test_shared_branch(attrs, expected):
+    if expected == "gated":  # the block must also gate it with a sigmoid: use the real v4-style block
+        m = blocks.Qwen2MoeStyleSparseMoeBlock()
+    else:
+        m = Block(top_k=2, **attrs)
+    assert detect_moe_structure(m).shared_experts == expected
+
+
+@pytest.mark.parametrize("attrs", [{"shared_expert": SwiGLU()}, {"shared_expert_gate": nn.Linear(8, 1)},
+                                   {"shared_expert": SwiGLU(), "shared_experts": SwiGLU()}])
+def test_ambiguous_shared_branch_names_what_it_found(attrs):
+    msg = refusal(Block(top_k=2, **attrs))
+    assert "ambiguous shared branch" in msg and all(a in msg for a in attrs)
+
+
+def test_jitter_is_the_jitter_noise_attribute():
+    assert detect_moe_structure(Block(top_k=2)).jitter is False
+    assert detect_moe_structure(Block(top_k=2, jitter_noise=0.0)).jitter is True
+
+
+def test_unregistered_subclass_is_recognised_by_inherited_source():
+    class SomethingElseEntirely(blocks.Qwen2MoeStyleSparseMoeBlock):
+        pass
+
+    assert detect_moe_structure(SomethingElseEntirely()) == detect_moe_structure(blocks.Qwen2MoeStyleSparseMoeBlock())
+
+
+def test_v4_and_research_style_blocks():
+    mix = detect_moe_structure(blocks.MixtralStyleSparseMoeBlock(jitter_noise=0.1))
+    assert (mix.router, mix.shared_experts, mix.expert_storage, mix.jitter) == (
+        "softmax_topk", "none", "module_list", True)
+    assert (mix.topk_norm, mix.returns_router_logits, mix.expert_projs) == (
+        "always", True, "gate_proj,up_proj,down_proj")
+    qwen = detect_moe_structure(blocks.Qwen2MoeStyleSparseMoeBlock())
+    assert (qwen.shared_experts, qwen.topk_norm) == ("gated", "norm_topk_prob")
+    ds = detect_moe_structure(blocks.DeepseekV3StyleMoE())
+    assert (ds.router, ds.shared_experts, ds.topk_norm, ds.returns_router_logits) == (
+        "sigmoid_group", "additive", "norm_topk_prob", False)
+    titan = detect_moe_structure(blocks.MoE())
+    assert (titan.expert_projs, titan.expert_act, titan.topk_norm) == ("w1,w3,w2", "silu", "never")
+
+
+def test_meta_modules_allocate_nothing_and_call_nothing(monkeypatch):
+    with torch.device("meta"):
+        m = blocks.Qwen2MoeStyleSparseMoeBlock()
+    for sub in m.modules():
+        monkeypatch.setattr(sub, "forward", lambda *a, **k: pytest.fail("forward called"))
+    s = detect_moe_structure(m)
+    assert isinstance(s, MoeStructure) and s.shared_experts == "gated"
+    assert all(p.device.type == "meta" for p in m.parameters())
+
+
+def test_expert_bias_on_module_list_is_refused():
+    m = Block(top_k=2)
+    for e in m.experts:
+        e.up_proj = nn.Linear(8, 16, bias=True)
+    assert "bias-free nn.Linear" in refusal(m)
+
+
+def test_structure_is_hashable_and_round_trips():
+    s = detect_moe_structure(blocks.MoE())
+    assert MoeStructure(**s.as_dict()) == s and hash(s) == hash(MoeStructure(**s.as_dict()))

@@ -83,7 +83,8 @@ def read_yaml(path):
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
-        raise PlanError(f"{path}: not valid YAML{at} ({getattr(e, 'problem', None) or e}); it is not a config "
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise PlanError(f"{path}: not valid YAML{at} ({problem}); it is not a config "
                         f"autoep wrote, or it was truncated: regenerate it with autoep-plan") from None
 
 

@@ -48,18 +48,32 @@ class ParallelConfig:
 class DataConfig:
     seq_len: int = 32
     batch_size: int = 2  # per rank
+    source: str = "synthetic"  # synthetic (learnable permutation task) | text (local file, byte tokens)
+    path: Optional[str] = None  # the text file for source=text
 
 
 @dataclass
 class OptimConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad L2 norm; 0 disables clipping
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decays lr to lr * min_lr_ratio at the last step
+    aux_loss_coef: float = 0.0  # weight of the model's own load-balancing loss, where it returns one
 
 
 @dataclass
 class TrainerConfig:
     steps: int = 10
     seed: int = 0
+    grad_accum: int = 1  # micro-batches per optimiser step
+    log_every: int = 10  # rank-0 progress line every N steps (metrics.jsonl gets every step)
+    ckpt_every: int = 0  # DCP checkpoint every N steps (and at the end); 0: never
+    resume: Optional[str] = None  # a step_* checkpoint dir, "latest" (newest under run_dir), or null
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    timeout_s: int = 300  # collective timeout: a dead rank makes the others fail after this, not hang
 
 
 @dataclass

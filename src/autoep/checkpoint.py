@@ -1,0 +1,106 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): model, optimiser, schedule, data position, RNG.
+
+Layout: ``<run_dir>/checkpoints/step_00000010/`` holds DCP's files (model and optimiser, expert
+params as ``Shard(0)`` DTensors, so a load at another ``ep_size`` reshards) and one
+``trainer_rank<r>.pt`` per rank (step, scheduler, data position, RNG, model signature). Every rank
+writes into ``.tmp-step_...`` first; rank 0 renames it to ``step_...`` after all ranks finished, so
+a directory named ``step_*`` is always complete and a crash mid-save leaves only a ``.tmp-`` dir.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or from another model; the message says what to do."""
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()  # NOTE: collective; orders the rename after every rank's writes
+
+
+def model_signature(model: nn.Module) -> dict[str, list[int]]:
+    """Global shape of every parameter (DTensors report the global shape): what a resume must match."""
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def step_dir(root, step: int) -> Path:
+    return Path(root) / f"{PREFIX}{step:08d}"
+
+
+def latest(root) -> Path | None:
+    """The newest complete checkpoint under ``root`` (``.tmp-`` dirs are never complete), or None."""
+    root = Path(root)
+    steps = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir()) if root.is_dir() else []
+    return steps[-1] if steps else None
+
+
+def save(root, step: int, model: nn.Module, optimizer, trainer_state: dict) -> Path:
+    """Collective: every rank writes its shards and its trainer state; returns the final directory."""
+    final = step_dir(root, step)
+    tmp = final.with_name(".tmp-" + final.name)
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    state = {**trainer_state, "rng": torch.get_rng_state(), "signature": model_signature(model)}
+    torch.save(state, tmp / f"trainer_rank{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # atomic: the step_ name appears only once every file is in place
+    _barrier()
+    return final
+
+
+def load(path, model: nn.Module, optimizer) -> dict:
+    """Load ``path`` into ``model``/``optimizer`` (resharding experts to this run's ``ep_size``).
+
+    Returns this rank's trainer state (rank 0's when the checkpoint had fewer ranks). Raises
+    ``CheckpointError`` for a missing, incomplete or corrupt checkpoint or one of another model.
+    """
+    path = Path(path)
+    fix = "pass trainer.resume=<a complete step_* checkpoint dir>, trainer.resume=latest, or trainer.resume=null"
+    if not path.is_dir():
+        raise CheckpointError(f"trainer.resume={str(path)!r}: no such checkpoint directory; {fix}")
+    if not (path / ".metadata").is_file() or not (path / "trainer_rank0.pt").is_file():
+        raise CheckpointError(f"trainer.resume={str(path)!r} is incomplete (no DCP .metadata or trainer_rank0.pt); {fix}")
+    own = path / f"trainer_rank{_rank()}.pt"
+    try:
+        state = torch.load(own if own.is_file() else path / "trainer_rank0.pt", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged
+        raise CheckpointError(f"trainer.resume={str(path)!r}: trainer state unreadable ({e}); {fix}") from None
+    mine, saved = model_signature(model), state.get("signature") or {}
+    if saved != mine:
+        diff = [f"{k}: {saved.get(k)} -> {mine.get(k)}" for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
+        raise CheckpointError(f"trainer.resume={str(path)!r} was saved from a different model ({len(diff)} parameters "
+                              f"differ, e.g. {diff[:2]}); resume with the model config it was trained with, or start fresh")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    try:
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    except Exception as e:  # noqa: BLE001 - DCP raises many types for damaged files
+        raise CheckpointError(f"trainer.resume={str(path)!r}: DCP load failed ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); {fix}") from None
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return state

@@ -1,0 +1,126 @@
+"""One optimiser step of EP training: loss, gradient reduction, clipping, schedule, router load.
+
+Gradient scaling (what makes EP training equal single-process training on the concatenated batch):
+the global loss is the mean of the ranks' losses, ``(1/W) sum_r loss_r`` (every rank has the same
+token count). Each rank backpropagates ``loss_r / (W * accum)``. A dense parameter's grad on rank r is
+then its share of the global grad, so dense grads are *summed* over the world. An expert shard's grad
+already holds the contributions of every rank of its ``ep`` group (the all-to-all backward brought
+them home), so expert grads are *summed* over ``edp`` only. Averaging over ``edp`` instead would be
+``ep`` times too large.
+
+Helpers take models, meshes, groups and plain values; only ``autoep.train`` reads the config.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
+
+
+def causal_lm_loss(model: nn.Module, input_ids_BL: Tensor, aux_loss_coef: float = 0.0) -> Tensor:
+    """Mean next-token cross entropy over this rank's tokens, plus the model's own aux loss if it returns one."""
+    out = model(input_ids=input_ids_BL, use_cache=False)
+    logits_BLV = out.logits if hasattr(out, "logits") else out
+    loss = F.cross_entropy(logits_BLV[:, :-1].flatten(0, 1).float(), input_ids_BL[:, 1:].flatten())
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None and aux_loss_coef:
+        loss = loss + aux_loss_coef * aux
+    return loss
+
+
+def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(dense, expert) trainable parameters; experts are the ``DTensor`` ones ``apply_plan`` sharded."""
+    dense, expert = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (expert if isinstance(p, DTensor) else dense).append(p)
+    return dense, expert
+
+
+def local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def reduce_grads(dense: list[nn.Parameter], expert: list[nn.Parameter], world_group, edp_group) -> None:
+    """Sum dense grads over the world and expert grads over ``edp`` (one flat bucket each)."""
+    for params, group in ((dense, world_group), (expert, edp_group)):
+        if not params or group is None or dist.get_world_size(group) == 1:
+            continue
+        grads = []
+        for p in params:
+            if p.grad is None:  # a parameter no token reached still joins the collective, with zeros
+                p.grad = torch.zeros_like(p)
+            grads.append(local(p.grad))
+        flat = _flatten_dense_tensors(grads)
+        # NOTE: collective. One all-reduce per parameter kind and step; every rank calls both in order.
+        dist.all_reduce(flat, group=group)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+
+@torch.no_grad()
+def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], max_norm: float, ep_group) -> float:
+    """Clip to a global L2 norm (dense counted once, expert shards summed over ``ep``); returns the norm."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in dense:
+        if p.grad is not None:
+            sq += p.grad.double().pow(2).sum()
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    for p in expert:
+        if p.grad is not None:
+            expert_sq += local(p.grad).double().pow(2).sum()
+    if ep_group is not None and dist.get_world_size(ep_group) > 1:
+        dist.all_reduce(expert_sq, group=ep_group)  # NOTE: collective; each ep rank holds other experts
+    norm = float((sq + expert_sq).sqrt())
+    if max_norm and max_norm > 0:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in dense + expert:
+                if p.grad is not None:
+                    local(p.grad).mul_(coef)
+    return norm
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup from ~0 to 1, then cosine down to ``min_lr_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class ExpertLoad:
+    """Counts tokens per routed expert by watching each block's ``experts(hidden, top_k_index, ...)`` call.
+
+    Blocks whose recipe replaces the whole block forward (ModuleList experts) never call it; they are
+    not counted (``layers`` says how many were).
+    """
+
+    def __init__(self, model: nn.Module, block_names: list[str], num_experts: int):
+        self.num_experts = num_experts
+        self.counts_E = torch.zeros(num_experts, dtype=torch.long)
+        self.layers = 0
+        for name in block_names:
+            experts = getattr(model.get_submodule(name), "experts", None)
+            if isinstance(experts, nn.Module):
+                experts.register_forward_pre_hook(self._hook, with_kwargs=True)
+                self.layers += 1
+
+    def _hook(self, module, args, kwargs):
+        top_k_index = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+        if isinstance(top_k_index, Tensor):
+            self.counts_E += torch.bincount(top_k_index.detach().reshape(-1).cpu(), minlength=self.num_experts)
+
+    def collect(self, world_group) -> dict:
+        """Tokens per expert summed over layers and ranks since the last call, and max/mean imbalance."""
+        counts = self.counts_E.clone()
+        self.counts_E.zero_()
+        if world_group is not None and dist.get_world_size(world_group) > 1:
+            dist.all_reduce(counts, group=world_group)  # NOTE: collective; a few ints per step
+        mean = counts.float().mean().item()
+        return {"expert_load": counts.tolist(), "load_imbalance": counts.max().item() / mean if mean else 0.0}

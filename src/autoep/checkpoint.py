@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 PREFIX = "step_"
@@ -99,8 +100,8 @@ def load(path, model: nn.Module, optimizer) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    except Exception as e:  # noqa: BLE001 - DCP raises many types for damaged files
-        raise CheckpointError(f"trainer.resume={str(path)!r}: DCP load failed ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); {fix}") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own error is a BaseException
+        raise CheckpointError(f"trainer.resume={str(path)!r}: DCP load failed, the checkpoint is damaged "
+                              f"({type(e).__name__}); {fix}") from None
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return state

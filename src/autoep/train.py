@@ -96,7 +96,11 @@ def make_mesh(world: int, ep_size: int, device: torch.device):
 
 
 def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
-    """Run the whole training described by ``cfg``; returns ``{"losses", "run_dir", "step"}`` on every rank."""
+    """Run the whole training described by ``cfg``.
+
+    Returns, on every rank, ``{"losses": global mean loss per step run, "run_dir", "step", "rank", "model"}``.
+    Joins an initialised process group (tests) or torchrun's; destroys only a group it created.
+    """
     check_complete(cfg, "the composed config")
     rank, world, device, created = init_distributed(cfg.trainer.device, cfg.trainer.timeout_s)
     try:
@@ -164,7 +168,7 @@ def run_loop(cfg: DictConfig, model, mesh, out: Path, rank: int, world: int, dev
                             {"step": step + 1, "schedule": schedule.state_dict(), "data": loader.state_dict()})
     if metrics:
         metrics.close()
-    return {"losses": losses, "run_dir": str(out), "step": t.steps}
+    return {"losses": losses, "run_dir": str(out), "step": t.steps, "rank": rank, "model": model}
 
 
 def resume(spec: str | None, out: Path, model, optimizer, schedule, loader) -> int:
@@ -192,7 +196,7 @@ def main(cfg: DictConfig) -> None:
     except (PlanError, checkpoint.CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"autoep-train: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if result["rank"] == 0:
         print(f"run dir: {result['run_dir']}", flush=True)
 
 

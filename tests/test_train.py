@@ -1,0 +1,147 @@
+"""The trainer end to end: EP=2 on 2 gloo ranks equals one process on the concatenated batch (loss
+curve and final weights), resume continues the same curve (same ep_size and resharded 2 -> 1),
+and the failure modes (world not divisible by ep_size, missing/corrupt checkpoint, another model).
+
+One spawned 2-rank group runs every distributed case; the single-process cases compare against it.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from torch.distributed.tensor import DTensor
+
+from distributed import spawn
+
+from autoep.checkpoint import CheckpointError
+from autoep.errors import PlanError
+from autoep.plan import CONF_DIR
+
+STEPS = 5
+# 2 rows per rank on 2 ranks == 4 rows in one process: the same global batches (autoep.data).
+SMALL = ["trainer.steps=5", "optim.warmup_steps=2", "trainer.log_every=100", "data.seq_len=16", "trainer.device=cpu"]
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        return compose("train", overrides=[*SMALL, *overrides])
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """Every parameter as one full tensor (expert DTensors gathered over ep: a collective)."""
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def run(*overrides: str) -> dict:
+    from autoep.train import train
+
+    result = train(compose_cfg(*overrides))
+    result["weights"] = full_weights(result.pop("model"))
+    return result
+
+
+def ep2_worker(rank: int, world_size: int, tmp: str) -> dict:
+    torch.set_num_threads(1)
+    out = {"full": run("parallel.ep_size=2", "data.batch_size=2", "trainer.ckpt_every=2", f"run_dir={tmp}/ep2")}
+    out["resumed"] = run("parallel.ep_size=2", "data.batch_size=2", f"run_dir={tmp}/ep2",
+                         f"trainer.resume={tmp}/ep2/checkpoints/step_00000002")
+    try:
+        run("parallel.ep_size=4", f"run_dir={tmp}/bad")
+    except PlanError as e:
+        out["not_divisible"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    results = spawn(2, "test_train:ep2_worker", str(tmp))
+    return tmp, results[0]
+
+
+@pytest.fixture(scope="module")
+def single(ep2):
+    tmp, _ = ep2
+    return run("data.batch_size=4", "trainer.ckpt_every=2", f"run_dir={tmp}/ep1")
+
+
+def assert_weights_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_loss_falls_and_artifacts_written(single):
+    run_dir = Path(single["run_dir"])
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == STEPS
+    assert (run_dir / "resolved.yaml").is_file()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004", "step_00000005"]
+    assert single["losses"][-1] < single["losses"][0]
+
+
+def test_ep2_equals_single_process(ep2, single):
+    _, r = ep2
+    torch.testing.assert_close(torch.tensor(r["full"]["losses"]), torch.tensor(single["losses"]))
+    assert_weights_equal(r["full"]["weights"], single["weights"])
+
+
+def test_resume_continues_same_curve(ep2):
+    _, r = ep2
+    torch.testing.assert_close(torch.tensor(r["resumed"]["losses"]), torch.tensor(r["full"]["losses"][2:]))
+    assert_weights_equal(r["resumed"]["weights"], r["full"]["weights"])
+
+
+def test_resume_reshards_ep2_to_ep1(ep2):
+    tmp, r = ep2
+    resumed = run("data.batch_size=4", f"run_dir={tmp}/reshard", f"trainer.resume={tmp}/ep2/checkpoints/step_00000002")
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(r["full"]["losses"][2:]))
+    assert_weights_equal(resumed["weights"], r["full"]["weights"])
+
+
+def test_world_not_divisible_by_ep_size(ep2):
+    _, r = ep2
+    msg = r["not_divisible"]
+    assert "parallel.ep_size=4" in msg and "world size 2" in msg and "[1, 2]" in msg
+
+
+def test_missing_and_corrupt_checkpoints(ep2, tmp_path):
+    tmp, _ = ep2
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        run(f"run_dir={tmp_path}/a", f"trainer.resume={tmp_path}/nope")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        run(f"run_dir={tmp_path}/b", "trainer.resume=latest")
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp / "ep1" / "checkpoints" / "step_00000002", broken)
+    (broken / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        run("data.batch_size=4", f"run_dir={tmp_path}/c", f"trainer.resume={broken}")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tmp / "ep1" / "checkpoints" / "step_00000002", corrupt)
+    for f in corrupt.glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="DCP load failed"):
+        run("data.batch_size=4", f"run_dir={tmp_path}/d", f"trainer.resume={corrupt}")
+
+
+def test_resume_with_another_model_is_refused(ep2, tmp_path):
+    tmp, _ = ep2
+    with pytest.raises(CheckpointError, match="different model"):
+        run("model.moe_intermediate_size=8", f"run_dir={tmp_path}/m",
+            f"trainer.resume={tmp}/ep1/checkpoints/step_00000002")
+
+
+def test_cli_default_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "autoep.train", "trainer.steps=3", f"run_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "step     1/3 | loss" in proc.stdout and "tok/s" in proc.stdout
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    bad = subprocess.run([sys.executable, "-m", "autoep.train", "parallel.ep_size=2", f"run_dir={tmp_path}/bad"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "parallel.ep_size=2 does not divide the world size 1" in bad.stderr

@@ -1,0 +1,1 @@
+"""autoep's Hydra config tree (a package so `pkg://autoep.conf` works on a search path)."""

@@ -38,8 +38,6 @@ from autoep.experts import glu_gate, grouped_swiglu
 from autoep.recipes import ep_group_of, local_tensor
 from autoep.structure import MoeStructure
 
-# (gate, up, down) projection names per expert, in the spellings the detector accepts.
-KNOWN_PROJS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 
 
@@ -74,44 +72,47 @@ class StackedSwiGLUExperts(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def _proj_names(expert: nn.Module, structure: dict) -> tuple[str, str, str]:
-    if structure.get("expert_projs"):
-        return tuple(structure["expert_projs"].split(","))
-    for names in KNOWN_PROJS:
-        if all(isinstance(getattr(expert, n, None), nn.Linear) for n in names):
-            return names
-    raise UnsupportedModuleStructure(type(expert).__name__, "experts have neither gate_proj/up_proj/down_proj nor w1/w3/w2")
+def _proj_names(module: nn.Module, structure: dict) -> tuple[str, str, str]:
+    """(gate, up, down) projection names the detector proved, e.g. ``gate_proj,up_proj,down_proj``."""
+    names = tuple(structure.get("expert_projs", "").split(","))
+    if len(names) != 3 or not all(names):
+        reason = f"structure.expert_projs={structure.get('expert_projs')!r}; expected 'gate,up,down' names"
+        raise UnsupportedModuleStructure(type(module).__name__, reason)
+    return names
 
 
-def _act_fn(expert: nn.Module, structure: dict) -> nn.Module:
-    act = structure.get("expert_act") or ("act_fn" if isinstance(getattr(expert, "act_fn", None), nn.Module) else "silu")
+def _act_fn(module: nn.Module, structure: dict) -> nn.Module:
+    """The experts' activation the detector proved: their own ``act_fn`` module, or ``F.silu``."""
+    act = structure.get("expert_act")
     if act == "silu":
         return nn.SiLU()
     if act != "act_fn":
-        raise UnsupportedModuleStructure(type(expert).__name__, f"structure.expert_act={act!r}; expected act_fn or silu")
-    act_fn = expert.act_fn
+        reason = f"structure.expert_act={act!r}; expected act_fn or silu"
+        raise UnsupportedModuleStructure(type(module).__name__, reason)
+    act_fn = module.experts[0].act_fn
     if any(True for _ in act_fn.parameters()):
         # A learnable activation would be a dense parameter under `experts`, which is sharded as expert.
-        raise UnsupportedModuleStructure(type(expert).__name__, "the experts' act_fn has parameters")
+        raise UnsupportedModuleStructure(type(module).__name__, "the experts' act_fn has parameters")
     return act_fn
 
 
-def stack_module_list_experts(module: nn.Module, *, structure: dict | None = None) -> None:
+def stack_module_list_experts(module: nn.Module, *, structure: dict) -> None:
     """Replace ``module.experts`` (a ModuleList of SwiGLU experts) by ``StackedSwiGLUExperts``.
 
     Works on meta (no allocation beyond the stacked tensors' own). Idempotent: already stacked
-    experts are left alone. Raises ``UnsupportedModuleStructure`` for biased or mixed experts.
+    experts are left alone. ``structure`` supplies ``expert_projs`` and ``expert_act`` as the
+    detector proved them; biased or non-Linear projections raise ``UnsupportedModuleStructure``.
     """
     experts = module.experts
     if isinstance(experts, StackedSwiGLUExperts):
         return
-    structure = structure or {}
-    names = _proj_names(experts[0], structure)
+    names = _proj_names(module, structure)
     for e, expert in enumerate(experts):
         for n in names:
             lin = getattr(expert, n, None)
             if type(lin) is not nn.Linear or lin.bias is not None:
-                raise UnsupportedModuleStructure(type(module).__name__, f"experts[{e}].{n} is not a bias-free nn.Linear")
+                reason = f"experts[{e}].{n} is not a bias-free nn.Linear"
+                raise UnsupportedModuleStructure(type(module).__name__, reason)
             if isinstance(lin.weight, DTensor):
                 raise UnsupportedModuleStructure(
                     type(module).__name__, "ModuleList experts are already DTensors; stack them before sharding"
@@ -123,7 +124,7 @@ def stack_module_list_experts(module: nn.Module, *, structure: dict | None = Non
         down_EDF = torch.stack([getattr(x, down).weight for x in experts])
     grad = any(p.requires_grad for p in experts.parameters())
     module.experts = StackedSwiGLUExperts(
-        gate_up_EFD.requires_grad_(grad), down_EDF.requires_grad_(grad), _act_fn(experts[0], structure), names
+        gate_up_EFD.requires_grad_(grad), down_EDF.requires_grad_(grad), _act_fn(module, structure), names
     )
 
 
@@ -154,14 +155,46 @@ def unstack_module_list_experts(module: nn.Module, *, grad: bool = False) -> dic
     return out
 
 
+def _stacked_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """``{state-dict key prefix of the block: block}`` for every block whose experts this recipe stacked."""
+    blocks = {}
+    for name, sub in model.named_modules():
+        if isinstance(sub, StackedSwiGLUExperts):
+            parent = name.rpartition(".")[0]
+            blocks[f"{parent}." if parent else ""] = model.get_submodule(parent)
+    return blocks
+
+
+def module_list_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with every stacked block's experts back in the model's own ModuleList
+    layout (full tensors): what a checkpoint in the model's own format holds. A collective over ep."""
+    blocks = _stacked_blocks(model)
+    state = {
+        k: v for k, v in model.state_dict().items() if not any(k.startswith(p + "experts.") for p in blocks)
+    }
+    for prefix, block in blocks.items():
+        state.update({prefix + k: v for k, v in unstack_module_list_experts(block).items()})
+    return state
+
+
+def load_module_list_state_dict(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Fill every stacked block's experts (this rank's shard) from a state dict in the model's own
+    layout; return the remaining entries for ``model.load_state_dict(rest, strict=False)``."""
+    rest = dict(state)
+    for prefix, block in _stacked_blocks(model).items():
+        mine = {k[len(prefix) :]: rest.pop(k) for k in list(rest) if k.startswith(prefix + "experts.")}
+        load_module_list_experts(block, mine)
+    return rest
+
+
 def load_module_list_experts(module: nn.Module, state: dict[str, Tensor]) -> None:
     """Copy ModuleList-layout expert weights (keys as ``unstack_module_list_experts`` writes them)
     into the stacked parameters; a sharded parameter takes only this rank's experts."""
     experts: StackedSwiGLUExperts = module.experts
     gate, up, down = experts.proj_names
-    rows = range(experts.num_experts)
-    gate_up_EFD = torch.stack([torch.cat([state[f"experts.{e}.{gate}.weight"], state[f"experts.{e}.{up}.weight"]]) for e in rows])
-    down_EDF = torch.stack([state[f"experts.{e}.{down}.weight"] for e in rows])
+    weight = [{n: state[f"experts.{e}.{n}.weight"] for n in (gate, up, down)} for e in range(experts.num_experts)]
+    gate_up_EFD = torch.stack([torch.cat([w[gate], w[up]]) for w in weight])
+    down_EDF = torch.stack([w[down] for w in weight])
     for param, full in ((experts.gate_up_proj, gate_up_EFD), (experts.down_proj, down_EDF)):
         if isinstance(param, DTensor):
             # This rank's slice under the parameter's own placements; local, no communication.
@@ -218,7 +251,8 @@ class Routing:
     def of(cls, module: nn.Module, structure: dict) -> Routing:
         kind, norm = structure["router"], structure.get("topk_norm", "always")
         if kind not in ("softmax_topk", "sigmoid_group"):
-            raise UnsupportedModuleStructure(type(module).__name__, f"structure.router={kind!r} is not a bare-gate router")
+            reason = f"structure.router={kind!r} is not a bare-gate router"
+            raise UnsupportedModuleStructure(type(module).__name__, reason)
         if norm not in ("always", "never", "norm_topk_prob"):
             raise UnsupportedModuleStructure(type(module).__name__, f"structure.topk_norm={norm!r} for a bare gate")
         normalize = norm == "always" or (norm == "norm_topk_prob" and bool(_explicit(module, "norm_topk_prob")))

@@ -81,6 +81,7 @@ DOC_OVERRIDES = [
     "parallel.detect=false",
     "parallel.plan=[]",
     "parallel.on_drift=redetect",
+    "parallel.plan.0.decision=null",
 ]
 
 
@@ -92,7 +93,8 @@ def test_documented_overrides_are_in_the_doc_and_compose():
     cfg = compose_train(DOC_OVERRIDES[:1])
     fn = OmegaConf.to_container(cfg.parallel.plan[0].local_compute_fn)
     check_compute_fn("parallel.plan.0", fn, [])
-    assert compose_train(DOC_OVERRIDES[1:]).parallel.plan == []
+    assert compose_train(DOC_OVERRIDES[1:5]).parallel.plan == []
+    assert compose_train(DOC_OVERRIDES[5:]).parallel.plan[0].decision is None
 
 
 @pytest.mark.parametrize("override, message", [

@@ -224,7 +224,7 @@ def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
         raise PlanError(f"{key}: match/local_compute_fn/decision were changed after the plan was resolved "
                         f"(decision.fingerprint no longer matches them); a decision is written by autoep, never "
                         f"by hand. To change the plan, drop the decision so it is decided afresh "
-                        f"('~{key}.decision' on the command line, or delete the block), or restore the file")
+                        f"({key}.decision=null on the command line, or delete the block), or restore the file")
     drift = drift_reasons(decision, modules, matched)
     if drift:
         where = f"{key} ({decision['modules'][0]}{' ...' if len(decision['modules']) > 1 else ''})"

@@ -208,3 +208,100 @@ def test_expert_bias_on_module_list_is_refused():
 def test_structure_is_hashable_and_round_trips():
     s = detect_moe_structure(blocks.MoE())
     assert MoeStructure(**s.as_dict()) == s and hash(s) == hash(MoeStructure(**s.as_dict()))
+
+
+# --- v5-style batched experts: the experts' own forward and gate are what is proven -------------------
+
+
+class Experts(nn.Module):
+    """The transformers v5 eager loop, written out (experts contract: (hidden, top_k_index, top_k_weights))."""
+
+    def __init__(self, n=4, d=8, f=16):
+        super().__init__()
+        self.num_experts = n
+        self.gate_up_proj = nn.Parameter(torch.randn(n, 2 * f, d))
+        self.down_proj = nn.Parameter(torch.randn(n, d, f))
+        self.act_fn = nn.SiLU()
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(mask[expert_idx])
+            current = self._apply_gate(F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]))
+            current = F.linear(current, self.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, current.to(final.dtype))
+        return final
+
+
+class V5Block(nn.Module):
+    def __init__(self, experts=None):
+        super().__init__()
+        self.gate = GoodRouter()
+        self.experts = experts if experts is not None else Experts()
+
+    def forward(self, hidden_states):
+        _, weights, index = self.gate(hidden_states)
+        return self.experts(hidden_states, index, weights)
+
+
+class ClampedExperts(Experts):
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        return F.silu(gate.clamp(max=7.0)) * (up.clamp(min=-7.0, max=7.0) + 1)
+
+
+class CrossRowGateExperts(Experts):
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate - gate.mean(0)) * up  # mixes rows: EP runs it on other row sets
+
+
+class WeightsFirstExperts(Experts):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            top_k_pos, token_idx = torch.where(mask[expert_idx])
+            x = hidden_states[token_idx] * top_k_weights[token_idx, top_k_pos, None]
+            current = F.linear(self._apply_gate(F.linear(x, self.gate_up_proj[expert_idx])), self.down_proj[expert_idx])
+            final.index_add_(0, token_idx, current)
+        return final
+
+
+class ScaledExperts(Experts):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+
+def test_batched_experts_layout_facts():
+    s = detect_moe_structure(V5Block())
+    assert (s.router, s.expert_storage, s.gate_up_layout, s.activation, s.expert_bias, s.expert_transposed) == (
+        "topk_router_module", "batched_parameters", "concatenated", "glu", False, False)
+    s = detect_moe_structure(V5Block(ClampedExperts()))
+    assert (s.gate_up_layout, s.activation) == ("interleaved", "clamped_glu")
+
+
+def test_batched_experts_that_a_recipe_would_get_wrong_are_refused():
+    assert "not proven row-local" in refusal(V5Block(CrossRowGateExperts()))
+    assert "not scaled by the routing weight after the experts" in refusal(V5Block(WeightsFirstExperts()))
+    assert "parameters ['scale'] its forward does not use" in refusal(V5Block(ScaledExperts()))
+
+
+def test_block_that_reads_expert_weights_directly_is_refused():
+    class Peeking(V5Block):
+        def forward(self, hidden_states):
+            _, weights, index = self.gate(hidden_states)
+            return self.experts(hidden_states, index, weights) + self.experts.down_proj.sum()
+
+    assert "uses self.experts other than by calling it" in refusal(Peeking())

@@ -35,7 +35,9 @@ class MoeStructure:
     expert_bias: bool = False  # gate_up_proj_bias / down_proj_bias are added
     expert_transposed: bool = False  # weights stored (E, in, out) and applied as x @ w
     gate_up_layout: str = "concatenated"  # concatenated [gate | up] | interleaved [g0, u0, g1, u1, ...]
-    activation: str = "glu"  # glu: act_fn(gate) * up | clamped_glu: the experts' own _apply_gate (GPT-OSS)
+    # glu: act_fn(gate) * up | clamped_glu: a clamped gate (GPT-OSS) | own_gate: another row-local gate;
+    # for clamped_glu and own_gate the recipe calls the experts' own proven-row-local ``_apply_gate``.
+    activation: str = "glu"
     # Routing facts for whole-block recipes (module_list). "router" when a router module computes them.
     topk_norm: str = "router"  # router | always | never | norm_topk_prob
     returns_router_logits: bool = False  # the block's forward returns (hidden, router_logits)
@@ -337,28 +339,61 @@ def _match_glu(expr: ast.AST) -> ast.AST | None:
     return gate_src
 
 
+# Calls that act element by element (or on the last dim only): a gate built from them is row-local.
+ELEMENTWISE_CALLS = {"clamp", "sigmoid", "silu", "gelu", "tanh", "relu", "act_fn", "float", "to", "type_as"}
+
+
+def _row_local(expr: ast.AST, x: str) -> set[str]:
+    """Prove ``expr`` computes each row of its output from the same row of ``x`` alone; return how ``x``
+    is split into gate/up ("chunk" or "strided"). Raises _Refusal on any other construct."""
+    if isinstance(expr, ast.Constant) or _self_attr(expr) or (
+        isinstance(expr, ast.Attribute) and expr.attr == "dtype"
+    ):
+        return set()
+    if _is_chunk_half(expr, 0) is not None or _is_chunk_half(expr, 1) is not None:
+        src = _is_chunk_half(expr, 0) or _is_chunk_half(expr, 1)
+        return {"chunk"} if isinstance(src, ast.Name) and src.id == x else _row_local_fail(expr)
+    if isinstance(expr, ast.Subscript) and isinstance(expr.value, ast.Name) and expr.value.id == x:
+        return {"strided"} if ast.unparse(expr.slice) in ("(..., ::2)", "(..., 1::2)") else _row_local_fail(expr)
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        return _row_local(expr.left, x) | _row_local(expr.right, x)
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub):
+        return _row_local(expr.operand, x)
+    if isinstance(expr, ast.Call) and _last_name(expr.func) in ELEMENTWISE_CALLS:
+        parts = [expr.func.value] if isinstance(expr.func, ast.Attribute) and not _self_attr(expr.func) else []
+        parts = [p for p in parts if not (isinstance(p, ast.Name) and p.id in ("torch", "F", "nn"))]
+        parts = [p for p in parts if not (isinstance(p, ast.Attribute) and _last_name(p) in ("functional", "nn"))]
+        parts += list(expr.args) + [k.value for k in expr.keywords]
+        return set().union(*(_row_local(p, x) for p in parts)) if parts else set()
+    return _row_local_fail(expr)
+
+
+def _row_local_fail(expr: ast.AST) -> set[str]:
+    raise _Refusal(f"_apply_gate uses `{ast.unparse(expr)[:80]}`, which is not proven row-local")
+
+
 @functools.lru_cache(maxsize=None)
 def _apply_gate_facts(fn) -> tuple[str, str]:
-    """Prove an experts ``_apply_gate`` is row-local and name its layout and activation."""
+    """Prove an experts ``_apply_gate`` is row-local (so running it on any subset of rows, as EP does,
+    is exact) and name its layout and activation. The recipe then calls this very function."""
     tree = _function_tree(fn)
+    params = _params(tree)
     body = _flatten(tree.body)
     env: dict[str, ast.AST] = {}
     for stmt in body[:-1]:
         if not isinstance(stmt, (ast.Assign, ast.AugAssign)):
             raise _Refusal(f"_apply_gate line {stmt.lineno} is not an assignment")
         _bind(stmt, env)
-    if not isinstance(body[-1], ast.Return):
-        raise _Refusal("_apply_gate does not end in a return")
+    if len(params) != 2 or not body or not isinstance(body[-1], ast.Return):
+        raise _Refusal("_apply_gate is not `(self, gate_up) -> return ...`")
     result = _inline(body[-1].value, env)
     if _match_glu(result) is not None:
         return "concatenated", "glu"
-    # GPT-OSS style: gate/up interleaved on the last dim, clamped, gate * sigmoid(alpha * gate) * (up + 1).
-    slices = {ast.unparse(n.slice) for n in ast.walk(result) if isinstance(n, ast.Subscript)}
-    attrs = _self_attrs_read(result)
-    calls = _call_names(result)
-    if slices == {"(..., ::2)", "(..., 1::2)"} and calls <= {"clamp", "sigmoid"} and attrs <= {"limit", "alpha"}:
-        return "interleaved", "clamped_glu"
-    raise _Refusal(f"_apply_gate computes `{ast.unparse(result)[:100]}`, not a recognised gated activation")
+    splits = _row_local(result, params[1])
+    if len(splits) != 1:
+        raise _Refusal(f"_apply_gate computes `{ast.unparse(result)[:100]}`, not one gate/up split")
+    layout = "concatenated" if splits == {"chunk"} else "interleaved"
+    return layout, "clamped_glu" if "clamp" in _call_names(result) else "own_gate"
 
 
 def _batched_forward_facts(cls: type) -> dict:

@@ -55,7 +55,7 @@ def randomize_(model: nn.Module, seed: int) -> None:
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
             if not p.is_floating_point() or "inv_freq" in name:
                 continue
-            noise = torch.randn(p.shape, generator=g) * (0.3 if p.dim() >= 2 else 0.1)
+            noise = torch.randn(p.shape, generator=g) * (0.1 if p.dim() >= 2 else 0.1)
             p.copy_(1 + noise if "norm" in name and p.dim() == 1 else noise)
 
 
@@ -65,6 +65,62 @@ def eager_experts_(model: nn.Module) -> None:
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "_experts_implementation"):
             cfg._experts_implementation = "eager"
+
+
+# Sizes that make any transformers MoE config tiny (only keys the config already has are set).
+TINY = {
+    "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16, "expert_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16, "ffn_hidden_size": 32, "moe_ffn_hidden_size": 16,
+    "num_experts": 8, "n_routed_experts": 8, "num_local_experts": 8, "moe_num_experts": 8, "num_routed_experts": 8,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2, "num_selected_experts": 2,
+    "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128, "num_hidden_layers": 2,
+}
+MAY_BE_NONE = ("num_experts_per_tok", "n_group", "topk_group")
+
+
+def build_tiny_block(cls: type, configs: list[type]):
+    """``cls`` built on CPU from the first of its family's configs that fits, shrunk by ``TINY``."""
+    import inspect
+    import warnings
+
+    from autoep.coverage import _candidate_configs
+
+    params = list(inspect.signature(cls.__init__).parameters.values())[2:]
+    required = [p.name for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    last = None
+    for config in _candidate_configs(configs):
+        for key, value in TINY.items():
+            cur = getattr(config, key, "absent")
+            if (isinstance(cur, int) and not isinstance(cur, bool)) or (cur is None and key in MAY_BE_NONE):
+                setattr(config, key, value)
+        extra = {n: 0 if n == "layer_idx" else getattr(config, n, 32) for n in required}
+        for kwargs in (extra, {**extra, "layer_idx": 0}):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    torch.manual_seed(0)
+                    return cls(config, **kwargs), config
+            except Exception as exc:  # noqa: BLE001 - try the next config shape
+                last = exc
+    raise RuntimeError(f"{cls.__name__} not buildable tiny: {type(last).__name__}: {last}")
+
+
+def accepted_hf_classes() -> list[tuple[str, str, str, list[str]]]:
+    """(family, module, class, config paths) of every transformers MoE block class the detector accepts."""
+    from autoep.coverage import moe_block_classes
+    from autoep.errors import UnsupportedModuleStructure
+    from autoep.structure import detect_moe_structure
+
+    out = []
+    for family, cls, configs in moe_block_classes():
+        try:
+            block, _ = build_tiny_block(cls, configs)
+            detect_moe_structure(block)
+        except (UnsupportedModuleStructure, RuntimeError):
+            continue
+        out.append((family, cls.__module__, cls.__name__, [f"{c.__module__}.{c.__name__}" for c in configs]))
+    return out
 
 
 def ep_plan(model: nn.Module, modules: list[str]) -> dict:
@@ -124,14 +180,28 @@ def _first(out):
 
 
 def block_case(rank: int, world_size: int, family: str) -> None:
+    lm = build_tiny_lm(family)
+    _block_parity(rank, world_size, lm.model.layers[0].mlp, lm.config.hidden_size)
+
+
+def hf_class_case(rank: int, world_size: int, module_name: str, cls_name: str, config_paths: list[str]) -> None:
+    import importlib
+
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    configs = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in config_paths]
+    block, config = build_tiny_block(cls, configs)
+    randomize_(block, 0)
+    eager_experts_(block)
+    _block_parity(rank, world_size, block, config.hidden_size)
+
+
+def _block_parity(rank: int, world_size: int, ref: nn.Module, D: int) -> None:
     from autoep.apply import apply_plan
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
-    lm = build_tiny_lm(family)
-    ref = lm.model.layers[0].mlp.train()
+    ref.train()
     counts = BLOCK_TOKENS[world_size]
     g = torch.Generator().manual_seed(7)
-    D = lm.config.hidden_size
     x = torch.randn(1, sum(counts), D, generator=g)
     grad_out = torch.randn(1, sum(counts), D, generator=g)
     lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
@@ -142,11 +212,11 @@ def block_case(rank: int, world_size: int, family: str) -> None:
     apply_plan(holder, ep_plan(holder, ["mlp"]), mesh)
 
     x_ref = x.clone().requires_grad_()
-    out_ref = _first(ref(x_ref))
+    out_ref = _first(ref(x_ref)).reshape(x_ref.shape)  # some blocks return flattened outputs
     (out_ref * grad_out).sum().backward()
 
     x_r = x[:, lo:hi].clone().requires_grad_()
-    out_r = _first(ep_block(x_r))
+    out_r = _first(ep_block(x_r)).reshape(x_r.shape)
     (out_r * grad_out[:, lo:hi]).sum().backward()
     grads = gathered_grads(ep_block)
 
@@ -194,8 +264,10 @@ def model_case(rank: int, world_size: int, family: str, dtype=torch.float32, tol
 BF16_TOL = {"atol": 5e-2, "rtol": 5e-2}
 
 
-def parity_cases(rank: int, world_size: int) -> dict:
+def parity_cases(rank: int, world_size: int, hf_classes: list) -> dict:
     results = {}
+    for family, module_name, cls_name, config_paths in hf_classes:
+        guarded(results, f"hf_block/{family}/{cls_name}", hf_class_case, rank, world_size, module_name, cls_name, config_paths)
     for family in FAMILIES:
         guarded(results, f"block/{family}", block_case, rank, world_size, family)
     for family in FAMILIES:
@@ -208,11 +280,18 @@ def parity_cases(rank: int, world_size: int) -> dict:
 # ---------------------------------------------------------------- tests
 
 _RESULTS: dict[int, dict] = {}
+_HF_CLASSES: list = []
+
+
+def _hf_classes() -> list:
+    if not _HF_CLASSES:
+        _HF_CLASSES.extend(accepted_hf_classes())
+    return _HF_CLASSES
 
 
 def _results(world_size: int) -> dict:
     if world_size not in _RESULTS:
-        _RESULTS[world_size] = run_cases(world_size, "test_parity_hf:parity_cases")
+        _RESULTS[world_size] = run_cases(world_size, "test_parity_hf:parity_cases", _hf_classes())
     return _RESULTS[world_size]
 
 
@@ -237,3 +316,15 @@ def test_model_parity(world_size, family):
 
 def test_model_bf16_close():
     _assert_case(2, "model_bf16/qwen3_moe")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_accepted_transformers_block(world_size):
+    """Block parity for every transformers MoE class the detector accepts (built tiny from its own config)."""
+    results = _results(world_size)
+    ran = [n for n in results if n.startswith("hf_block/")]
+    assert len(ran) >= 40, f"only {len(ran)} accepted transformers classes were built"
+    failed = {n: e for n, e in results.items() if n.startswith("hf_block/") and e}
+    assert not failed, f"{len(failed)}/{len(ran)} failed at world_size={world_size}:\n" + "\n".join(
+        f"{n}: {e[0].strip().splitlines()[-1]}" for n, e in failed.items()
+    )

@@ -119,7 +119,8 @@ def swap_in_qwen2_block(model):
     (plan(match="model.layer.*.mlp"), r"parallel.plan.0.match='model.layer.\*.mlp' matches no module.*"
                                       r"closest modules that look like MoE blocks: \['model.layers"),
     (plan(match="model.layers.0.moe"), r"matches no module.*'model.layers.0.mlp'"),
-    (plan(match="model.layers.*.self_attn"), r"matched model.layers.0.self_attn, which auto cannot take: .*"
+    (plan(match="model.layers.*.self_attn"), r"matched model.layers.0.self_attn \(Qwen3MoeAttention\), which auto "
+                                             r"cannot take: .*"
                                              r"Declare an explicit local_compute_fn._target_"),
     (plan(fn="autoep.recipes.batched.ep_batched_experts"), r"local_compute_fn='autoep.recipes.batched.ep_batched"
                                                            r"_experts' must be 'auto' or a mapping with a _target_"),
@@ -231,3 +232,11 @@ def test_drift_redetects_when_asked(resolved_qwen3, caplog):
     assert fresh["plan"][0]["decision"]["modules"][-1] == "model.layers.2.mlp"
     assert fresh["plan"][0]["decision"]["source"] == "auto"
     assert "deciding afresh" in caplog.text
+
+
+def test_auto_on_a_non_moe_module_is_also_an_unsupported_structure():
+    from autoep import UnsupportedModuleStructure
+
+    with pytest.raises(UnsupportedModuleStructure) as info:
+        resolve_plan(plan(match="model.layers.*.self_attn"), meta_model())
+    assert info.value.cls_name == "Qwen3MoeAttention" and "gate" in info.value.reason

@@ -18,3 +18,13 @@ class PlanError(ValueError):
 
 class DriftError(PlanError):
     """A replayed decision no longer matches the model's code."""
+
+
+class UnsupportedPlanEntry(PlanError, UnsupportedModuleStructure):
+    """``auto`` met a module whose structure could not be proven: both a plan error (it names the entry
+    and module) and an ``UnsupportedModuleStructure`` (it names the class, the proof and the opt-out)."""
+
+    def __init__(self, message: str, cls_name: str, reason: str):
+        self.cls_name = cls_name
+        self.reason = reason
+        ValueError.__init__(self, message)

@@ -21,7 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from autoep import archetypes, structure
 from autoep.config import ON_DRIFT, ParallelConfig, PlanEntry
-from autoep.errors import OPT_OUT_HINT, DriftError, PlanError, UnsupportedModuleStructure
+from autoep.errors import OPT_OUT_HINT, DriftError, PlanError, UnsupportedModuleStructure, UnsupportedPlanEntry
 from autoep.fingerprint import class_hashes, seal
 from autoep.models import import_object
 
@@ -144,8 +144,9 @@ def _detect_group(key: str, pattern: str, modules: dict, matched: list[str]) -> 
             found = structure.detect_moe_structure(modules[name])
             n = structure.count_experts(modules[name])
         except UnsupportedModuleStructure as e:
-            raise PlanError(f"{key}.match={pattern!r} matched {name}, which auto cannot take: {e.reason}. "
-                            f"Narrow the match to MoE blocks, or opt out: {OPT_OUT_HINT}") from e
+            raise UnsupportedPlanEntry(
+                f"{key}.match={pattern!r} matched {name} ({e.cls_name}), which auto cannot take: {e.reason}. "
+                f"Narrow the match to MoE blocks, or opt out. {OPT_OUT_HINT}", e.cls_name, e.reason) from e
         groups.setdefault((tuple(found.as_dict().items()), n), []).append(name)
     if len(groups) > 1:
         shown = "; ".join(f"{names[:3]}{' ...' if len(names) > 3 else ''} -> {dict(s)} with {n} experts"

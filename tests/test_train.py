@@ -50,6 +50,8 @@ def ep2_worker(rank: int, world_size: int, tmp: str) -> dict:
     out = {"full": run("parallel.ep_size=2", "data.batch_size=2", "trainer.ckpt_every=2", f"run_dir={tmp}/ep2")}
     out["resumed"] = run("parallel.ep_size=2", "data.batch_size=2", f"run_dir={tmp}/ep2",
                          f"trainer.resume={tmp}/ep2/checkpoints/step_00000002")
+    out["accum"] = run("parallel.ep_size=2", "data.batch_size=2", "trainer.grad_accum=2", "trainer.steps=3",
+                       f"run_dir={tmp}/accum2")
     try:
         run("parallel.ep_size=4", f"run_dir={tmp}/bad")
     except PlanError as e:
@@ -89,6 +91,13 @@ def test_ep2_equals_single_process(ep2, single):
     _, r = ep2
     torch.testing.assert_close(torch.tensor(r["full"]["losses"]), torch.tensor(single["losses"]))
     assert_weights_equal(r["full"]["weights"], single["weights"])
+
+
+def test_grad_accumulation_under_ep_equals_single_process(ep2):
+    tmp, r = ep2
+    single = run("data.batch_size=4", "trainer.grad_accum=2", "trainer.steps=3", f"run_dir={tmp}/accum1")
+    torch.testing.assert_close(torch.tensor(r["accum"]["losses"]), torch.tensor(single["losses"]))
+    assert_weights_equal(r["accum"]["weights"], single["weights"])
 
 
 def test_resume_continues_same_curve(ep2):

@@ -1,0 +1,202 @@
+"""One MoE layer, forward+backward, EP over 2 gloo ranks on CPU: autoep vs transformers' own EP vs plain.
+
+    python bench/ep_layer.py                       # defaults below, 2 ranks, prints one table
+    python bench/ep_layer.py --tokens 1024 --steps 5
+
+Every contender runs the same block (Qwen3MoeSparseMoeBlock from a small config), the same weights
+and the same per-rank tokens, side by side in one spawned gloo group:
+  plain        each rank runs the whole block (all experts) on its own tokens, no exchange
+  autoep       apply_plan with the batched recipe (all-to-all + grouped local experts)
+  hf-<impl>    transformers.distributed expert parallelism, ep_implementation="all_to_all", experts
+               implementation <impl> (eager, batched_mm, grouped_mm; from_config's default is grouped_mm)
+Printed per contender: tokens/s per rank, ratio to autoep, bytes exchanged per step against the minimum
+(tokens x top_k x hidden x dtype bytes, each of dispatch and combine, forward and backward),
+expert parameter bytes per rank against the dense block's, and the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+BYTES = {"a2a": 0}
+
+
+def _count_bytes(fn):
+    def wrapped(output, input, *args, **kwargs):
+        if input.dim() >= 2:  # token rows; the 1-D split-size exchange is not token payload
+            BYTES["a2a"] += input.numel() * input.element_size()
+        return fn(output, input, *args, **kwargs)
+
+    return wrapped
+
+
+def build_block(args) -> nn.Module:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=args.hidden, moe_intermediate_size=args.ffn, num_experts=args.experts,
+        num_experts_per_tok=args.top_k, norm_topk_prob=True,
+    )
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.05)
+    return block
+
+
+def autoep_block(block, mesh):
+    from autoep.apply import apply_plan
+    from autoep.archetypes import compute_fn_config
+    from autoep.structure import detect_moe_structure
+
+    holder = nn.Module()
+    holder.mlp = copy.deepcopy(block)
+    s = detect_moe_structure(holder.mlp)
+    plan = {"plan": [{"match": "mlp", "local_compute_fn": compute_fn_config(s), "decision": {"modules": ["mlp"]}}]}
+    apply_plan(holder, plan, mesh)
+    return holder.mlp
+
+
+def hf_block(block, ep_mesh, tp_mesh, impl: str):
+    from transformers.distributed import expert_parallel as hf_ep
+
+    b = copy.deepcopy(block)
+    b.experts.config = copy.copy(b.experts.config)
+    b.experts.config._experts_implementation = impl
+    plan = {"experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_gemm", "experts": "ep_dispatch_experts"}
+    hf_ep.apply_expert_parallelism(b, ep_mesh, tp_mesh, plan, ep_implementation="all_to_all")
+    return b
+
+
+def time_step(block, x, grad, steps: int) -> tuple[float, int]:
+    """Median seconds per forward+backward and all-to-all input bytes per step."""
+    times = []
+    for i in range(steps + 1):
+        xi = x.clone().requires_grad_()
+        BYTES["a2a"] = 0
+        dist.barrier()  # NOTE: collective; start every contender's step together on all ranks
+        t0 = time.perf_counter()
+        out = block(xi)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad)
+        dist.barrier()  # NOTE: collective; a step ends when the slowest rank ends
+        if i:  # first step warms up
+            times.append(time.perf_counter() - t0)
+        block.zero_grad(set_to_none=True)
+    return sorted(times)[len(times) // 2], BYTES["a2a"]
+
+
+def expert_bytes(block) -> int:
+    total = 0
+    for p in block.experts.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def worker(rank: int, world_size: int, args, name: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed import expert_parallel as hf_ep
+
+    torch.set_num_threads(args.threads)
+    dist.all_to_all_single = _count_bytes(dist.all_to_all_single)
+    hf_ep.all_to_all_single = _count_bytes(hf_ep.all_to_all_single)
+    hf_count = {"fwd": 0}
+    orig_autograd = hf_ep.all_to_all_single_autograd
+
+    def counted_autograd(x, out_sizes, in_sizes, group):
+        hf_count["fwd"] += x.numel() * x.element_size()
+        return orig_autograd(x, out_sizes, in_sizes, group)
+
+    hf_ep.all_to_all_single_autograd = counted_autograd
+
+    mesh2 = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("ep", "tp"))
+    ep_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    block = build_block(args)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(1, args.tokens, args.hidden, generator=g)
+    grad = torch.randn(1, args.tokens, args.hidden, generator=g)
+
+    if name == "plain":
+        b = block
+    elif name == "autoep":
+        b = autoep_block(block, ep_mesh)
+    else:
+        b = hf_block(block, mesh2["ep"], mesh2["tp"], name.removeprefix("hf-"))
+    del block
+    rss0 = _rss_mb()
+    sec, a2a = time_step(b, x, grad, args.steps)
+    # transformers' token exchange runs through functional collectives whose backward we cannot see:
+    # count its forward payload and assume the backward mirrors it (it is the reverse exchange).
+    a2a += 2 * hf_count["fwd"] // (args.steps + 1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"sec": sec, "tok_s": args.tokens / sec, "a2a_bytes": a2a, "expert_bytes": expert_bytes(b),
+            "peak_mb": peak, "step_mb": max(peak - rss0, 0.0)}
+
+
+def main(argv=None) -> None:
+    from distributed import spawn
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    # batched_mm gathers a (2F x D) weight per (token, expert) pair: ~100x slower here; opt in by name.
+    p.add_argument("--hf-impls", nargs="*", default=["eager", "grouped_mm"])
+    args = p.parse_args(argv)
+    names = ["plain", "autoep"] + [f"hf-{impl}" for impl in args.hf_impls]
+    # One spawned group per contender, so each rank's peak memory is that contender's alone.
+    results = {name: spawn(args.world_size, "ep_layer:worker", args, name) for name in names}
+    report(results, args)
+
+
+def report(results: dict[str, list[dict]], args) -> None:
+    import transformers
+
+    W = args.world_size
+    # Every (token, expert) row crosses twice (dispatch, combine) forward and twice backward, fp32.
+    minimum = W * 4 * args.tokens * args.top_k * args.hidden * 4
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}; {W} gloo ranks, "
+          f"{args.threads} thread(s)/rank; T={args.tokens}/rank D={args.hidden} F={args.ffn} E={args.experts} "
+          f"top_k={args.top_k} fp32; median of {args.steps} fwd+bwd steps")
+    base = min(r["tok_s"] for r in results["autoep"])
+    dense = results["plain"][0]["expert_bytes"]
+    print(f"{'contender':<15}{'tok/s/rank':>11}{'vs autoep':>10}{'a2a bytes/step':>16}{'/ min':>7}"
+          f"{'expert MB/rank':>15}{'/ dense':>8}{'peak RSS MB':>12}{'step peak MB':>13}")
+    for name, rows in results.items():
+        tok_s = min(r["tok_s"] for r in rows)  # the slowest rank sets the step
+        a2a = sum(r["a2a_bytes"] for r in rows)
+        print(f"{name:<15}{tok_s:>11.0f}{tok_s / base:>9.2f}x{a2a:>16,}{a2a / minimum:>7.3f}"
+              f"{rows[0]['expert_bytes'] / 2**20:>15.2f}{rows[0]['expert_bytes'] / dense:>8.3f}"
+              f"{max(r['peak_mb'] for r in rows):>12.0f}{max(r['step_mb'] for r in rows):>13.0f}")
+    print(f"minimum a2a bytes/step, all ranks = {W} x 4 x {args.tokens} x {args.top_k} x {args.hidden} x 4 B = {minimum:,}; "
+          "step peak MB = peak RSS growth during the timed steps (max over ranks)")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(__file__))
+    main()

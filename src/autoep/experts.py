@@ -31,6 +31,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
+        if grad.numel() == 0:  # an empty expanded grad counts as contiguous but keeps its 0 strides
+            return grad.new_zeros(grad.shape)
         return grad.contiguous()
 
 

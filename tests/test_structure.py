@@ -305,3 +305,36 @@ def test_block_that_reads_expert_weights_directly_is_refused():
             return self.experts(hidden_states, index, weights) + self.experts.down_proj.sum()
 
     assert "uses self.experts other than by calling it" in refusal(Peeking())
+
+
+def test_routing_constants_the_block_recipe_hard_codes_are_proven(tmp_path):
+    import importlib.util
+    import inspect
+    import textwrap
+
+    def variant(base, method, old, new):
+        """A subclass of ``base`` whose ``method`` differs by one edit, with real source on disk."""
+        src = textwrap.indent(textwrap.dedent(inspect.getsource(getattr(base, method))), "    ")
+        assert old in src
+        path = tmp_path / f"variant_{abs(hash((base, method, old, new)))}.py"
+        path.write_text(f"from blocks import *\nfrom blocks import {base.__name__}\n\n\n"
+                        f"class Variant({base.__name__}):\n{src.replace(old, new)}")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod.Variant
+
+    neg_inf = variant(blocks.DeepseekV3StyleMoE, "route_tokens_to_experts", "~score_mask.bool(), 0.0",
+                      '~score_mask.bool(), float("-inf")')
+    assert "masks dropped expert groups" in refusal(neg_inf())
+    no_eps = variant(blocks.DeepseekV3StyleMoE, "route_tokens_to_experts", " + 1e-20", "")
+    assert "epsilon none" in refusal(no_eps())
+    eps = variant(blocks.MixtralStyleSparseMoeBlock, "forward", "sum(dim=-1, keepdim=True)",
+                  "sum(dim=-1, keepdim=True) + 1e-6")
+    assert "epsilon [1e-06]" in refusal(eps())
+    cast = variant(blocks.MixtralStyleSparseMoeBlock, "forward", "self.gate(hidden_states)",
+                   "self.gate(hidden_states.float())")
+    assert "casts the hidden states before its gate" in refusal(cast())
+    same = variant(blocks.MixtralStyleSparseMoeBlock, "forward", "sum(dim=-1, keepdim=True)",
+                   "sum(dim=-1, keepdim=True)")  # the unchanged source is still accepted
+    assert detect_moe_structure(same()).topk_norm == "always"

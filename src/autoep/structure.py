@@ -674,6 +674,8 @@ def _routing_facts(cls: type, router: str) -> dict:
             raise _Refusal(f"{cls.__name__}.{tree.name} takes topk before {score_fn}")
     if router == "sigmoid_group":
         _sigmoid_group_reads(cls, trees)
+    _routing_constants(cls, trees, router)
+    _gate_input_not_cast(cls, trees)
     returns = [r.value for r in ast.walk(trees[0]) if isinstance(r, ast.Return)]
     pairs = {isinstance(v, ast.Tuple) and len(v.elts) == 2 for v in returns}
     if len(pairs) != 1:
@@ -682,6 +684,58 @@ def _routing_facts(cls: type, router: str) -> dict:
     if len(norms) > 1:
         raise _Refusal(f"{cls.__name__} normalises top-k weights in more than one way")
     return dict(topk_norm=norms.pop() if norms else "never", returns_router_logits=pairs.pop())
+
+
+CASTS = {"float", "to", "type", "half", "bfloat16", "double"}
+
+
+def _assignments(trees: list[ast.FunctionDef]) -> dict[str, list[ast.AST]]:
+    out: dict[str, list[ast.AST]] = {}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        out.setdefault(target.id, []).append(node.value)
+    return out
+
+
+def _gate_input_not_cast(cls: type, trees: list[ast.FunctionDef]) -> None:
+    """The recipe feeds the gate the block's hidden states as they are; a cast before it is not reproduced."""
+    assigned = _assignments(trees)
+    for tree in trees:
+        for call in _calls(tree):
+            if _self_attr(call.func) != "gate":
+                continue
+            for arg in call.args:
+                seen = [arg] + (assigned.get(arg.id, []) if isinstance(arg, ast.Name) else [])
+                if any(isinstance(v, ast.Call) and _last_name(v.func) in CASTS for v in seen):
+                    raise _Refusal(f"{cls.__name__} casts the hidden states before its gate, which the recipe does not")
+
+
+def _routing_constants(cls: type, trees: list[ast.FunctionDef], router: str) -> None:
+    """The constants the recipe hard-codes: sigmoid_group masks dropped groups with 0.0, scores groups by
+    their top-2 sum and normalises with +1e-20; softmax_topk normalises with no epsilon."""
+    text = "\n".join(ast.unparse(t) for t in trees)
+    if router == "sigmoid_group":
+        fills = [c for t in trees for c in _calls(t) if _last_name(c.func) == "masked_fill"]
+        values = {ast.unparse(c.args[1]) if len(c.args) > 1 else "?" for c in fills}
+        if values != {"0.0"}:
+            raise _Refusal(f"{cls.__name__} masks dropped expert groups with {sorted(values)}; the recipe fills 0.0")
+        if ".topk(2, dim=-1)[0].sum(dim=-1)" not in text:
+            raise _Refusal(f"{cls.__name__} does not score expert groups by their top-2 sum")
+    expected = {1e-20} if router == "sigmoid_group" else set()
+    assigned = _assignments(trees)
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.BinOp, ast.AugAssign)) and _divides_by_sum(node, assigned):
+                right = node.right if isinstance(node, ast.BinOp) else node.value
+                exprs = [right] + [v for n in ast.walk(right) if isinstance(n, ast.Name) for v in assigned.get(n.id, [])]
+                eps = {c.value for e in exprs for c in ast.walk(e) if isinstance(c, ast.Constant)
+                       and isinstance(c.value, float)}
+                if eps != expected:
+                    raise _Refusal(f"{cls.__name__} normalises its top-k weights with epsilon {sorted(eps) or 'none'}; "
+                                   f"the {router} recipe uses {sorted(expected) or 'none'}")
 
 
 def _sigmoid_group_reads(cls: type, trees: list[ast.FunctionDef]) -> None:

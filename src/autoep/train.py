@@ -37,7 +37,7 @@ from autoep.apply import apply_plan
 from autoep.artifact import check_complete, check_plan_consistent, write_resolved
 from autoep.data import Loader, make_source
 from autoep.errors import PlanError
-from autoep.plan import CONF_DIR
+from autoep.plan import CONF_DIR, format_table, plan_rows
 from autoep.resolve import resolve_plan
 
 
@@ -110,6 +110,8 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
         model, cfg.parallel = build_model(cfg, mesh, device)
         write_resolved(cfg, out)
         check_plan_consistent(cfg.parallel)
+        if rank == 0:
+            print(format_table(plan_rows(model, cfg.parallel)), flush=True)
         return run_loop(cfg, model, mesh, out, rank, world, device)
     finally:
         if created:

@@ -70,7 +70,7 @@ def eager_experts_(model: nn.Module) -> None:
 # Sizes that make any transformers MoE config tiny (only keys the config already has are set).
 TINY = {
     "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16, "expert_intermediate_size": 16,
-    "shared_expert_intermediate_size": 16, "ffn_hidden_size": 32, "moe_ffn_hidden_size": 16,
+    "shared_expert_intermediate_size": 16, "shared_intermediate_size": 16, "ffn_hidden_size": 32, "moe_ffn_hidden_size": 16,
     "num_experts": 8, "n_routed_experts": 8, "num_local_experts": 8, "moe_num_experts": 8, "num_routed_experts": 8,
     "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2, "num_selected_experts": 2,
     "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1,

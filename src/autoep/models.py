@@ -42,3 +42,16 @@ def build_hf_causal_lm(config_class: str, dtype: str | None = None, **config_kwa
     config = import_object(config_class)(**config_kwargs)
     extra = {"dtype": dtype} if dtype is not None else {}
     return AutoModelForCausalLM.from_config(config, **extra)
+
+
+def build_hf_pretrained(pretrained_path: str, dtype: str | None = None, **config_overrides):
+    """The architecture of the local HF checkpoint ``pretrained_path`` (its ``config.json``), weights not loaded.
+
+    The trainer reads the same ``model.pretrained_path`` and loads the weights per rank after
+    ``apply_plan`` (``autoep.pretrained``): ``autoep-train model=hf_pretrained model.pretrained_path=/ckpt``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(pretrained_path, **config_overrides)
+    extra = {"dtype": dtype} if dtype is not None else {}
+    return AutoModelForCausalLM.from_config(config, **extra)

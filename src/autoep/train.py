@@ -38,6 +38,7 @@ from autoep.artifact import check_complete, check_plan_consistent, write_resolve
 from autoep.data import Loader, make_source
 from autoep.errors import PlanError
 from autoep.plan import CONF_DIR, format_table, plan_rows
+from autoep.pretrained import PretrainedError, load_pretrained, parameters_on_meta
 from autoep.resolve import resolve_plan
 
 
@@ -78,7 +79,19 @@ def agree_run_dir(run_dir: str | None) -> Path:
 
 
 def build_model(cfg: DictConfig, mesh, device: torch.device):
-    """Resolve the plan on a meta model, then build seeded weights and apply the frozen plan."""
+    """Resolve the plan on a meta model, then build seeded weights and apply the frozen plan.
+
+    With ``model.pretrained_path`` the meta model itself is planned, sharded and then filled from the
+    checkpoint, each rank reading only its own experts (``autoep.pretrained``).
+    """
+    pretrained_path = pretrained_path_of(cfg.model)
+    if pretrained_path:
+        with parameters_on_meta():  # NOTE: buffers (rotary inv_freq) are computed for real, weights are not
+            model = instantiate(cfg.model)
+        parallel = resolve_plan(cfg.parallel, model)
+        apply_plan(model, parallel, mesh)
+        load_pretrained(model, pretrained_path, device)
+        return model, parallel
     with torch.device("meta"):  # NOTE: detection reads shapes and source only; nothing is allocated
         meta_model = instantiate(cfg.model)
     parallel = resolve_plan(cfg.parallel, meta_model)
@@ -87,6 +100,14 @@ def build_model(cfg: DictConfig, mesh, device: torch.device):
         model = instantiate(cfg.model)
     apply_plan(model, parallel, mesh)
     return model, parallel
+
+
+def pretrained_path_of(model_cfg: DictConfig) -> str | None:
+    """``model.pretrained_path`` (a local HF checkpoint directory), or None for seeded init."""
+    if "pretrained_path" in model_cfg.keys() and OmegaConf.is_missing(model_cfg, "pretrained_path"):
+        raise PretrainedError("model.pretrained_path is required by this model config; pass "
+                              "model.pretrained_path=<a directory written by save_pretrained>")
+    return model_cfg.get("pretrained_path")
 
 
 def make_mesh(world: int, ep_size: int, device: torch.device):

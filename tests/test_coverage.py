@@ -58,3 +58,12 @@ def test_post_expert_norm_and_unknown_routers_are_refused(rows):
 def test_markdown_lists_every_class(rows):
     text = markdown(rows)
     assert all(f"| {r.cls} |" in text for r in rows)
+
+
+def test_every_accepted_class_is_parity_tested(rows):
+    """tests/test_parity_hf.py runs every class coverage.parity_classes returns; none may fall out."""
+    from autoep.coverage import parity_classes
+
+    accepted = [r for r in rows if r.structure is not None]
+    assert [r.cls for r in parity_classes(rows)] == [r.cls for r in accepted], [
+        (r.cls, r.untested) for r in accepted if r.untested]

@@ -67,60 +67,12 @@ def eager_experts_(model: nn.Module) -> None:
             cfg._experts_implementation = "eager"
 
 
-# Sizes that make any transformers MoE config tiny (only keys the config already has are set).
-TINY = {
-    "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16, "expert_intermediate_size": 16,
-    "shared_expert_intermediate_size": 16, "shared_intermediate_size": 16, "ffn_hidden_size": 32, "moe_ffn_hidden_size": 16,
-    "num_experts": 8, "n_routed_experts": 8, "num_local_experts": 8, "moe_num_experts": 8, "num_routed_experts": 8,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2, "num_selected_experts": 2,
-    "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "num_shared_experts": 1, "moe_num_shared_experts": 1,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 128, "num_hidden_layers": 2,
-}
-MAY_BE_NONE = ("num_experts_per_tok", "n_group", "topk_group")
-
-
-def build_tiny_block(cls: type, configs: list[type]):
-    """``cls`` built on CPU from the first of its family's configs that fits, shrunk by ``TINY``."""
-    import inspect
-    import warnings
-
-    from autoep.coverage import _candidate_configs
-
-    params = list(inspect.signature(cls.__init__).parameters.values())[2:]
-    required = [p.name for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    last = None
-    for config in _candidate_configs(configs):
-        for key, value in TINY.items():
-            cur = getattr(config, key, "absent")
-            if (isinstance(cur, int) and not isinstance(cur, bool)) or (cur is None and key in MAY_BE_NONE):
-                setattr(config, key, value)
-        extra = {n: 0 if n == "layer_idx" else getattr(config, n, 32) for n in required}
-        for kwargs in (extra, {**extra, "layer_idx": 0}):
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    torch.manual_seed(0)
-                    return cls(config, **kwargs), config
-            except Exception as exc:  # noqa: BLE001 - try the next config shape
-                last = exc
-    raise RuntimeError(f"{cls.__name__} not buildable tiny: {type(last).__name__}: {last}")
-
-
 def accepted_hf_classes() -> list[tuple[str, str, str, list[str]]]:
-    """(family, module, class, config paths) of every transformers MoE block class the detector accepts."""
-    from autoep.coverage import moe_block_classes
-    from autoep.errors import UnsupportedModuleStructure
-    from autoep.structure import detect_moe_structure
+    """(family, module, class, config paths) of every transformers MoE block class the detector accepts
+    and whose tiny CPU build keeps that decision (``autoep.coverage`` lists the others, with the reason)."""
+    from autoep.coverage import parity_classes, survey
 
-    out = []
-    for family, cls, configs in moe_block_classes():
-        try:
-            block, _ = build_tiny_block(cls, configs)
-            detect_moe_structure(block)
-        except (UnsupportedModuleStructure, RuntimeError):
-            continue
-        out.append((family, cls.__module__, cls.__name__, [f"{c.__module__}.{c.__name__}" for c in configs]))
-    return out
+    return [(r.family, r.module, r.cls, r.configs) for r in parity_classes(survey())]
 
 
 def ep_plan(model: nn.Module, modules: list[str]) -> dict:
@@ -187,9 +139,11 @@ def block_case(rank: int, world_size: int, family: str) -> None:
 def hf_class_case(rank: int, world_size: int, module_name: str, cls_name: str, config_paths: list[str]) -> None:
     import importlib
 
+    from autoep.coverage import build_block
+
     cls = getattr(importlib.import_module(module_name), cls_name)
     configs = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in config_paths]
-    block, config = build_tiny_block(cls, configs)
+    block, config = build_block(cls, configs, tiny=True)
     randomize_(block, 0)
     eager_experts_(block)
     _block_parity(rank, world_size, block, config.hidden_size)
@@ -329,3 +283,9 @@ def test_every_accepted_transformers_block(world_size):
     assert not failed, f"{len(failed)}/{len(ran)} failed at world_size={world_size}:\n" + "\n".join(
         f"{n}: {e[0].strip().splitlines()[-1]}" for n, e in failed.items()
     )
+
+
+def test_whole_model_parity_covers_every_shipped_model_config():
+    from autoep.coverage import shipped_model_families
+
+    assert sorted(FAMILIES) == shipped_model_families()  # docs/coverage.md claims model parity for these

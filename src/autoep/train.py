@@ -166,6 +166,7 @@ def run_loop(cfg: DictConfig, model, mesh, out: Path, rank: int, world: int, dev
         loss_sum = torch.zeros((), dtype=torch.float64)
         for _ in range(t.grad_accum):
             loss = loop.causal_lm_loss(model, loader.next().to(device), o.aux_loss_coef)
+            die_if_fault_injected(rank, step + 1)
             (loss / (world * t.grad_accum)).backward()
             loss_sum += loss.detach().double().cpu()
         loop.reduce_grads(dense, expert, world_group, edp_group)
@@ -192,6 +193,17 @@ def run_loop(cfg: DictConfig, model, mesh, out: Path, rank: int, world: int, dev
     if metrics:
         metrics.close()
     return {"losses": losses, "run_dir": str(out), "step": t.steps, "rank": rank, "model": model}
+
+
+FAULT_ENV = "AUTOEP_FAULT_STEP"
+
+
+def die_if_fault_injected(rank: int, step: int) -> None:
+    """TEST-ONLY fault hook: ``AUTOEP_FAULT_STEP=<rank>:<step>`` makes that rank ``os._exit(1)`` mid-step
+    (after its forward, before the backward's exchanges), as a crashed or killed worker would. Never set it
+    in a real run; tests use it to prove the other ranks fail within ``trainer.timeout_s`` instead of hanging."""
+    if os.environ.get(FAULT_ENV) == f"{rank}:{step}":
+        os._exit(1)
 
 
 def resume(spec: str | None, out: Path, model, optimizer, schedule, loader) -> int:

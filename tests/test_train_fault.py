@@ -1,0 +1,87 @@
+"""A rank that dies mid-step: the other rank exits with an error within ``trainer.timeout_s`` (no hang), and
+resuming from the last checkpoint loses no completed step and continues the same loss curve.
+
+Two ``python -m autoep.train`` processes are launched the way torchrun launches them (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR/PORT``), but without torchrun, whose agent would kill the survivor itself
+and hide what the trainer does. The test-only hook ``AUTOEP_FAULT_STEP=<rank>:<step>`` (autoep.train)
+makes rank 1 ``os._exit(1)`` after its forward of step 3, while rank 0 waits in the backward's exchange.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from autoep.plan import CONF_DIR
+
+TIMEOUT_S = 10
+COMMON = ["trainer.steps=5", "optim.warmup_steps=2", "data.seq_len=16", "trainer.device=cpu", "trainer.log_every=100"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(run_dir, *overrides: str, fault: str | None = None) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.pop("AUTOEP_FAULT_STEP", None)
+        if fault:
+            env["AUTOEP_FAULT_STEP"] = fault
+        cmd = [sys.executable, "-m", "autoep.train", *COMMON, "parallel.ep_size=2", "data.batch_size=2",
+               f"trainer.timeout_s={TIMEOUT_S}", f"run_dir={run_dir}", *overrides]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def wait_all(procs, limit_s: float) -> list[float]:
+    """Exit time of each process (monotonic); kills every one still running after ``limit_s``."""
+    deadline, done = time.monotonic() + limit_s, [None] * len(procs)
+    while None in done and time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            if done[i] is None and p.poll() is not None:
+                done[i] = time.monotonic()
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return done
+
+
+def test_dead_rank_fails_the_other_within_timeout_and_resume_loses_no_step(tmp_path):
+    run_dir = tmp_path / "run"
+    procs = launch(run_dir, "trainer.ckpt_every=1", fault="1:3")
+    exited = wait_all(procs, limit_s=120)
+    logs = [p.stderr.read() for p in procs]
+    assert exited[1] is not None and procs[1].returncode == 1, logs[1][-2000:]
+    assert exited[0] is not None, "rank 0 hung after rank 1 died"
+    assert procs[0].returncode != 0 and exited[0] - exited[1] < TIMEOUT_S + 5, logs[0][-2000:]
+    assert "remote worker" in logs[0] or "timed out" in logs[0].lower(), logs[0][-2000:]  # gloo: peer closed or reset
+    # Steps 1 and 2 completed (and were checkpointed); step 3 was not: nothing of it is logged or saved.
+    metrics = run_dir / "metrics.jsonl"
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000001", "step_00000002"]
+
+    resumed = launch(run_dir, "trainer.resume=latest")
+    wait_all(resumed, limit_s=120)
+    assert [p.returncode for p in resumed] == [0, 0], resumed[0].stderr.read()[-2000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+
+    from autoep.train import train
+
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[*COMMON, "data.batch_size=4", f"run_dir={tmp_path}/uninterrupted"])
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]), torch.tensor(train(cfg)["losses"]))

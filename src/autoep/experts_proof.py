@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from autoep.source import (
     Refusal, arg_names, bind, call_names, flatten_body, function_tree, inline, is_call_to,
-    is_continue_guard, is_self_call, last_name, self_attr, self_attrs_read, strip_casts,
+    is_continue_guard, is_self_call, last_name, self_attr, self_attrs_read, straight_line_result, strip_casts,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -112,15 +112,9 @@ def _apply_gate_facts(fn) -> tuple[str, str]:
     is exact) and name its layout and activation. The recipe then calls this very function."""
     tree = function_tree(fn)
     params = arg_names(tree)
-    body = flatten_body(tree.body)
-    env: dict[str, ast.AST] = {}
-    for stmt in body[:-1]:
-        if not isinstance(stmt, (ast.Assign, ast.AugAssign)):
-            raise Refusal(f"_apply_gate line {stmt.lineno} is not an assignment")
-        bind(stmt, env)
-    if len(params) != 2 or not body or not isinstance(body[-1], ast.Return):
+    if len(params) != 2:
         raise Refusal("_apply_gate is not `(self, gate_up) -> return ...`")
-    result = inline(body[-1].value, env)
+    result = straight_line_result(tree, "_apply_gate")
     if _match_glu(result) is not None:
         return "concatenated", "glu"
     splits = _row_local(result, params[1])
@@ -261,15 +255,7 @@ def _swiglu_expert_proof(forward, cls_name: str) -> tuple[str, str, str, str]:
     params = arg_names(tree)
     if len(params) != 2:
         raise Refusal(f"expert {cls_name}.forward takes {params[1:]}, not one input")
-    body = flatten_body(tree.body)
-    env: dict[str, ast.AST] = {}
-    for stmt in body[:-1]:
-        if not isinstance(stmt, (ast.Assign, ast.AugAssign)):
-            raise Refusal(f"expert {cls_name}.forward line {stmt.lineno} cannot be followed")
-        bind(stmt, env)
-    if not isinstance(body[-1], ast.Return):
-        raise Refusal(f"expert {cls_name}.forward does not end in a return")
-    expr = inline(body[-1].value, env)
+    expr = straight_line_result(tree, f"expert {cls_name}.forward")
     x = params[1]
 
     def proj(node) -> str | None:

@@ -44,20 +44,7 @@ def _explicit(module: nn.Module, names: tuple[str, ...]) -> dict[str, object]:
 
 def _returns_topk_indices(tree: ast.FunctionDef) -> bool:
     """Every ``return`` is a 3-tuple whose last item is the index half of a ``topk`` result."""
-    env: dict[str, list[ast.AST]] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    env.setdefault(target.id, []).append(node.value)
-                elif isinstance(target, ast.Tuple):
-                    for i, elt in enumerate(target.elts):
-                        if isinstance(elt, ast.Name):
-                            env.setdefault(elt.id, []).append(
-                                ast.Subscript(value=node.value, slice=ast.Constant(i), ctx=ast.Load())
-                            )
-        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-            env.setdefault(node.target.id, []).append(node)  # never a topk index
+    env = assignments([tree])
 
     def is_topk_index(expr: ast.AST) -> bool:
         if isinstance(expr, ast.Name):
@@ -146,12 +133,7 @@ def _topk_norm(tree: ast.FunctionDef) -> str:
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "norm_topk_prob" in ast.unparse(node.test):
             conditional |= {id(n) for s in node.body for n in ast.walk(s)}
-    assigned: dict[str, list[ast.AST]] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    assigned.setdefault(target.id, []).append(node.value)
+    assigned = assignments([tree])
     norms = [
         n for n in ast.walk(tree) if isinstance(n, (ast.BinOp, ast.AugAssign)) and _divides_by_sum(n, assigned)
     ]

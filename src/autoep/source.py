@@ -146,13 +146,36 @@ CASTS = {"float", "to", "type", "half", "bfloat16", "double"}
 
 
 def assignments(trees: list[ast.FunctionDef]) -> dict[str, list[ast.AST]]:
+    """Every value each local name is given anywhere in ``trees`` (tuple targets element by element;
+    an in-place update records the update itself, which matches no pattern a proof looks for)."""
     out: dict[str, list[ast.AST]] = {}
     for tree in trees:
         for node in ast.walk(tree):
-            if isinstance(node, ast.Assign):
-                for target in node.targets:
-                    if isinstance(target, ast.Name):
-                        out.setdefault(target.id, []).append(node.value)
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                out.setdefault(node.target.id, []).append(node)
+            if not isinstance(node, ast.Assign):
+                continue
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    out.setdefault(target.id, []).append(node.value)
+                elif isinstance(target, ast.Tuple):
+                    literal = isinstance(node.value, ast.Tuple) and len(node.value.elts) == len(target.elts)
+                    for i, elt in enumerate(target.elts):
+                        if isinstance(elt, ast.Name):
+                            value = node.value.elts[i] if literal else ast.Subscript(
+                                value=node.value, slice=ast.Constant(i), ctx=ast.Load())
+                            out.setdefault(elt.id, []).append(value)
     return out
 
 
+def straight_line_result(tree: ast.FunctionDef, what: str) -> ast.AST:
+    """The returned expression of a body of assignments ending in ``return``, inlined over the inputs."""
+    body = flatten_body(tree.body)
+    env: dict[str, ast.AST] = {}
+    for stmt in body[:-1]:
+        if not isinstance(stmt, (ast.Assign, ast.AugAssign)):
+            raise Refusal(f"{what} line {stmt.lineno} cannot be followed (not an assignment)")
+        bind(stmt, env)
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        raise Refusal(f"{what} does not end in a return")
+    return inline(body[-1].value, env)

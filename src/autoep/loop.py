@@ -12,6 +12,7 @@ Helpers take models, meshes, groups and plain values; only ``autoep.train`` read
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,6 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
+
+from autoep.pretrained import expert_rows
+from autoep.recipes.module_list import StackedSwiGLUExperts
 
 
 def causal_lm_loss(model: nn.Module, input_ids_BL: Tensor, aux_loss_coef: float = 0.0) -> Tensor:
@@ -95,10 +99,13 @@ def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_rati
 
 
 class ExpertLoad:
-    """Counts tokens per routed expert by watching each block's ``experts(hidden, top_k_index, ...)`` call.
+    """Counts tokens per routed expert, summed over layers and ranks.
 
-    Blocks whose recipe replaces the whole block forward (ModuleList experts) never call it; they are
-    not counted (``layers`` says how many were).
+    Blocks that keep their own forward call ``experts(hidden, top_k_index, ...)``: this rank's routed
+    (token, expert) pairs are counted there. Blocks whose whole forward the module_list recipe replaced
+    call ``experts(x_SD, tokens_per_local_expert)`` on the rows the exchange brought to this rank's own
+    experts: those counts land at the rank's expert offset. Summed over the world, both give the same
+    global tokens per expert (``edp`` replicas hold disjoint tokens).
     """
 
     def __init__(self, model: nn.Module, block_names: list[str], num_experts: int):
@@ -107,9 +114,17 @@ class ExpertLoad:
         self.layers = 0
         for name in block_names:
             experts = getattr(model.get_submodule(name), "experts", None)
-            if isinstance(experts, nn.Module):
+            if isinstance(experts, StackedSwiGLUExperts):
+                rows = expert_rows(experts.gate_up_proj)
+                experts.register_forward_pre_hook(functools.partial(self._local_hook, rows.start if rows else 0))
+                self.layers += 1
+            elif isinstance(experts, nn.Module):
                 experts.register_forward_pre_hook(self._hook, with_kwargs=True)
                 self.layers += 1
+
+    def _local_hook(self, first_expert: int, module, args):
+        tokens_per_local_expert = args[1]
+        self.counts_E[first_expert:first_expert + len(tokens_per_local_expert)] += tokens_per_local_expert.detach().cpu()
 
     def _hook(self, module, args, kwargs):
         top_k_index = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))

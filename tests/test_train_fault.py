@@ -4,7 +4,8 @@ resuming from the last checkpoint loses no completed step and continues the same
 Two ``python -m autoep.train`` processes are launched the way torchrun launches them (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR/PORT``), but without torchrun, whose agent would kill the survivor itself
 and hide what the trainer does. The test-only hook ``AUTOEP_FAULT_STEP=<rank>:<step>`` (autoep.train)
-makes rank 1 ``os._exit(1)`` after its forward of step 3, while rank 0 waits in the backward's exchange.
+makes rank 1 ``os._exit(1)`` after its forward of step 3, while rank 0 waits in the backward's exchange
+(``1:3:hang``: rank 1 stays alive but silent, so only the collective timeout can end rank 0's wait).
 """
 from __future__ import annotations
 
@@ -85,3 +86,15 @@ def test_dead_rank_fails_the_other_within_timeout_and_resume_loses_no_step(tmp_p
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[*COMMON, "data.batch_size=4", f"run_dir={tmp_path}/uninterrupted"])
     torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]), torch.tensor(train(cfg)["losses"]))
+
+
+def test_hung_rank_fails_the_other_after_the_configured_timeout(tmp_path):
+    procs = launch(tmp_path / "run", fault="1:3:hang")
+    try:
+        exited = wait_all(procs[:1], limit_s=120)
+        log = procs[0].stderr.read()
+        assert exited[0] is not None and procs[0].returncode != 0, log[-2000:]
+        assert procs[1].poll() is None  # rank 1 is still stuck: rank 0 gave up on its own
+        assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in log, log[-2000:]  # trainer.timeout_s, not a default
+    finally:
+        wait_all(procs, limit_s=0)

@@ -200,10 +200,14 @@ FAULT_ENV = "AUTOEP_FAULT_STEP"
 
 def die_if_fault_injected(rank: int, step: int) -> None:
     """TEST-ONLY fault hook: ``AUTOEP_FAULT_STEP=<rank>:<step>`` makes that rank ``os._exit(1)`` mid-step
-    (after its forward, before the backward's exchanges), as a crashed or killed worker would. Never set it
+    (after its forward, before the backward's exchanges), as a crashed or killed worker would;
+    ``<rank>:<step>:hang`` makes it sleep there instead, as a stuck worker would. Never set it
     in a real run; tests use it to prove the other ranks fail within ``trainer.timeout_s`` instead of hanging."""
-    if os.environ.get(FAULT_ENV) == f"{rank}:{step}":
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec == f"{rank}:{step}":
         os._exit(1)
+    if spec == f"{rank}:{step}:hang":  # alive but silent: the others must give up after trainer.timeout_s
+        time.sleep(10 * 24 * 3600)
 
 
 def resume(spec: str | None, out: Path, model, optimizer, schedule, loader) -> int:

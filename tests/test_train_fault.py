@@ -70,6 +70,8 @@ def test_dead_rank_fails_the_other_within_timeout_and_resume_loses_no_step(tmp_p
     assert exited[0] is not None, "rank 0 hung after rank 1 died"
     assert procs[0].returncode != 0 and exited[0] - exited[1] < TIMEOUT_S + 5, logs[0][-2000:]
     assert "remote worker" in logs[0] or "timed out" in logs[0].lower(), logs[0][-2000:]  # gloo: peer closed or reset
+    assert procs[0].returncode == 3 and "autoep-train: error: rank 0 failed in step 3" in logs[0], logs[0][-2000:]
+    assert "resume with trainer.resume=latest" in logs[0]
     # Steps 1 and 2 completed (and were checkpointed); step 3 was not: nothing of it is logged or saved.
     metrics = run_dir / "metrics.jsonl"
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]

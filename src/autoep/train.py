@@ -161,41 +161,56 @@ def run_loop(cfg: DictConfig, model, mesh, out: Path, rank: int, world: int, dev
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None
     losses, tokens_per_step = [], d.batch_size * d.seq_len * world * t.grad_accum
     model.train()
-    for step in range(start, t.steps):
-        t0 = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for _ in range(t.grad_accum):
-            loss = loop.causal_lm_loss(model, loader.next().to(device), o.aux_loss_coef)
-            die_if_fault_injected(rank, step + 1)
-            (loss / (world * t.grad_accum)).backward()
-            loss_sum += loss.detach().double().cpu()
-        loop.reduce_grads(dense, expert, world_group, edp_group)
-        grad_norm = loop.clip_grad_norm(dense, expert, o.grad_clip, ep_group)
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        if world_group is not None:
-            dist.all_reduce(loss_sum, group=world_group)  # NOTE: collective; the global mean loss for logging
-        step_loss = loss_sum.item() / (world * t.grad_accum)
-        losses.append(step_loss)
-        row = {"step": step + 1, "loss": step_loss, "grad_norm": grad_norm, "lr": lr,
-               "tokens_per_s": tokens_per_step / (time.perf_counter() - t0), **(load.collect(world_group) if load else {})}
-        if metrics:
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start:
-                print(f"step {step + 1:>5}/{t.steps} | loss {step_loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
-                      f"| {row['tokens_per_s']:,.0f} tok/s | imbalance {row.get('load_imbalance', 0):.2f}", flush=True)
-        if t.ckpt_every and ((step + 1) % t.ckpt_every == 0 or step + 1 == t.steps):
-            checkpoint.save(ckpt_root, step + 1, model, optimizer,
-                            {"step": step + 1, "schedule": schedule.state_dict(), "data": loader.state_dict()})
+    step = start
+    try:
+        for step in range(start, t.steps):
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for _ in range(t.grad_accum):
+                loss = loop.causal_lm_loss(model, loader.next().to(device), o.aux_loss_coef)
+                die_if_fault_injected(rank, step + 1)
+                (loss / (world * t.grad_accum)).backward()
+                loss_sum += loss.detach().double().cpu()
+            loop.reduce_grads(dense, expert, world_group, edp_group)
+            grad_norm = loop.clip_grad_norm(dense, expert, o.grad_clip, ep_group)
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            if world_group is not None:
+                dist.all_reduce(loss_sum, group=world_group)  # NOTE: collective; the global mean loss for logging
+            step_loss = loss_sum.item() / (world * t.grad_accum)
+            losses.append(step_loss)
+            row = {"step": step + 1, "loss": step_loss, "grad_norm": grad_norm, "lr": lr,
+                   "tokens_per_s": tokens_per_step / (time.perf_counter() - t0), **(load.collect(world_group) if load else {})}
+            if metrics:
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start:
+                    print(f"step {step + 1:>5}/{t.steps} | loss {step_loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} "
+                          f"| {row['tokens_per_s']:,.0f} tok/s | imbalance {row.get('load_imbalance', 0):.2f}", flush=True)
+            if t.ckpt_every and ((step + 1) % t.ckpt_every == 0 or step + 1 == t.steps):
+                checkpoint.save(ckpt_root, step + 1, model, optimizer,
+                                {"step": step + 1, "schedule": schedule.state_dict(), "data": loader.state_dict()})
+    except RuntimeError as exc:
+        if world == 1:
+            raise
+        # A collective failed: on gloo/NCCL this is how a dead or hung peer shows up on the survivors.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PeerFailure(
+            f"rank {rank} failed in step {step + 1}: {first}\nAnother rank probably died or hung (check its log). "
+            f"Every completed step up to the last checkpoint is kept under {ckpt_root}; resume with "
+            f"trainer.resume=latest run_dir={out}") from exc
     if metrics:
         metrics.close()
     return {"losses": losses, "run_dir": str(out), "step": t.steps, "rank": rank, "model": model}
 
 
 FAULT_ENV = "AUTOEP_FAULT_STEP"
+
+
+class PeerFailure(RuntimeError):
+    """A multi-rank step failed in a collective; the message says how to resume."""
 
 
 def die_if_fault_injected(rank: int, step: int) -> None:
@@ -235,6 +250,9 @@ def main(cfg: DictConfig) -> None:
     except (PlanError, checkpoint.CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"autoep-train: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except PeerFailure as e:
+        print(f"autoep-train: error: {e}", file=sys.stderr)
+        sys.exit(3)
     if result["rank"] == 0:
         print(f"run dir: {result['run_dir']}", flush=True)
 

@@ -100,10 +100,21 @@ class ResolvedConfig(TrainConfig):
     artifact: Optional[Artifact] = MISSING  # required: its absence means the file was cut short
 
 
+def hydra_run_dir(run_dir) -> str:
+    """Hydra's run dir: ``run_dir`` when given (so a run keeps all its files in one place), else
+    ``outputs/<date>/<time>`` as Hydra's default."""
+    import datetime
+
+    return str(run_dir) if run_dir else datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
+
+
 def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="resolved_schema", node=ResolvedConfig)
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("autoep.run_dir", hydra_run_dir, replace=True)
 
 
 register()

@@ -27,12 +27,17 @@ from autoep.recipes.module_list import StackedSwiGLUExperts
 
 
 def causal_lm_loss(model: nn.Module, input_ids_BL: Tensor, aux_loss_coef: float = 0.0) -> Tensor:
-    """Mean next-token cross entropy over this rank's tokens, plus the model's own aux loss if it returns one."""
-    out = model(input_ids=input_ids_BL, use_cache=False)
+    """Mean next-token cross entropy over this rank's tokens, plus ``aux_loss_coef`` times the model's own
+    load-balancing loss (asked for with ``output_router_logits=True``; computed on this rank's tokens)."""
+    kwargs = {"output_router_logits": True} if aux_loss_coef else {}
+    out = model(input_ids=input_ids_BL, use_cache=False, **kwargs)
     logits_BLV = out.logits if hasattr(out, "logits") else out
     loss = F.cross_entropy(logits_BLV[:, :-1].flatten(0, 1).float(), input_ids_BL[:, 1:].flatten())
-    aux = getattr(out, "aux_loss", None)
-    if aux is not None and aux_loss_coef:
+    if aux_loss_coef:
+        aux = getattr(out, "aux_loss", None)
+        if aux is None:
+            raise ValueError(f"optim.aux_loss_coef={aux_loss_coef} but {type(model).__name__} returns no aux_loss "
+                             f"with output_router_logits=True; set optim.aux_loss_coef=0")
         loss = loss + aux_loss_coef * aux
     return loss
 

@@ -6,6 +6,8 @@ One spawned 2-rank group runs every distributed case; the single-process cases c
 """
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -154,3 +156,21 @@ def test_cli_default_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "autoep.train", "parallel.ep_size=2", f"run_dir={tmp_path}/bad"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "parallel.ep_size=2 does not divide the world size 1" in bad.stderr
+
+
+def test_torchrun_two_ranks_ep2(tmp_path):
+    """The README's torchrun form, literally (torch.distributed.run is torchrun's module), on CPU gloo."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    steps = 3
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(port), "-m", "autoep.train", "parallel.ep_size=2",
+                           f"trainer.steps={steps}", f"run_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert "model.layers.0.mlp" in proc.stdout and "autoep.recipes.batched.ep_batched_experts  4" in proc.stdout

@@ -7,10 +7,14 @@ Compute-fn factory contract (what a ``local_compute_fn._target_`` names):
 
     factory(module: nn.Module, *, ep_mesh: DeviceMesh, **kwargs) -> None
 
-The factory is called once per matched module by ``apply_plan`` after the expert parameters listed
-by the archetype have been sharded ``Shard(0)`` over ``ep_mesh``. It makes ``module`` EP-ready in
-place (binds a new forward on the block or on its experts) and returns nothing. ``kwargs`` are the
-keys written next to ``_target_`` in the config (for auto decisions: the table's kwargs).
+The factory is called once per matched module by ``apply_plan``. Parameter roles: the parameters
+registered directly on ``module.experts`` are the expert parameters (dim 0 = expert); ``apply_plan``
+shards them ``Shard(0)`` over ``ep`` before calling the factory. A recipe that restructures the experts
+(``module_list``: stacks a ModuleList into ``experts.gate_up_proj``/``experts.down_proj``) shards what it
+creates itself with ``autoep.apply.shard_expert_tensor``. Every other parameter of the block (router,
+shared branch) is dense. The factory makes ``module`` EP-ready in place (binds a new forward on the
+block or on its experts) and returns nothing. ``kwargs`` are the keys written next to ``_target_`` in
+the config (for auto decisions: the row's kwargs plus ``structure``, every MoeStructure field).
 """
 
 from __future__ import annotations
@@ -25,13 +29,10 @@ RECIPES = "autoep.recipes"
 
 @dataclass(frozen=True)
 class Archetype:
-    """One row: the factory ``_target_``, its kwargs, and the roles of the block's parameters."""
+    """One row: the factory ``_target_`` and its kwargs (parameter roles: see the module docstring)."""
 
     target: str
     kwargs: dict = field(default_factory=dict)
-    # Parameter names (relative to the block) whose dim 0 is the expert dim; sharded Shard(0) over ep.
-    # Everything else in the block is dense and replicated.
-    expert_params: str = "experts"  # "experts": every parameter under block.experts
 
 
 BATCHED = Archetype(target=f"{RECIPES}.batched.ep_batched_experts")
@@ -49,11 +50,6 @@ TABLE: dict[tuple[str, str], Archetype] = {
     ("softmax_topk", "module_list"): MODULE_LIST_BLOCK,
     ("sigmoid_group", "module_list"): MODULE_LIST_BLOCK,
 }
-
-
-def lookup_key(structure: MoeStructure) -> tuple:
-    """Every field changes the computation, so every field is part of the key."""
-    return tuple(sorted(structure.as_dict().items()))
 
 
 def archetype_for(structure: MoeStructure, cls_name: str = "module") -> Archetype:

@@ -1,5 +1,6 @@
 """The trainer end to end: EP=2 on 2 gloo ranks equals one process on the concatenated batch (loss
-curve and final weights), resume continues the same curve (same ep_size and resharded 2 -> 1),
+curve and final weights), with dense params replicated and with FSDP2 (``trainer.dense_sharding=fsdp2``),
+resume continues the same curve (same ep_size, resharded 2 -> 1, FSDP2 <-> replicated),
 and the failure modes (world not divisible by ep_size, missing/corrupt checkpoint, another model).
 
 One spawned 2-rank group runs every distributed case; the single-process cases compare against it.
@@ -40,10 +41,17 @@ def full_weights(model) -> dict[str, torch.Tensor]:
 
 
 def run(*overrides: str) -> dict:
+    from autoep.dense import is_expert
     from autoep.train import train
 
     result = train(compose_cfg(*overrides))
-    result["weights"] = full_weights(result.pop("model"))
+    model = result.pop("model")
+    result["dense_meshes"] = {p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None
+                              for p in model.parameters() if not is_expert(p)}
+    result["weights"] = full_weights(model)
+    metrics = Path(result["run_dir"]) / "metrics.jsonl"  # rank 0 writes it; Adam hides a grad scale error, the norm does not
+    rows = metrics.read_text().splitlines()[-len(result["losses"]):] if metrics.is_file() else []
+    result["grad_norms"] = [json.loads(line)["grad_norm"] for line in rows]
     return result
 
 
@@ -54,6 +62,11 @@ def ep2_worker(rank: int, world_size: int, tmp: str) -> dict:
                          f"trainer.resume={tmp}/ep2/checkpoints/step_00000002")
     out["accum"] = run("parallel.ep_size=2", "data.batch_size=2", "trainer.grad_accum=2", "trainer.steps=3",
                        f"run_dir={tmp}/accum2")
+    fsdp2 = ("parallel.ep_size=2", "data.batch_size=2", "trainer.dense_sharding=fsdp2")
+    out["fsdp2"] = run(*fsdp2, "trainer.ckpt_every=2", f"run_dir={tmp}/fsdp2")
+    out["fsdp2_resumed"] = run(*fsdp2, f"run_dir={tmp}/fsdp2", f"trainer.resume={tmp}/fsdp2/checkpoints/step_00000002")
+    out["fsdp2_from_replicate"] = run(*fsdp2, f"run_dir={tmp}/fsdp2_from_rep",
+                                      f"trainer.resume={tmp}/ep2/checkpoints/step_00000002")
     try:
         run("parallel.ep_size=4", f"run_dir={tmp}/bad")
     except PlanError as e:
@@ -92,6 +105,7 @@ def test_loss_falls_and_artifacts_written(single):
 def test_ep2_equals_single_process(ep2, single):
     _, r = ep2
     torch.testing.assert_close(torch.tensor(r["full"]["losses"]), torch.tensor(single["losses"]))
+    torch.testing.assert_close(torch.tensor(r["full"]["grad_norms"]), torch.tensor(single["grad_norms"]))
     assert_weights_equal(r["full"]["weights"], single["weights"])
 
 
@@ -113,6 +127,30 @@ def test_resume_reshards_ep2_to_ep1(ep2):
     resumed = run("data.batch_size=4", f"run_dir={tmp}/reshard", f"trainer.resume={tmp}/ep2/checkpoints/step_00000002")
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(r["full"]["losses"][2:]))
     assert_weights_equal(resumed["weights"], r["full"]["weights"])
+
+
+def test_fsdp2_dense_sharding_ep2_equals_single_process(ep2, single):
+    _, r = ep2
+    assert r["fsdp2"]["dense_meshes"] == {("dp",)} and r["full"]["dense_meshes"] == {None}
+    torch.testing.assert_close(torch.tensor(r["fsdp2"]["losses"]), torch.tensor(single["losses"]))
+    torch.testing.assert_close(torch.tensor(r["fsdp2"]["grad_norms"]), torch.tensor(single["grad_norms"]))
+    assert_weights_equal(r["fsdp2"]["weights"], single["weights"])
+
+
+def test_fsdp2_checkpoints_resume_and_reshard(ep2, single):
+    """An FSDP2 checkpoint resumes under FSDP2, loads into one replicated process (dense and experts
+    resharded), and a replicated ep=2 checkpoint resumes under FSDP2: all continue the same curve."""
+    tmp, r = ep2
+    for resumed in (r["fsdp2_resumed"], r["fsdp2_from_replicate"],
+                    run("data.batch_size=4", f"run_dir={tmp}/fsdp2_to_ep1",
+                        f"trainer.resume={tmp}/fsdp2/checkpoints/step_00000002")):
+        torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(single["losses"][2:]))
+        assert_weights_equal(resumed["weights"], single["weights"])
+
+
+def test_unknown_dense_sharding_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"trainer.dense_sharding='ddp' is not one of \['replicate', 'fsdp2'\]"):
+        run("trainer.dense_sharding=ddp", f"run_dir={tmp_path}")
 
 
 def test_world_not_divisible_by_ep_size(ep2):

@@ -1,7 +1,8 @@
 """The trainer beyond 2 ranks of the default model: a module_list (v4-style) model trained at ep_size=2 on 2
 ranks equals one process (losses, final weights, expert load), and 4 ranks at ep_size=2 (edp=2, what
 ``torchrun --nproc-per-node 4 -m autoep.train parallel.ep_size=2`` runs) equal one process, and resume
-of its checkpoint at ep_size=4 reshards the experts and continues the same curve.
+of its checkpoint at ep_size=4 reshards the experts and continues the same curve; FSDP2 dense sharding at
+edp=2 with gradient accumulation equals one process too.
 
 Each spawned group runs its cases once; the single-process references run in the test process.
 """
@@ -51,6 +52,8 @@ def four_rank_worker(rank: int, world_size: int, tmp: str) -> dict:
     out = {"edp2": run("parallel.ep_size=2", rows, "trainer.ckpt_every=2", f"run_dir={tmp}/edp2")}
     out["ep4"] = run("parallel.ep_size=4", rows, f"run_dir={tmp}/ep4",
                      f"trainer.resume={tmp}/edp2/checkpoints/step_00000002")
+    out["fsdp2_accum"] = run("parallel.ep_size=2", rows, "trainer.dense_sharding=fsdp2", "trainer.grad_accum=2",
+                             "trainer.steps=3", f"run_dir={tmp}/fsdp2_accum")
     return out
 
 
@@ -89,3 +92,11 @@ def test_four_ranks_edp2_equal_single_process_and_reshard_to_ep4(four_ranks):
     resumed = {"losses": single["losses"][2:], "weights": single["weights"]}
     for r in ranks:
         assert_same_training(r["ep4"], resumed)
+
+
+def test_four_ranks_edp2_fsdp2_with_grad_accum_equal_single_process(four_ranks):
+    """FSDP2 dense shards over 4 ranks, experts summed over edp=2, two micro-batches per step (one reduce-scatter)."""
+    tmp, ranks = four_ranks
+    single = run(f"data.batch_size={GLOBAL_ROWS}", "trainer.grad_accum=2", "trainer.steps=3", f"run_dir={tmp}/accum1")
+    for r in ranks:
+        assert_same_training(r["fsdp2_accum"], single)

@@ -74,6 +74,7 @@ class TrainerConfig:
     resume: Optional[str] = None  # a step_* checkpoint dir, "latest" (newest under run_dir), or null
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
     timeout_s: int = 300  # collective timeout: a dead rank makes the others fail after this, not hang
+    dense_sharding: str = "replicate"  # replicate (all-reduce) | fsdp2 (fully_shard over the world; experts stay on ep)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
+from autoep.dense import is_expert
 from autoep.pretrained import expert_rows
 from autoep.recipes.module_list import StackedSwiGLUExperts
 
@@ -43,11 +44,12 @@ def causal_lm_loss(model: nn.Module, input_ids_BL: Tensor, aux_loss_coef: float 
 
 
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense, expert) trainable parameters; experts are the ``DTensor`` ones ``apply_plan`` sharded."""
+    """(dense, expert) trainable parameters; experts are the DTensors ``apply_plan`` sharded on ``ep``
+    (dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under ``trainer.dense_sharding=fsdp2``)."""
     dense, expert = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (expert if isinstance(p, DTensor) else dense).append(p)
+            (expert if is_expert(p) else dense).append(p)
     return dense, expert
 
 
@@ -56,7 +58,13 @@ def local(t: Tensor) -> Tensor:
 
 
 def reduce_grads(dense: list[nn.Parameter], expert: list[nn.Parameter], world_group, edp_group) -> None:
-    """Sum dense grads over the world and expert grads over ``edp`` (one flat bucket each)."""
+    """Sum dense grads over the world and expert grads over ``edp`` (one flat bucket each).
+
+    Dense parameters FSDP2 sharded (``trainer.dense_sharding=fsdp2``, ``autoep.dense``) are skipped: FSDP
+    already reduce-scattered their grads over the world in backward. Replicated dense params (the
+    default, and the only choice for one process) take the plain all-reduce here.
+    """
+    dense = [p for p in dense if not isinstance(p, DTensor)]
     for params, group in ((dense, world_group), (expert, edp_group)):
         if not params or group is None or dist.get_world_size(group) == 1:
             continue
@@ -74,18 +82,27 @@ def reduce_grads(dense: list[nn.Parameter], expert: list[nn.Parameter], world_gr
 
 @torch.no_grad()
 def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], max_norm: float, ep_group) -> float:
-    """Clip to a global L2 norm (dense counted once, expert shards summed over ``ep``); returns the norm."""
+    """Clip to a global L2 norm (replicated dense counted once, FSDP2 dense shards summed over their ``dp``
+    mesh, expert shards summed over ``ep``); returns the norm, the same on every rank."""
     sq = torch.zeros((), dtype=torch.float64)
+    sharded_sq, sharded_group = torch.zeros((), dtype=torch.float64), None
     for p in dense:
-        if p.grad is not None:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):  # an FSDP2 shard (Shard(0) on the 1-D dp mesh; padding excluded)
+            sharded_sq += p.grad.to_local().double().pow(2).sum()
+            sharded_group = p.grad.device_mesh.get_group()
+        else:
             sq += p.grad.double().pow(2).sum()
+    if sharded_group is not None:
+        dist.all_reduce(sharded_sq, group=sharded_group)  # NOTE: collective; each rank holds 1/W of every dense grad
     expert_sq = torch.zeros((), dtype=torch.float64)
     for p in expert:
         if p.grad is not None:
             expert_sq += local(p.grad).double().pow(2).sum()
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
         dist.all_reduce(expert_sq, group=ep_group)  # NOTE: collective; each ep rank holds other experts
-    norm = float((sq + expert_sq).sqrt())
+    norm = float((sq + sharded_sq + expert_sq).sqrt())
     if max_norm and max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:

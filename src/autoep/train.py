@@ -1,13 +1,15 @@
 """``autoep-train``: train an MoE model with expert parallelism from the Hydra config tree.
 
 Compose -> build the model on meta -> ``resolve_plan`` -> rank 0 writes ``<run_dir>/resolved.yaml``,
-every rank checks the plan hash -> mesh ``(edp, ep)`` -> seeded weights -> ``apply_plan`` -> train.
+every rank checks the plan hash -> mesh ``(edp, ep)`` -> seeded weights -> ``apply_plan`` -> dense
+params replicated or FSDP2-sharded (``trainer.dense_sharding``, ``autoep.dense``) -> train.
 Commands (any Hydra override works)::
 
     autoep-train                                    # tiny Qwen3-MoE, CPU, one process, about a minute
     python -m autoep.train trainer.steps=50 data.batch_size=4 run_dir=runs/try
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2            # CPU: gloo, (edp, ep) = (1, 2)
     torchrun --nproc-per-node 4 -m autoep.train parallel.ep_size=2            # (edp, ep) = (2, 2)
+    torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2 trainer.dense_sharding=fsdp2   # dense: FSDP2
     autoep-train trainer.ckpt_every=50 run_dir=runs/a && autoep-train run_dir=runs/a trainer.resume=latest
 
 The run directory gets ``resolved.yaml``, ``metrics.jsonl`` (one line per step: loss, grad norm, lr,
@@ -36,6 +38,7 @@ from autoep import checkpoint, loop
 from autoep.apply import apply_plan
 from autoep.artifact import check_complete, check_plan_consistent, write_resolved
 from autoep.data import Loader, make_source
+from autoep.dense import check_dense_sharding, set_grad_sync, shard_dense
 from autoep.errors import PlanError
 from autoep.plan import CONF_DIR, format_table, plan_rows
 from autoep.pretrained import PretrainedError, load_pretrained, parameters_on_meta
@@ -123,12 +126,15 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
     Joins an initialised process group (tests) or torchrun's; destroys only a group it created.
     """
     check_complete(cfg, "the composed config")
+    check_dense_sharding(cfg.trainer.dense_sharding)
     rank, world, device, created = init_distributed(cfg.trainer.device, cfg.trainer.timeout_s)
     try:
         check_world(cfg.parallel.ep_size, world)
         out = Path(agree_run_dir(run_dir or cfg.run_dir))
         mesh = make_mesh(world, cfg.parallel.ep_size, device)
         model, cfg.parallel = build_model(cfg, mesh, device)
+        if cfg.trainer.dense_sharding == "fsdp2" and world > 1:  # one process: nothing to shard or reduce
+            shard_dense(model, [m for e in cfg.parallel.plan for m in e.decision.modules], world, device)
         write_resolved(cfg, out)
         check_plan_consistent(cfg.parallel)
         if rank == 0:
@@ -166,7 +172,8 @@ def run_loop(cfg: DictConfig, model, mesh, out: Path, rank: int, world: int, dev
         for step in range(start, t.steps):
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), dtype=torch.float64)
-            for _ in range(t.grad_accum):
+            for micro in range(t.grad_accum):
+                set_grad_sync(model, micro == t.grad_accum - 1)  # FSDP2: reduce-scatter once, after the last
                 loss = loop.causal_lm_loss(model, loader.next().to(device), o.aux_loss_coef)
                 die_if_fault_injected(rank, step + 1)
                 (loss / (world * t.grad_accum)).backward()

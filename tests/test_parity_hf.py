@@ -48,6 +48,16 @@ def build_tiny_lm(family: str, seed: int = 0, dtype=torch.float32) -> nn.Module:
     return model.to(dtype)
 
 
+def build_tiny_family_lm(family: str, seed: int = 0) -> nn.Module:
+    """The family's own causal LM (or text model) from ``autoep.coverage.build_tiny_model``, random weights."""
+    from autoep.coverage import build_tiny_model
+
+    model, _ = build_tiny_model(family)
+    randomize_(model, seed)
+    eager_experts_(model)
+    return model
+
+
 def randomize_(model: nn.Module, seed: int) -> None:
     """Weights that make every path matter (HF inits some routers and biases to zero)."""
     g = torch.Generator().manual_seed(seed + 1)
@@ -75,22 +85,28 @@ def accepted_hf_classes() -> list[tuple[str, str, str, list[str]]]:
     return [(r.family, r.module, r.cls, r.configs) for r in parity_classes(survey())]
 
 
+def model_families() -> list[str]:
+    """Families whose tiny whole model ``build_tiny_model`` builds (``autoep.coverage`` lists the others)."""
+    from autoep.coverage import parity_families, survey
+
+    return parity_families(survey())
+
+
 def ep_plan(model: nn.Module, modules: list[str]) -> dict:
     """The resolved plan ``resolve_plan`` writes for these blocks (the detector's decision)."""
     from autoep.archetypes import compute_fn_config
     from autoep.structure import detect_moe_structure
 
-    structure = detect_moe_structure(model.get_submodule(modules[0]))
-    return {
-        "ep_size": dist.get_world_size(),
-        "plan": [
-            {
-                "match": "*",
-                "local_compute_fn": compute_fn_config(structure),
-                "decision": {"source": "auto", "structure": structure.as_dict(), "modules": modules},
-            }
-        ],
-    }
+    groups: dict[str, list[str]] = {}  # one entry per decision (ernie's text and vision experts differ)
+    for name in modules:
+        structure = detect_moe_structure(model.get_submodule(name))
+        groups.setdefault(repr(structure.as_dict()), []).append(name)
+    plan = []
+    for names in groups.values():
+        structure = detect_moe_structure(model.get_submodule(names[0]))
+        decision = {"source": "auto", "structure": structure.as_dict(), "modules": names}
+        plan.append({"match": "*", "local_compute_fn": compute_fn_config(structure), "decision": decision})
+    return {"ep_size": dist.get_world_size(), "plan": plan}
 
 
 def moe_block_names(model: nn.Module) -> list[str]:
@@ -181,22 +197,57 @@ def _block_parity(rank: int, world_size: int, ref: nn.Module, D: int) -> None:
 
 def lm_loss(model: nn.Module, ids: torch.Tensor, num_targets: int) -> torch.Tensor:
     """Next-token loss summed over this rank's tokens, divided by the global target count (sums to the mean)."""
-    logits = model(input_ids=ids).logits.float()
+    out = model(input_ids=ids)
+    if hasattr(out, "logits"):
+        logits = out.logits.float()
+    else:  # a text base model (no causal LM class): score with the tied input embedding
+        logits = (out.last_hidden_state @ model.get_input_embeddings().weight.T).float()
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum") / num_targets
 
 
 def model_case(rank: int, world_size: int, family: str, dtype=torch.float32, tol=None) -> None:
+    _model_parity(rank, world_size, build_tiny_lm(family, dtype=dtype), lambda m, _: moe_block_names(m), tol)
+
+
+# Whole-model tolerances, each measured. qwen3_next: its gated-delta-net linear attention (torch chunked
+# fallback) is not batch-invariant in fp32: the plain model, no EP, on the 4 sequences at once vs on the
+# [3, 1] split differs by up to 8.0e-5 absolute (conv1d.weight grad, values up to 19.5; embed grad 3.2e-5),
+# the same order as EP vs reference (2.6e-5 relative). Tolerance: a few times that, far below a routing or
+# combine error (O(1e-1)).
+MODEL_TOL = {"qwen3_next": {"atol": 5e-4, "rtol": 1e-4}}
+
+
+def hf_model_case(rank: int, world_size: int, family: str) -> None:
+    _model_parity(rank, world_size, build_tiny_family_lm(family), reached_moe_blocks, MODEL_TOL.get(family))
+
+
+def reached_moe_blocks(model: nn.Module, ids: torch.Tensor) -> list[str]:
+    """The accepted MoE blocks a text forward calls (ernie's vision experts see no text token: an EP block
+    never called exchanges nothing and has no grad, like the reference's)."""
+    from autoep.coverage import moe_blocks
+
+    model = copy.deepcopy(model)  # a forward may update buffers (routing bias): leave the caller's untouched
+    called = []
+    handles = [model.get_submodule(n).register_forward_hook(lambda *_, n=n: called.append(n)) for n in moe_blocks(model)]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in handles:
+        h.remove()
+    return list(dict.fromkeys(called))
+
+
+def _model_parity(rank: int, world_size: int, ref: nn.Module, blocks_of, tol) -> None:
     from autoep.apply import apply_plan
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
-    ref = build_tiny_lm(family, dtype=dtype).train()
+    ref.train()
     seqs = MODEL_SEQS[world_size]
     ids = torch.randint(0, ref.config.vocab_size, (sum(seqs), SEQ_LEN), generator=torch.Generator().manual_seed(3))
     num_targets = ids.shape[0] * (SEQ_LEN - 1)
     lo, hi = sum(seqs[:rank]), sum(seqs[: rank + 1])
 
     ep_model = copy.deepcopy(ref)
-    apply_plan(ep_model, ep_plan(ep_model, moe_block_names(ep_model)), mesh)
+    apply_plan(ep_model, ep_plan(ep_model, blocks_of(ep_model, ids)), mesh)
 
     loss_ref = lm_loss(ref, ids, num_targets)
     loss_ref.backward()
@@ -219,8 +270,11 @@ def model_case(rank: int, world_size: int, family: str, dtype=torch.float32, tol
 BF16_TOL = {"atol": 5e-2, "rtol": 5e-2}
 
 
-def parity_cases(rank: int, world_size: int, hf_classes: list) -> dict:
+def parity_cases(rank: int, world_size: int, hf_classes: list, hf_families: list) -> dict:
     results = {}
+    for family in hf_families:
+        if family not in FAMILIES:  # those run from conf/model below
+            guarded(results, f"hf_model/{family}", hf_model_case, rank, world_size, family)
     for family, module_name, cls_name, config_paths in hf_classes:
         guarded(results, f"hf_block/{family}/{cls_name}", hf_class_case, rank, world_size, module_name, cls_name, config_paths)
     for family in FAMILIES:
@@ -235,18 +289,24 @@ def parity_cases(rank: int, world_size: int, hf_classes: list) -> dict:
 # ---------------------------------------------------------------- tests
 
 _RESULTS: dict[int, dict] = {}
-_HF_CLASSES: list = []
+_HF: dict[str, list] = {}
 
 
 def _hf_classes() -> list:
-    if not _HF_CLASSES:
-        _HF_CLASSES.extend(accepted_hf_classes())
-    return _HF_CLASSES
+    if "classes" not in _HF:
+        _HF["classes"] = accepted_hf_classes()
+    return _HF["classes"]
+
+
+def _hf_families() -> list:
+    if "families" not in _HF:
+        _HF["families"] = model_families()
+    return _HF["families"]
 
 
 def _results(world_size: int) -> dict:
     if world_size not in _RESULTS:
-        _RESULTS[world_size] = run_cases(world_size, "test_parity_hf:parity_cases", _hf_classes())
+        _RESULTS[world_size] = run_cases(world_size, "test_parity_hf:parity_cases", _hf_classes(), _hf_families())
     return _RESULTS[world_size]
 
 
@@ -285,7 +345,27 @@ def test_every_accepted_transformers_block(world_size):
     )
 
 
+# Families whose whole-model parity fails for a known reason (see the reason); still run, must still fail.
+MODEL_XFAIL: dict[str, str] = {}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_accepted_family_whole_model(world_size):
+    """Whole tiny causal-LM parity (loss, every parameter grad) for every family whose tiny model builds."""
+    results = _results(world_size)
+    ran = sorted(n.partition("/")[2] for n in results if n.startswith("hf_model/"))
+    assert set(ran) == set(_hf_families()) - set(FAMILIES), "some family's whole-model case did not run"
+    assert len(ran) + len(FAMILIES) >= 40, f"only {len(ran)} families built a tiny whole model"
+    failed = {f: results[f"hf_model/{f}"] for f in ran if results[f"hf_model/{f}"] and f not in MODEL_XFAIL}
+    fixed = [f for f in MODEL_XFAIL if f in ran and not results[f"hf_model/{f}"]]
+    assert not fixed, f"{fixed} now pass at world_size={world_size}: remove them from MODEL_XFAIL"
+    assert not failed, f"{len(failed)}/{len(ran)} failed at world_size={world_size}:\n" + "\n".join(
+        f"{f}: {e[0].strip().splitlines()[-1]}" for f, e in failed.items()
+    )
+
+
 def test_whole_model_parity_covers_every_shipped_model_config():
     from autoep.coverage import shipped_model_families
 
     assert sorted(FAMILIES) == shipped_model_families()  # docs/coverage.md claims model parity for these
+

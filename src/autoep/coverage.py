@@ -35,6 +35,7 @@ class Row:
     module: str = ""  # import path of the class's module
     configs: list[str] = field(default_factory=list)  # import paths of the family's config classes
     untested: str = ""  # accepted but not parity-tested: why
+    model_untested: str = ""  # the family's whole tiny causal LM is not parity-tested: why
 
     @property
     def decision(self) -> str:
@@ -128,6 +129,8 @@ TINY = {
     "num_shared_experts": 1, "moe_num_shared_experts": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 8, "vocab_size": 128, "num_hidden_layers": 2,
 }
+# Keys a config may leave None when their layers are switched off by default (indexers): set for the tiny model.
+NONE_PER_LAYER = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 # Keys a config may leave None when its default is dense; a tiny build switches them on.
 MAY_BE_NONE = ("num_experts_per_tok", "n_group", "topk_group", "n_routed_experts", "num_experts",
                "num_local_experts", "moe_intermediate_size", "intermediate_size", "n_shared_experts")
@@ -183,12 +186,174 @@ def _build(cls: type, configs: list[type], *, shrink: bool, device: str):
     raise RuntimeError(f"could not build from {[c.__name__ for c in configs]}: {type(last).__name__}: {last}")
 
 
+# Switches that make every layer of a tiny model MoE (only keys the config already has are set).
+ALL_LAYERS_MOE = {
+    "first_k_dense_replace": 0, "num_dense_layers": 0, "moe_layer_start_index": 0, "moe_layer_end_index": 1,
+    "decoder_sparse_step": 1, "moe_layer_freq": 1, "moe_layer_interval": 1, "mlp_only_layers": [],
+}
+# Attention sizes of the tiny model (MLA ranks, indexers) that TINY's block-level keys do not cover.
+TINY_ATTENTION = {
+    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+    "index_head_dim": 8, "index_n_heads": 2, "index_topk": 4, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "index_kpool": 2,
+    "linear_head_dim": 8, "linear_num_heads": 4,
+    "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+    "indexer_compress_ratio": 2, "num_sliding_attention_heads": 4, "mamba_n_heads": 4, "mamba_d_state": 8,
+    "num_expert_group": 2, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1,
+    "expert_layer_offset": 0,
+}
+# Sizes a family ties together in ways no generic rule above keeps (checked by its config's validator).
+FAMILY_TINY = {
+    "dots3_note": {"head_dim": 16},  # SWA head_dim = qk_nope_head_dim + qk_rope_head_dim
+    "lfm2_moe": {"layer_types": ["full_attention", "conv"]},  # its default layer_types is None
+}
+MODEL_SUFFIXES = ("ForCausalLM", "TextModel", "Model")  # preference order of the family's own classes
+
+
+def build_tiny_model(family: str):
+    """``(model, config)``: the family's text causal LM (or, where it has none, its text base model)
+    from its own config class shrunk by ``TINY`` to 2 layers, every layer MoE, on CPU with real tensors.
+    Raises RuntimeError naming the last failure when no class of the family builds to a model with a
+    block the detector accepts."""
+    tried = []
+    for cls in _model_classes(family):
+        try:
+            config = _tiny_model_config(cls, FAMILY_TINY.get(family, {}))
+            with torch.device("cpu"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.manual_seed(0)
+                model = cls(config)
+        except Exception as exc:  # noqa: BLE001 - the next candidate class
+            tried.append(f"{cls.__name__}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+            continue
+        if moe_blocks(model):
+            return model, config
+        tried.append(f"{cls.__name__} has no block the detector accepts")
+    raise RuntimeError("; ".join(tried) or "no causal LM or text model class")
+
+
+def _model_classes(family: str) -> list[type]:
+    """The family's text-only model classes: causal LMs (transformers' auto mapping first, then any
+    ``*ForCausalLM`` of its modeling module), then text base models."""
+    from transformers import PreTrainedModel
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    package = importlib.import_module(f"transformers.models.{family}")
+    found: list[type] = []
+    for sub in pkgutil.iter_modules(package.__path__):
+        if sub.name.startswith("modeling_"):
+            mod = importlib.import_module(f"{package.__name__}.{sub.name}")
+            found += [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
+                      and c.__module__ == mod.__name__ and _text_only(getattr(c, "config_class", None))]
+    mapped = {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(c.config_class.model_type) for c in found}
+    ranked = sorted(found, key=lambda c: (c.__name__ not in mapped, _suffix_rank(c.__name__), c.__name__))
+    return [c for c in ranked if _suffix_rank(c.__name__) < len(MODEL_SUFFIXES) and "PreTrained" not in c.__name__]
+
+
+def _suffix_rank(name: str) -> int:
+    return next((i for i, s in enumerate(MODEL_SUFFIXES) if name.endswith(s)), len(MODEL_SUFFIXES))
+
+
+def _text_only(config_cls) -> bool:
+    if config_cls is None or not isinstance(config_cls, type):
+        return False
+    sub = getattr(config_cls, "sub_configs", None) or {}
+    return not sub and "vision" not in config_cls.__name__.lower() and "audio" not in config_cls.__name__.lower()
+
+
+def _tiny_model_config(model_cls: type, overrides: dict):
+    """``config_cls`` rebuilt with tiny sizes, 2 layers, every layer MoE; per-layer lists cut to 2 layers
+    (attention kinds: the first two distinct ones, so a hybrid model keeps both)."""
+    config_cls = model_cls.config_class
+    default = config_cls().to_dict()  # plain values: a per-layer config's getattr may refuse global reads
+    kwargs = {}
+    for key, value in {**TINY, **TINY_ATTENTION}.items():
+        cur = default.get(key, "absent")
+        if isinstance(cur, int) and not isinstance(cur, bool) and cur == 0:
+            continue  # a size of 0 switches a part off (glm5_next's NoPE attention): keep it off
+        if (isinstance(cur, int) and not isinstance(cur, bool)) or (cur is None and key in MAY_BE_NONE + NONE_PER_LAYER):
+            kwargs[key] = value
+        elif isinstance(cur, list) and cur and all(isinstance(v, int) for v in cur):
+            kwargs[key] = [value] * len(cur)  # one size per modality (ernie's text and vision experts)
+    kwargs.update({k: v for k, v in ALL_LAYERS_MOE.items() if k in default})
+    kwargs.update(_tiny_relations(default, kwargs))
+    n = kwargs["num_hidden_layers"] = 2
+    for key, value in default.items():
+        if isinstance(value, list) and len(value) == default["num_hidden_layers"] and key.endswith("_types"):
+            kinds = list(dict.fromkeys(value))
+            if key == "mlp_layer_types":
+                kinds = [k for k in kinds if "dense" not in str(k)] or kinds
+            kwargs[key] = (kinds * n)[:n]
+    if default.get("per_layer_config"):
+        kwargs["per_layer_config"] = {}  # one tiny shape for every layer
+    if "mlp_layer_types" in default and default["mlp_layer_types"] is None:
+        kwargs["mlp_layer_types"] = ["sparse"] * n
+    if default.get("sliding_window", 0) is None:
+        kwargs["sliding_window"] = 4
+    kwargs["use_cache"] = False  # training: no cache (hybrid caches refuse a model without attention layers)
+    kwargs.update(overrides)
+    if "mrope_section" in inspect.getsource(inspect.getmodule(model_cls)):
+        kwargs["rope_parameters"] = _tiny_mrope(default, {**kwargs, **overrides})
+    return config_cls(**kwargs)
+
+
+def _tiny_mrope(default: dict, tiny: dict) -> dict:
+    """Multimodal rope: (time, height, width) sections that fill the tiny rotary half-dim."""
+    rope = dict(default.get("rope_parameters") or {})
+    rotary = tiny.get("qk_rope_head_dim") or int(tiny.get("head_dim", 8) * rope.get("partial_rotary_factor", 1.0))
+    half = rotary // 2
+    rope["mrope_section"] = [1, 1, half - 2]
+    return rope
+
+
+def _tiny_relations(default: dict, tiny: dict) -> dict:
+    """Sizes the family ties together, kept tied: MHA stays MHA (MLA needs it), an MLA ``head_dim`` stays
+    the rope part or the whole query-key head."""
+    out = {}
+    if default.get("num_key_value_heads") == default.get("num_attention_heads") and "num_key_value_heads" in tiny:
+        out["num_key_value_heads"] = tiny["num_attention_heads"]
+    for i, key in enumerate(("pad_token_id", "bos_token_id", "eos_token_id")):  # inside the tiny vocab
+        if isinstance(default.get(key), (int, list)) and "vocab_size" in tiny:
+            out[key] = i
+    rope, nope = default.get("qk_rope_head_dim"), default.get("qk_nope_head_dim")
+    if "head_dim" in tiny and rope and nope and default.get("head_dim") == rope + nope:
+        out["head_dim"] = tiny["qk_rope_head_dim"] + tiny["qk_nope_head_dim"]
+    return out
+
+
+def moe_blocks(model: nn.Module) -> dict[str, MoeStructure]:
+    """Every outermost module with ``experts`` the detector accepts, by name."""
+    found: dict[str, MoeStructure] = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "experts") or any(name.startswith(f"{n}.") for n in found):
+            continue
+        try:
+            found[name] = detect_moe_structure(module)
+        except UnsupportedModuleStructure:
+            continue
+    return found
+
+
 def shipped_model_families() -> list[str]:
     """Families with a tiny whole-model config in conf/model (each gets whole-model parity)."""
     from pathlib import Path
 
     folder = Path(__file__).resolve().parent / "conf" / "model"
     return sorted(p.stem for p in folder.glob("*.yaml") if "config_class:" in p.read_text())
+
+
+def parity_families(rows: list["Row"]) -> list[str]:
+    """Families with an accepted class whose whole tiny model builds (each gets whole-model parity)."""
+    return sorted({r.family for r in rows if r.structure is not None and not r.model_untested})
+
+
+def _tiny_model_classes(family: str) -> tuple[set[str], str]:
+    """(classes of the accepted blocks in the family's tiny whole model, why it has none: "" when built)."""
+    try:
+        model, _ = build_tiny_model(family)
+    except Exception as exc:  # noqa: BLE001 - any failure of the family's own code is the reason
+        return set(), f"no tiny model: {str(exc)[:160]}"
+    return {type(model.get_submodule(n)).__name__ for n in moe_blocks(model)}, ""
 
 
 def parity_classes(rows: list["Row"]) -> list["Row"]:
@@ -209,7 +374,7 @@ def _tiny_mismatch(cls: type, configs: list[type]) -> str:
 
 def survey(tiny: bool = True) -> list[Row]:
     """Every MoE block class, its decision on meta, and (``tiny``) whether its tiny CPU build can be parity-tested."""
-    rows = []
+    rows, model_classes = [], {}
     for family, cls, configs in moe_block_classes():
         row = Row(family, cls.__name__)
         row.module, row.configs = cls.__module__, [f"{c.__module__}.{c.__name__}" for c in configs]
@@ -225,6 +390,11 @@ def survey(tiny: bool = True) -> list[Row]:
             row.reason = exc.reason
         if row.structure is not None and tiny:
             row.untested = _tiny_mismatch(cls, configs)
+            if family not in model_classes:
+                model_classes[family] = _tiny_model_classes(family)
+            classes, why = model_classes[family]
+            row.model_untested = why or ("" if cls.__name__ in classes else
+                                         f"the family's tiny text model has no {cls.__name__} (e.g. a vision tower)")
         rows.append(row)
     return sorted(rows, key=lambda r: (r.family, r.cls))
 
@@ -242,13 +412,13 @@ def markdown(rows: list[Row]) -> str:
         "Parity (outputs, input grads, router/shared grads summed over ranks, expert grads gathered; fp32,",
         "default `assert_close`) is asserted in CI by `tests/test_parity_hf.py` on 2 and 4 gloo ranks with",
         "uneven tokens per rank: *block* for every accepted class built tiny from its own config, *model*",
-        "(loss and every parameter gradient of a 2-layer causal LM) for the families with a config in",
-        "`conf/model/`. Refused classes run nothing.",
+        "(loss and every parameter gradient of a 2-layer causal LM, every layer MoE) for every family with",
+        "an accepted class: its `conf/model/` config where one ships, else its own causal LM (or text model)",
+        "class built by `autoep.coverage.build_tiny_model`. Refused classes run nothing.",
         "",
         "| family | class | decision (router, shared, storage, jitter) | layout facts | parity | reason refused |",
         "|---|---|---|---|---|---|",
     ]
-    families = set(shipped_model_families())
     for r in rows:
         facts = ""
         if r.structure is not None:
@@ -258,7 +428,7 @@ def markdown(rows: list[Row]) -> str:
         tested = ""
         if r.structure is not None:
             tested = f"not tested: {r.untested}" if r.untested else "block 2+4 ranks"
-            tested += ", model 2+4 ranks" if r.family in families and not r.untested else ""
+            tested += f", model: not tested: {r.model_untested}" if r.model_untested else ", model 2+4 ranks"
         lines.append(f"| {r.family} | {r.cls} | {r.decision} | {facts} | {tested} | {reason} |")
     return "\n".join(lines) + "\n"
 

@@ -49,8 +49,8 @@ def build_tiny_lm(family: str, seed: int = 0, dtype=torch.float32) -> nn.Module:
 
 
 def build_tiny_family_lm(family: str, seed: int = 0) -> nn.Module:
-    """The family's own causal LM (or text model) from ``autoep.coverage.build_tiny_model``, random weights."""
-    from autoep.coverage import build_tiny_model
+    """The family's own causal LM (or text model) from ``autoep.tiny.build_tiny_model``, random weights."""
+    from autoep.tiny import build_tiny_model
 
     model, _ = build_tiny_model(family)
     randomize_(model, seed)
@@ -155,7 +155,7 @@ def block_case(rank: int, world_size: int, family: str) -> None:
 def hf_class_case(rank: int, world_size: int, module_name: str, cls_name: str, config_paths: list[str]) -> None:
     import importlib
 
-    from autoep.coverage import build_block
+    from autoep.tiny import build_block
 
     cls = getattr(importlib.import_module(module_name), cls_name)
     configs = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in config_paths]
@@ -224,7 +224,7 @@ def hf_model_case(rank: int, world_size: int, family: str) -> None:
 def reached_moe_blocks(model: nn.Module, ids: torch.Tensor) -> list[str]:
     """The accepted MoE blocks a text forward calls (ernie's vision experts see no text token: an EP block
     never called exchanges nothing and has no grad, like the reference's)."""
-    from autoep.coverage import moe_blocks
+    from autoep.tiny import moe_blocks
 
     model = copy.deepcopy(model)  # a forward may update buffers (routing bias): leave the caller's untouched
     called = []

@@ -145,6 +145,34 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
             dist.destroy_process_group()
 
 
+def train_step(model, loader, optimizer, schedule, *, params, groups, rank: int, world: int, step: int, device,
+               cfg: DictConfig) -> tuple[float, float, float]:
+    """One optimiser step over ``trainer.grad_accum`` micro-batches; returns (global mean loss, grad norm, lr).
+
+    Each rank back-propagates ``loss / (world * grad_accum)``, so summing gradients over ranks gives the
+    gradient of the global mean loss: dense gradients are summed over the world, expert gradients over
+    ``edp`` (their ``ep`` peers already contributed through the token exchange).
+    """
+    t, o = cfg.trainer, cfg.optim
+    (dense, expert), (world_group, edp_group, ep_group) = params, groups
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for micro in range(t.grad_accum):
+        set_grad_sync(model, micro == t.grad_accum - 1)  # FSDP2: reduce-scatter once, after the last
+        loss = loop.causal_lm_loss(model, loader.next().to(device), o.aux_loss_coef)
+        die_if_fault_injected(rank, step + 1)
+        (loss / (world * t.grad_accum)).backward()
+        loss_sum += loss.detach().double().cpu()
+    loop.reduce_grads(dense, expert, world_group, edp_group)
+    grad_norm = loop.clip_grad_norm(dense, expert, o.grad_clip, ep_group)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad(set_to_none=True)
+    if world_group is not None:
+        dist.all_reduce(loss_sum, group=world_group)  # NOTE: collective; the global mean loss for logging
+    return loss_sum.item() / (world * t.grad_accum), grad_norm, lr
+
+
 def run_loop(cfg: DictConfig, model, mesh, out: Path, rank: int, world: int, device) -> dict:
     t, o, d = cfg.trainer, cfg.optim, cfg.data
     world_group = dist.group.WORLD if world > 1 else None
@@ -171,22 +199,9 @@ def run_loop(cfg: DictConfig, model, mesh, out: Path, rank: int, world: int, dev
     try:
         for step in range(start, t.steps):
             t0 = time.perf_counter()
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            for micro in range(t.grad_accum):
-                set_grad_sync(model, micro == t.grad_accum - 1)  # FSDP2: reduce-scatter once, after the last
-                loss = loop.causal_lm_loss(model, loader.next().to(device), o.aux_loss_coef)
-                die_if_fault_injected(rank, step + 1)
-                (loss / (world * t.grad_accum)).backward()
-                loss_sum += loss.detach().double().cpu()
-            loop.reduce_grads(dense, expert, world_group, edp_group)
-            grad_norm = loop.clip_grad_norm(dense, expert, o.grad_clip, ep_group)
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            if world_group is not None:
-                dist.all_reduce(loss_sum, group=world_group)  # NOTE: collective; the global mean loss for logging
-            step_loss = loss_sum.item() / (world * t.grad_accum)
+            step_loss, grad_norm, lr = train_step(model, loader, optimizer, schedule, params=(dense, expert),
+                                                  groups=(world_group, edp_group, ep_group), rank=rank, world=world,
+                                                  step=step, device=device, cfg=cfg)
             losses.append(step_loss)
             row = {"step": step + 1, "loss": step_loss, "grad_norm": grad_norm, "lr": lr,
                    "tokens_per_s": tokens_per_step / (time.perf_counter() - t0), **(load.collect(world_group) if load else {})}

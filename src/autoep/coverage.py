@@ -151,7 +151,7 @@ def markdown(rows: list[Row]) -> str:
         "uneven tokens per rank: *block* for every accepted class built tiny from its own config, *model*",
         "(loss and every parameter gradient of a 2-layer causal LM, every layer MoE) for every family with",
         "an accepted class: its `conf/model/` config where one ships, else its own causal LM (or text model)",
-        "class built by `autoep.coverage.build_tiny_model`. Refused classes run nothing.",
+        "class built by `autoep.tiny.build_tiny_model`. Refused classes run nothing.",
         "",
         "| family | class | decision (router, shared, storage, jitter) | layout facts | parity | reason refused |",
         "|---|---|---|---|---|---|",

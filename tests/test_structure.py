@@ -307,13 +307,15 @@ def test_block_that_reads_expert_weights_directly_is_refused():
     assert "uses self.experts other than by calling it" in refusal(Peeking())
 
 
-def test_routing_constants_the_block_recipe_hard_codes_are_proven(tmp_path):
+@pytest.fixture
+def variant(tmp_path):
+    """``variant(base, method, old, new)``: a subclass of ``base`` whose ``method`` differs by one edit,
+    with its source on disk (the detector reads source, so an exec'd class would not do)."""
     import importlib.util
     import inspect
     import textwrap
 
-    def variant(base, method, old, new):
-        """A subclass of ``base`` whose ``method`` differs by one edit, with real source on disk."""
+    def make(base, method, old, new):
         src = textwrap.indent(textwrap.dedent(inspect.getsource(getattr(base, method))), "    ")
         assert old in src
         path = tmp_path / f"variant_{abs(hash((base, method, old, new)))}.py"
@@ -324,6 +326,10 @@ def test_routing_constants_the_block_recipe_hard_codes_are_proven(tmp_path):
         spec.loader.exec_module(mod)
         return mod.Variant
 
+    return make
+
+
+def test_routing_constants_the_block_recipe_hard_codes_are_proven(variant):
     neg_inf = variant(blocks.DeepseekV3StyleMoE, "route_tokens_to_experts", "~score_mask.bool(), 0.0",
                       '~score_mask.bool(), float("-inf")')
     assert "masks dropped expert groups" in refusal(neg_inf())
@@ -338,3 +344,23 @@ def test_routing_constants_the_block_recipe_hard_codes_are_proven(tmp_path):
     same = variant(blocks.MixtralStyleSparseMoeBlock, "forward", "sum(dim=-1, keepdim=True)",
                    "sum(dim=-1, keepdim=True)")  # the unchanged source is still accepted
     assert detect_moe_structure(same()).topk_norm == "always"
+
+
+RESHAPE = "final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)"
+
+
+@pytest.mark.parametrize("block, old, new, message", [
+    (blocks.MixtralStyleSparseMoeBlock, RESHAPE, RESHAPE.replace("= final_hidden_states.", "= (final_hidden_states * 0.5)."),
+     "not the sum of its routed experts"),
+    (blocks.MixtralStyleSparseMoeBlock, "routing_weights[top_x, idx, None]", "routing_weights[top_x, idx, None] * 2.0",
+     "not expert(x) * routing weight"),
+    (blocks.MixtralStyleSparseMoeBlock, RESHAPE, "final_hidden_states.mul_(2.0)\n        " + RESHAPE,
+     "changes its expert accumulator with mul_"),
+    (blocks.Qwen2MoeStyleSparseMoeBlock, "final_hidden_states + shared_expert_output",
+     "final_hidden_states + shared_expert_output + hidden_states", "to its routed output, not the shared branch"),
+    (blocks.DeepseekV3StyleMoE, "return final_hidden_states.type(hidden_states.dtype)",
+     "return torch.tanh(final_hidden_states).type(hidden_states.dtype)", "not the sum of its routed experts"),
+])
+def test_block_output_is_proven_to_be_the_routed_sum(variant, block, old, new, message):
+    method = "moe" if block is blocks.DeepseekV3StyleMoE else "forward"
+    assert message in refusal(variant(block, method, old, new)())

@@ -9,6 +9,7 @@ import inspect
 
 import torch.nn as nn
 
+from autoep.output_proof import prove_block_output
 from autoep.source import (
     CASTS, Refusal, all_calls, assignments, call_names, forward_tree, function_tree, is_call_to, is_self_call,
     last_name, self_attr, self_attrs_read,
@@ -180,6 +181,7 @@ def routing_facts(cls: type, router: str) -> dict:
         _sigmoid_group_reads(cls, trees)
     _routing_constants(cls, trees, router)
     _gate_input_not_cast(cls, trees)
+    prove_block_output(cls, trees)
     returns = [r.value for r in ast.walk(trees[0]) if isinstance(r, ast.Return)]
     pairs = {isinstance(v, ast.Tuple) and len(v.elts) == 2 for v in returns}
     if len(pairs) != 1:

@@ -333,6 +333,9 @@ def test_routing_constants_the_block_recipe_hard_codes_are_proven(variant):
     neg_inf = variant(blocks.DeepseekV3StyleMoE, "route_tokens_to_experts", "~score_mask.bool(), 0.0",
                       '~score_mask.bool(), float("-inf")')
     assert "masks dropped expert groups" in refusal(neg_inf())
+    biased = variant(blocks.DeepseekV3StyleMoE, "route_tokens_to_experts", "router_logits.gather(1, topk_indices)",
+                     "router_logits_for_choice.gather(1, topk_indices)")
+    assert "gathers its top-k weights from bias-corrected scores" in refusal(biased())
     no_eps = variant(blocks.DeepseekV3StyleMoE, "route_tokens_to_experts", " + 1e-20", "")
     assert "epsilon none" in refusal(no_eps())
     eps = variant(blocks.MixtralStyleSparseMoeBlock, "forward", "sum(dim=-1, keepdim=True)",

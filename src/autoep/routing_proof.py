@@ -216,6 +216,7 @@ def _routing_constants(cls: type, trees: list[ast.FunctionDef], router: str) -> 
             raise Refusal(f"{cls.__name__} masks dropped expert groups with {sorted(values)}; the recipe fills 0.0")
         if ".topk(2, dim=-1)[0].sum(dim=-1)" not in text:
             raise Refusal(f"{cls.__name__} does not score expert groups by their top-2 sum")
+        _weights_from_unbiased_scores(cls, trees)
     expected = {1e-20} if router == "sigmoid_group" else set()
     assigned = assignments(trees)
     for tree in trees:
@@ -228,6 +229,31 @@ def _routing_constants(cls: type, trees: list[ast.FunctionDef], router: str) -> 
                 if eps != expected:
                     raise Refusal(f"{cls.__name__} normalises its top-k weights with epsilon {sorted(eps) or 'none'}; "
                                    f"the {router} recipe uses {sorted(expected) or 'none'}")
+
+
+def _weights_from_unbiased_scores(cls: type, trees: list[ast.FunctionDef]) -> None:
+    """The recipe gathers the top-k weights from the sigmoid scores without the correction bias."""
+    gathers = [(t, c) for t in trees for c in all_calls(t) if last_name(c.func) == "gather"]
+    if not gathers:
+        raise Refusal(f"{cls.__name__} does not gather its top-k weights from the scores")
+    for tree, call in gathers:
+        # What the gathered tensor was built from, in this function, before this line.
+        earlier: dict[str, list[ast.AST]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and node.lineno < call.lineno:
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        earlier.setdefault(target.id, []).append(node.value)
+
+        def uses_bias(expr: ast.AST, seen: frozenset = frozenset()) -> bool:
+            if "e_score_correction_bias" in ast.unparse(expr):
+                return True
+            names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)} - seen
+            return any(uses_bias(v, seen | names) for n in names for v in earlier.get(n, []))
+
+        if uses_bias(call.func.value):
+            raise Refusal(f"{cls.__name__} gathers its top-k weights from bias-corrected scores "
+                          f"(line {call.lineno}); the recipe gathers from the sigmoid scores")
 
 
 def _sigmoid_group_reads(cls: type, trees: list[ast.FunctionDef]) -> None:

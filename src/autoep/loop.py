@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from autoep.dense import is_expert
 from autoep.pretrained import expert_rows
+from autoep.recipes import local_tensor
 from autoep.recipes.module_list import StackedSwiGLUExperts
 
 
@@ -53,10 +54,6 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return dense, expert
 
 
-def local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def reduce_grads(dense: list[nn.Parameter], expert: list[nn.Parameter], world_group, edp_group) -> None:
     """Sum dense grads over the world and expert grads over ``edp`` (one flat bucket each).
 
@@ -72,7 +69,7 @@ def reduce_grads(dense: list[nn.Parameter], expert: list[nn.Parameter], world_gr
         for p in params:
             if p.grad is None:  # a parameter no token reached still joins the collective, with zeros
                 p.grad = torch.zeros_like(p)
-            grads.append(local(p.grad))
+            grads.append(local_tensor(p.grad))
         flat = _flatten_dense_tensors(grads)
         # NOTE: collective. One all-reduce per parameter kind and step; every rank calls both in order.
         dist.all_reduce(flat, group=group)
@@ -99,7 +96,7 @@ def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], max_no
     expert_sq = torch.zeros((), dtype=torch.float64)
     for p in expert:
         if p.grad is not None:
-            expert_sq += local(p.grad).double().pow(2).sum()
+            expert_sq += local_tensor(p.grad).double().pow(2).sum()
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
         dist.all_reduce(expert_sq, group=ep_group)  # NOTE: collective; each ep rank holds other experts
     norm = float((sq + sharded_sq + expert_sq).sqrt())
@@ -108,7 +105,7 @@ def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], max_no
         if coef < 1.0:
             for p in dense + expert:
                 if p.grad is not None:
-                    local(p.grad).mul_(coef)
+                    local_tensor(p.grad).mul_(coef)
     return norm
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from distributed import free_port
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "research_moe" / "train.py"
 EXPLICIT = "parallel.plan.0.local_compute_fn={_target_:my_ep.replicated_experts,count_tokens:true}"
 
@@ -17,19 +19,11 @@ def run(tmp_path, *overrides, nproc=1) -> str:
         cmd = [sys.executable, str(EXAMPLE)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), str(EXAMPLE)]
+               "--master-port", str(free_port()), str(EXAMPLE)]
     out = subprocess.run(cmd + [f"run_dir={tmp_path}", *overrides], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out.stdout
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def losses(stdout: str) -> list[float]:

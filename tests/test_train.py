@@ -19,7 +19,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch.distributed.tensor import DTensor
 
-from distributed import spawn
+from distributed import free_port, spawn
 
 from autoep.checkpoint import CheckpointError
 from autoep.errors import PlanError
@@ -198,11 +198,7 @@ def test_cli_default_command(tmp_path):
 
 def test_torchrun_two_ranks_ep2(tmp_path):
     """The README's torchrun form, literally (torch.distributed.run is torchrun's module), on CPU gloo."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     steps = 3
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(port), "-m", "autoep.train", "parallel.ep_size=2",

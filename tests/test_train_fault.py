@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from autoep.plan import CONF_DIR
+from distributed import free_port
 
 TIMEOUT_S = 10
 COMMON = ["trainer.steps=5", "optim.warmup_steps=2", "data.seq_len=16", "trainer.device=cpu", "trainer.log_every=100"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(run_dir, *overrides: str, fault: str | None = None) -> list[subprocess.Popen]:

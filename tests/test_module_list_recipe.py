@@ -238,5 +238,5 @@ def test_refuses_what_it_cannot_reproduce():
         ep_module_list_block(copy.deepcopy(block), ep_mesh=None, structure={**structure, "expert_projs": ""})
     biased = copy.deepcopy(block)
     biased.experts[1].w2 = nn.Linear(32, D, bias=True)
-    with pytest.raises(UnsupportedModuleStructure, match=r"experts\[1\].w2 is not a bias-free"):
+    with pytest.raises(UnsupportedModuleStructure, match=r"experts\[1\]"):
         ep_module_list_block(biased, ep_mesh=None, structure=structure)

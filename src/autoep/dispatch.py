@@ -69,18 +69,26 @@ def ep_experts_forward(
     num_experts: int,
     ep_group,
     expert_fn: ExpertFn,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Compute ``sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden[t])`` with experts
-    spread over ``ep_group``.
+    spread over ``ep_group``; pairs whose id is outside [0, num_experts) (padding) add nothing, as in
+    the models' own loops, which skip them.
 
     Each rank's (token, expert) pairs go to the rank owning the expert (experts split contiguously,
     ``num_experts // ep_size`` per rank) by an uneven all-to-all (one host sync for split sizes);
     ``expert_fn(x_SD, tokens_per_local_expert)`` runs on the received rows sorted by local expert
     (``tokens_per_local_expert`` a LongTensor[L] on the rows' device) and returns ``y_SD``; results go
     back by the reverse all-to-all, are weighted by ``top_k_weights`` and summed per token in fp32 in
-    top-k order. Returns (T, D) in ``hidden_TD``'s dtype. ``ep_group`` None or of size 1: no exchange.
-    Autograd flows through both exchanges; a rank with zero rows still joins every exchange.
+    top-k order. Returns (T, D) in ``out_dtype`` (default ``hidden_TD``'s dtype). ``ep_group`` None or of
+    size 1: no exchange. Autograd flows through both exchanges; a rank with zero rows still joins every
+    exchange.
     """
+    if hidden_TD.dim() != 2 or top_k_index_TK.dim() != 2 or top_k_weights_TK.shape != top_k_index_TK.shape:
+        raise ValueError(
+            f"expert exchange got hidden {tuple(hidden_TD.shape)}, expert ids {tuple(top_k_index_TK.shape)} and "
+            f"weights {tuple(top_k_weights_TK.shape)}; it needs (T, D), (T, K) and (T, K)"
+        )
     T, K = top_k_index_TK.shape
     D = hidden_TD.shape[-1]
     W = _ep_size(ep_group)
@@ -89,26 +97,32 @@ def ep_experts_forward(
     L = num_experts // W
 
     expert_ids_S = top_k_index_TK.reshape(-1)
+    # Padding ids sort after every expert (sentinel E) and are neither sent nor computed.
+    valid_S = (expert_ids_S >= 0) & (expert_ids_S < num_experts)
+    expert_ids_S = torch.where(valid_S, expert_ids_S, torch.full_like(expert_ids_S, num_experts))
     # Stable sort: pairs of one expert keep token order, so every rank sees a deterministic layout.
     sorted_ids_S, perm_S = torch.sort(expert_ids_S, stable=True)
-    x_sorted_SD = hidden_TD.index_select(0, perm_S // K)
-    tokens_per_expert_E = torch.bincount(sorted_ids_S, minlength=num_experts)
+    tokens_per_expert_E = torch.bincount(sorted_ids_S, minlength=num_experts + 1)[:num_experts]
 
     if W == 1:
+        # NOTE: .item() syncs the host once per layer for the number of non-padding pairs.
+        routed = int(tokens_per_expert_E.sum().item())
+        x_sorted_SD = hidden_TD.index_select(0, perm_S[:routed] // K)
         y_sorted_SD = expert_fn(x_sorted_SD, tokens_per_expert_E)
     else:
-        y_sorted_SD = _exchange_and_compute(x_sorted_SD, tokens_per_expert_E, W, L, ep_group, expert_fn)
+        y_sorted_SD, routed = _exchange_and_compute(hidden_TD, perm_S, K, tokens_per_expert_E, W, L, ep_group, expert_fn)
 
-    # Undo the sort: row s of y_SD is pair s = t*K + k again (layout change, no communication).
-    y_SD = torch.empty_like(y_sorted_SD).index_copy(0, perm_S, y_sorted_SD)
+    # Undo the sort: row s of y_SD is pair s = t*K + k again; padding pairs stay zero (layout change).
+    y_SD = y_sorted_SD.new_zeros((T * K, D)).index_copy(0, perm_S[:routed], y_sorted_SD)
     weighted_TKD = y_SD.float().view(T, K, D) * top_k_weights_TK.float().unsqueeze(-1)
-    return weighted_TKD.sum(dim=1).to(hidden_TD.dtype)
+    return weighted_TKD.sum(dim=1).to(out_dtype or hidden_TD.dtype)
 
 
 def _exchange_and_compute(
-    x_sorted_SD: Tensor, tokens_per_expert_E: Tensor, W: int, L: int, ep_group, expert_fn: ExpertFn
-) -> Tensor:
-    """Send sorted pairs to their owners, run ``expert_fn`` grouped by local expert, send results back."""
+    hidden_TD: Tensor, perm_S: Tensor, K: int, tokens_per_expert_E: Tensor, W: int, L: int, ep_group, expert_fn: ExpertFn
+) -> tuple[Tensor, int]:
+    """Send sorted pairs to their owners, run ``expert_fn`` grouped by local expert, send results back;
+    return the results in sorted order and how many pairs were routed (padding pairs excluded)."""
     # NOTE: collective. Each rank learns how many rows every peer sends to each of its local experts:
     # row r of recv_counts_WL is what rank r sends to this rank's experts.
     recv_counts_WL = torch.empty_like(tokens_per_expert_E)
@@ -118,6 +132,8 @@ def _exchange_and_compute(
     # NOTE: .tolist() syncs the host once per layer for the split sizes of both exchanges.
     counts = torch.cat([send_counts_W, recv_counts_WL.sum(dim=1)]).tolist()
     send_splits, recv_splits = counts[:W], counts[W:]
+    routed = sum(send_splits)
+    x_sorted_SD = hidden_TD.index_select(0, perm_S[:routed] // K)
 
     x_recv_SD = all_to_all(x_sorted_SD, recv_splits, send_splits, ep_group)
 
@@ -130,4 +146,4 @@ def _exchange_and_compute(
     y_recv_SD = torch.empty_like(y_grouped_SD).index_copy(0, regroup_S, y_grouped_SD)
 
     # Reverse exchange: results go home in the order they were sent.
-    return all_to_all(y_recv_SD, send_splits, recv_splits, ep_group)
+    return all_to_all(y_recv_SD, send_splits, recv_splits, ep_group), routed

@@ -1,302 +1,549 @@
-"""Proofs about experts: what a batched experts forward or a ModuleList expert computes.
+"""Proofs about the region autoep replaces, from source and run-time state, never by running it.
 
-Each proof returns the layout facts a recipe needs (as a dict of MoeStructure fields) or raises
-``Refusal`` naming what could not be proven. Cached per class.
+- ``batched_experts_facts(experts)``: a transformers-v5-style experts module whose ``forward(hidden,
+  top_k_index, top_k_weights)`` is proven to be the expert loop of ``w * down(gate(gate_up(x)))``;
+  autoep replaces that forward (and nothing else).
+- ``module_list_plan(block)``: a v4-style block whose forward (or a helper it calls) holds one expert
+  loop over a ``ModuleList``; autoep splices out that loop and runs the rest of the block as written.
+- ``module_list_facts(experts)``: every ModuleList expert is the same proven ``down(act(gate(x)) *
+  up(x))`` with bias-free ``nn.Linear``s, equal shapes, untied, uniformly trainable.
+
+Each returns facts or raises ``Refusal`` naming what could not be proven.
 """
 from __future__ import annotations
 
 import ast
 import functools
+import inspect
+from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from autoep.source import (
-    Refusal, arg_names, bind, call_names, flatten_body, function_tree, inline, is_call_to,
-    is_continue_guard, is_self_call, last_name, self_attr, self_attrs_read, straight_line_result, strip_casts,
-)
+from autoep import elementwise
+from autoep.expert_loop import Obj, Opaque, Prover, always_reached, plain_method, self_reads
+from autoep.names import Scope
+from autoep.source import Refusal, function_tree
 
 # ---------------------------------------------------------------------------------------------
-# Batched experts: prove the per-expert loop computes  w * down(gate_fn(gate_up(x)))  per (token, k)
+# transformers v5 batched experts
 # ---------------------------------------------------------------------------------------------
 
-BATCHED_EXPERT_ATTRS = {"num_experts", "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"}
-BATCHED_EXPERT_ATTRS |= {"act_fn", "_apply_gate"}
+# Decorators whose wrapper only dispatches to the experts' own forward or another implementation of
+# the same function (transformers' experts interface); autoep replaces the call either way.
+# Identified by where the wrapper's code was defined (``functools.wraps`` copies the wrapped name).
+_KNOWN_WRAPPERS = {("transformers.integrations.moe", "use_experts_implementation.<locals>.wrapper.<locals>.forward")}
 
 
-def _expert_weight(expr: ast.AST, loop_var: str) -> str | None:
-    """``self.P[<expression of the loop variable only>]`` -> ``P``."""
-    if not (isinstance(expr, ast.Subscript) and (attr := self_attr(expr.value))):
-        return None
-    names = {n.id for n in ast.walk(expr.slice) if isinstance(n, ast.Name)}
-    return attr if names == {loop_var} else None
+def _defined_as(fn) -> tuple[str, str]:
+    code = fn.__code__
+    return fn.__globals__.get("__name__", ""), getattr(code, "co_qualname", code.co_name)
 
 
-def _match_proj(expr: ast.AST, loop_var: str) -> tuple[str, ast.AST, bool, str | None]:
-    """One expert projection -> (weight name, input, transposed, bias name)."""
-    bias = None
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
-        bias = _expert_weight(expr.right, loop_var)
-        if bias is None:
-            raise Refusal(f"expert projection adds {ast.unparse(expr.right)}, not a per-expert bias")
-        expr = expr.left
-    if is_call_to(expr, "linear") and len(expr.args) == 2 and not expr.keywords:
-        weight = _expert_weight(expr.args[1], loop_var)
-        if weight:
-            return weight, expr.args[0], False, bias
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.MatMult):
-        weight = _expert_weight(expr.right, loop_var)
-        if weight:
-            return weight, expr.left, True, bias
-    raise Refusal(f"cannot read `{ast.unparse(expr)[:80]}` as x·W[e] (+ bias[e]) of one expert")
+def experts_forward(cls: type):
+    """The experts class's own forward function, through known dispatch wrappers only."""
+    fn = cls.forward
+    while hasattr(fn, "__wrapped__"):
+        if _defined_as(fn) not in _KNOWN_WRAPPERS and _defined_as(fn)[0] + ".forward" not in _py310_wrappers():
+            raise Refusal(f"{cls.__name__}.forward is wrapped by {'.'.join(_defined_as(fn))}, which autoep does not know")
+        fn = fn.__wrapped__
+    return fn
 
 
-def _is_chunk_half(expr: ast.AST, index: int) -> ast.AST | None:
-    """``X.chunk(2, dim=-1)[index]`` -> X."""
-    if not (isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant) and expr.slice.value == index):
-        return None
-    call = expr.value
-    if not (is_call_to(call, "chunk") and isinstance(call.func, ast.Attribute)):
-        return None
-    args = [ast.unparse(a) for a in call.args] + [ast.unparse(k) for k in call.keywords]
-    return call.func.value if args in (["2", "dim=-1"], ["2", "-1"]) else None
+def _py310_wrappers() -> set[str]:
+    """Python < 3.11 has no ``co_qualname``: there the wrapper is known by module and function name."""
+    import sys
+
+    return set() if sys.version_info >= (3, 11) else {f"{m}.forward" for m, _ in _KNOWN_WRAPPERS}
 
 
-def _match_glu(expr: ast.AST) -> ast.AST | None:
-    """``act_fn(X.chunk(2,-1)[0]) * X.chunk(2,-1)[1]`` -> X."""
-    if not (isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Mult)):
-        return None
-    if not is_self_call(expr.left, "act_fn") or len(expr.left.args) != 1:
-        return None
-    gate_src, up_src = _is_chunk_half(expr.left.args[0], 0), _is_chunk_half(expr.right, 1)
-    if gate_src is None or up_src is None or ast.dump(gate_src) != ast.dump(up_src):
-        return None
-    return gate_src
+@dataclass(frozen=True)
+class BatchedRoles:
+    """Parameter names of the experts forward by role (the replacement binds by this signature)."""
 
-
-# Calls that act element by element (or on the last dim only): a gate built from them is row-local.
-ELEMENTWISE_CALLS = {"clamp", "sigmoid", "silu", "gelu", "tanh", "relu", "act_fn", "float", "to", "type_as"}
-
-
-def _row_local(expr: ast.AST, x: str) -> set[str]:
-    """Prove ``expr`` computes each row of its output from the same row of ``x`` alone; return how ``x``
-    is split into gate/up ("chunk" or "strided"). Raises Refusal on any other construct."""
-    if isinstance(expr, ast.Constant) or self_attr(expr) or (
-        isinstance(expr, ast.Attribute) and expr.attr == "dtype"
-    ):
-        return set()
-    if _is_chunk_half(expr, 0) is not None or _is_chunk_half(expr, 1) is not None:
-        src = _is_chunk_half(expr, 0) or _is_chunk_half(expr, 1)
-        return {"chunk"} if isinstance(src, ast.Name) and src.id == x else _row_local_fail(expr)
-    if isinstance(expr, ast.Subscript) and isinstance(expr.value, ast.Name) and expr.value.id == x:
-        return {"strided"} if ast.unparse(expr.slice) in ("(..., ::2)", "(..., 1::2)") else _row_local_fail(expr)
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
-        return _row_local(expr.left, x) | _row_local(expr.right, x)
-    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub):
-        return _row_local(expr.operand, x)
-    if isinstance(expr, ast.Call) and last_name(expr.func) in ELEMENTWISE_CALLS:
-        parts = [expr.func.value] if isinstance(expr.func, ast.Attribute) and not self_attr(expr.func) else []
-        parts = [p for p in parts if not (isinstance(p, ast.Name) and p.id in ("torch", "F", "nn"))]
-        parts = [p for p in parts if not (isinstance(p, ast.Attribute) and last_name(p) in ("functional", "nn"))]
-        parts += list(expr.args) + [k.value for k in expr.keywords]
-        return set().union(*(_row_local(p, x) for p in parts)) if parts else set()
-    return _row_local_fail(expr)
-
-
-def _row_local_fail(expr: ast.AST) -> set[str]:
-    raise Refusal(f"_apply_gate uses `{ast.unparse(expr)[:80]}`, which is not proven row-local")
-
-
-@functools.lru_cache(maxsize=None)
-def _apply_gate_facts(fn) -> tuple[str, str]:
-    """Prove an experts ``_apply_gate`` is row-local (so running it on any subset of rows, as EP does,
-    is exact) and name its layout and activation. The recipe then calls this very function."""
-    tree = function_tree(fn)
-    params = arg_names(tree)
-    if len(params) != 2:
-        raise Refusal("_apply_gate is not `(self, gate_up) -> return ...`")
-    result = straight_line_result(tree, "_apply_gate")
-    if _match_glu(result) is not None:
-        return "concatenated", "glu"
-    splits = _row_local(result, params[1])
-    if len(splits) != 1:
-        raise Refusal(f"_apply_gate computes `{ast.unparse(result)[:100]}`, not one gate/up split")
-    layout = "concatenated" if splits == {"chunk"} else "interleaved"
-    return layout, "clamped_glu" if "clamp" in call_names(result) else "own_gate"
-
-
-def _batched_forward_facts(cls: type) -> dict:
-    """Facts proven from the experts class's forward; cached per class."""
-    return _batched_forward_facts_cached(cls.forward, cls)
-
-
-@functools.lru_cache(maxsize=None)
-def _batched_forward_facts_cached(forward, cls: type) -> dict:
-    tree = function_tree(forward)
-    params = arg_names(tree)
-    if len(params) != 4:
-        raise Refusal(f"{cls.__name__}.forward takes {params[1:]}, not (hidden_states, top_k_index, top_k_weights)")
-    _, hidden, index, weights = params
-    unknown = self_attrs_read(tree) - BATCHED_EXPERT_ATTRS
-    if unknown:
-        raise Refusal(f"{cls.__name__}.forward also uses {sorted(unknown)}, which no recipe reproduces")
-    body = flatten_body(tree.body)
-    loops = [s for s in body if isinstance(s, ast.For)]
-    if len(loops) != 1 or not isinstance(loops[0].target, ast.Name):
-        raise Refusal(f"{cls.__name__}.forward is not one loop over experts")
-    loop = loops[0]
-    env: dict[str, ast.AST] = {}
-    for stmt in body[: body.index(loop)]:
-        if isinstance(stmt, (ast.Assign, ast.AugAssign)):
-            bind(stmt, env)
-        elif not is_continue_guard(stmt) and not isinstance(stmt, ast.If):
-            raise Refusal(f"{cls.__name__}.forward line {stmt.lineno} before the loop cannot be followed")
-    acc_adds = []
-    for stmt in loop.body:
-        if isinstance(stmt, (ast.Assign, ast.AugAssign)):
-            bind(stmt, env)
-        elif isinstance(stmt, ast.Expr) and is_call_to(stmt.value, "index_add_"):
-            acc_adds.append(stmt.value)
-        elif not is_continue_guard(stmt):
-            raise Refusal(f"{cls.__name__}.forward loop line {stmt.lineno} cannot be followed")
-    if len(acc_adds) != 1 or len(acc_adds[0].args) != 3:
-        raise Refusal(f"{cls.__name__}.forward does not accumulate with exactly one index_add_")
-    add = acc_adds[0]
-    token_idx = inline(add.args[1], env)
-    contribution = strip_casts(inline(add.args[2], env))
-    facts = _match_contribution(cls, contribution, token_idx, hidden, index, weights, loop.target.id)
-    ret = [s for s in body if isinstance(s, ast.Return)]
-    if len(ret) != 1 or not isinstance(strip_casts(ret[0].value), ast.Name):
-        raise Refusal(f"{cls.__name__}.forward does not return its accumulator")
-    if ret[0].value is not None and strip_casts(ret[0].value).id != last_name(add.func.value):
-        raise Refusal(f"{cls.__name__}.forward returns something other than its accumulator")
-    return facts
-
-
-def _match_contribution(cls, contribution, token_idx, hidden, index, weights, loop_var) -> dict:
-    if not (isinstance(contribution, ast.BinOp) and isinstance(contribution.op, ast.Mult)):
-        raise Refusal(f"{cls.__name__}: expert output is not scaled by the routing weight after the experts")
-    out, weight = contribution.left, contribution.right
-    # The routing weight of this (token, k): weights[token_idx, top_k_pos, None], positions from
-    # torch.where(one_hot(top_k_index).permute(2, 1, 0)[e]).
-    if not (isinstance(weight, ast.Subscript) and isinstance(weight.value, ast.Name) and weight.value.id == weights):
-        raise Refusal(f"{cls.__name__}: routing weight `{ast.unparse(weight)[:60]}` is not top_k_weights[token, k]")
-    where = _where_of_mask(cls, token_idx, index)
-    expected = ast.Tuple(elts=[token_idx, ast.Subscript(value=where, slice=ast.Constant(0)), ast.Constant(None)])
-    if ast.unparse(weight.slice) != ast.unparse(expected):
-        raise Refusal(f"{cls.__name__}: routing weight is indexed as [{ast.unparse(weight.slice)[:60]}]")
-    down, gated, down_t, down_b = _match_proj(out, loop_var)
-    if down != "down_proj":
-        raise Refusal(f"{cls.__name__}: the last projection uses `{down}`, not down_proj")
-    layout, activation = "concatenated", "glu"
-    if is_self_call(gated, "_apply_gate") and len(gated.args) == 1:
-        layout, activation = _apply_gate_facts(cls._apply_gate)
-        up_expr = gated.args[0]
-    else:
-        up_expr = _match_glu(gated)
-        if up_expr is None:
-            raise Refusal(f"{cls.__name__}: `{ast.unparse(gated)[:80]}` is not act_fn(gate) * up")
-    up, x, up_t, up_b = _match_proj(up_expr, loop_var)
-    if up != "gate_up_proj":
-        raise Refusal(f"{cls.__name__}: the first projection uses `{up}`, not gate_up_proj")
-    if ast.unparse(x) != f"{hidden}[{ast.unparse(token_idx)}]":
-        raise Refusal(f"{cls.__name__}: experts read `{ast.unparse(x)[:60]}`, not the routed tokens of hidden_states")
-    if up_t != down_t:
-        raise Refusal(f"{cls.__name__}: gate_up and down projections use different weight layouts")
-    if (up_b is None) != (down_b is None) or (up_b and (up_b, down_b) != ("gate_up_proj_bias", "down_proj_bias")):
-        raise Refusal(f"{cls.__name__}: biases {up_b}, {down_b} are not gate_up_proj_bias and down_proj_bias")
-    return dict(
-        expert_bias=up_b is not None, expert_transposed=up_t, gate_up_layout=layout, activation=activation
-    )
-
-
-def _where_of_mask(cls, token_idx: ast.AST, index: str) -> ast.AST:
-    """``torch.where(one_hot(top_k_index, ...).permute(2, 1, 0)[e])[1]`` -> the where call."""
-    if not (isinstance(token_idx, ast.Subscript) and isinstance(token_idx.slice, ast.Constant)):
-        raise Refusal(f"{cls.__name__}: token positions `{ast.unparse(token_idx)[:60]}` are not from torch.where")
-    where = token_idx.value
-    ok = token_idx.slice.value == 1 and is_call_to(where, "where") and len(where.args) == 1
-    mask = where.args[0].value if ok and isinstance(where.args[0], ast.Subscript) else None
-    ok = ok and is_call_to(mask, "permute") and [ast.unparse(a) for a in mask.args] == ["2", "1", "0"]
-    one_hot = mask.func.value if ok else None
-    ok = ok and is_call_to(one_hot, "one_hot") and ast.unparse(one_hot.args[0]) == index
-    if not ok:
-        raise Refusal(f"{cls.__name__}: token positions are not torch.where(one_hot(top_k_index).permute(2, 1, 0)[e])")
-    return where
+    hidden: str
+    index: str
+    weights: str
 
 
 def batched_experts_facts(experts: nn.Module) -> dict:
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    """Layout facts of proven batched experts (MoeStructure fields), or ``Refusal``."""
+    return batched_proof(experts)[0]
+
+
+def batched_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
+    cls = type(experts)
+    elementwise.runtime_clean(experts, f"experts {cls.__name__}")
+    gate_up, down = experts._parameters.get("gate_up_proj"), experts._parameters.get("down_proj")
     if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3):
-        raise Refusal(f"experts {type(experts).__name__} has no 3-D nn.Parameters gate_up_proj and down_proj")
-    facts = _batched_forward_facts(type(experts))
+        raise Refusal(f"experts {cls.__name__} has no 3-D nn.Parameters gate_up_proj and down_proj")
+    fn = experts_forward(cls)
+    tree = function_tree(fn)
+    prover = Prover(fn, tree, experts, int(gate_up.shape[0]), batched=True)
+    roles = _prove_batched_forward(prover, tree)
+    facts = _batched_layout(prover, experts)
+    _check_batched_params(experts, facts)
+    return facts, roles
+
+
+def _prove_batched_forward(p: Prover, tree: ast.FunctionDef) -> BatchedRoles:
+    a = tree.args
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or len(a.args) != 4:
+        raise Refusal(f"{p.where} takes {[x.arg for x in a.args[1:]]}, not (hidden_states, top_k_index, top_k_weights)")
+    params = [x.arg for x in a.args[1:]]
+    values = {name: Opaque(name) for name in params}
+    p.env.update(values)
+    p.zeros_of_x = None
+    body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    loops = [s for s in body if isinstance(s, ast.For)]
+    if len(loops) != 1:
+        raise Refusal(f"{p.where} is not one loop over experts")
+    for stmt in body:
+        if stmt is loops[0]:
+            p.loop(stmt)
+        elif isinstance(stmt, ast.Assign):
+            _assign_acc_or(p, stmt)
+        elif isinstance(stmt, ast.With) and stmt is not body[-1]:
+            _no_grad_block(p, stmt)
+        elif isinstance(stmt, ast.Return) and stmt is body[-1] and stmt.value is not None:
+            if p.eval(stmt.value) is not p.facts.acc or p.facts.acc is None:
+                p.refuse(stmt, "does not return the accumulator")
+        else:
+            p.refuse(stmt)
+    f = p.facts
+    by_value = {id(v): k for k, v in values.items()}
+    if f.x is None or f.idx is None or f.w is None or len({id(f.x), id(f.idx), id(f.w)}) != 3:
+        raise Refusal(f"{p.where} does not read hidden states, expert ids and weights from its three arguments")
+    try:
+        return BatchedRoles(by_value[id(f.x)], by_value[id(f.idx)], by_value[id(f.w)])
+    except KeyError:
+        raise Refusal(f"{p.where} reads its tokens, ids or weights from something other than its arguments") from None
+
+
+def _assign_acc_or(p: Prover, stmt: ast.Assign) -> None:
+    value = p.eval(stmt.value)
+    if isinstance(value, tuple) and value[0] == "zeros_like":
+        if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or p.zeros_of_x is not None:
+            p.refuse(stmt, "is a second accumulator")
+        acc = Opaque(stmt.targets[0].id)
+        p.zeros_of_x, p.zeros_src = acc, value[1]
+        p.env[stmt.targets[0].id] = acc
+        return
+    p.assign(stmt)
+
+
+def _no_grad_block(p: Prover, stmt: ast.With) -> None:
+    """``with torch.no_grad():`` around the mask computation (integer tensors: no gradient to lose)."""
+    if len(stmt.items) != 1 or stmt.items[0].optional_vars is not None:
+        p.refuse(stmt)
+    ctx = stmt.items[0].context_expr
+    if not (isinstance(ctx, ast.Call) and not ctx.args and not ctx.keywords and p.eval(ctx.func) == Obj(torch.no_grad)):
+        p.refuse(stmt, "is a context the proof does not know")
+    for inner in stmt.body:
+        if not isinstance(inner, ast.Assign):
+            p.refuse(inner, "inside no_grad is not an assignment")
+        value = p.eval(inner.value)
+        from autoep.expert_loop import Hit, Mask
+
+        if not isinstance(value, (Mask, Hit)):
+            p.refuse(inner, "computes something with gradients switched off")
+        p.assign(inner)
+
+
+def _peel_bias(expr: tuple, bias: str) -> tuple[tuple, bool]:
+    if expr[0] == "bias":
+        if expr[2] != bias:
+            raise Refusal(f"the expert projection adds {expr[2]}, not {bias}")
+        return expr[1], True
+    return expr, False
+
+
+def _batched_layout(p: Prover, experts: nn.Module) -> dict:
+    """Read the proven per-expert computation as ``down(gate(gate_up(x) (+b)) (+b))``."""
+    expr = p.facts.expert
+    what = f"{p.where}: the expert computes {expr}"
+    lin, down_bias = _peel_bias(expr, "down_proj_bias")
+    if lin[0] != "lin" or lin[2] != "down_proj":
+        raise Refusal(f"{what}, not down_proj(...) last")
+    gated, transposed = lin[1], lin[3]
+    if gated[0] == "gate":
+        up = gated[1]
+        layout, activation = apply_gate_facts(type(experts), experts)
+    elif gated[0] == "mul" and gated[1][0] == "act" and gated[1][1][0] == "chunk" and gated[2][0] == "chunk" \
+            and gated[1][1][2] == 0 and gated[2][2] == 1 and gated[1][1][1] == gated[2][1]:
+        up, layout, activation = gated[2][1], "concatenated", "glu"
+    else:
+        raise Refusal(f"{what}; the gate is not act_fn(gate) * up or the experts' own _apply_gate")
+    up, up_bias = _peel_bias(up, "gate_up_proj_bias")
+    if up != ("lin", ("x",), "gate_up_proj", transposed):
+        raise Refusal(f"{what}; the first projection is not gate_up_proj[e] of the routed rows, in the same layout")
+    if up_bias != down_bias:
+        raise Refusal(f"{what}; one projection adds a bias and the other does not")
+    return dict(expert_bias=up_bias, expert_transposed=transposed, gate_up_layout=layout, activation=activation)
+
+
+def _check_batched_params(experts: nn.Module, facts: dict) -> None:
+    name = type(experts).__name__
     allowed = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if facts["expert_bias"] else set())
     extra = sorted({n for n, _ in experts.named_parameters()} - allowed)
     if extra:
-        raise Refusal(f"experts {type(experts).__name__} hold parameters {extra} its forward does not use")
+        raise Refusal(f"experts {name} hold parameters {extra} its forward does not use")
+    if list(experts.buffers()):
+        raise Refusal(f"experts {name} hold buffers its forward does not use")
+    gate_up, down = experts.gate_up_proj, experts.down_proj
     E, a, b = gate_up.shape
-    d_shape = tuple(down.shape)
-    # (E, 2F, D) and (E, D, F); transposed: (E, D, 2F) and (E, F, D).
-    ok = d_shape == ((E, b // 2, a) if facts["expert_transposed"] else (E, b, a // 2))
-    two_f = b if facts["expert_transposed"] else a
-    if not ok or two_f % 2:
-        raise Refusal(f"experts {type(experts).__name__} weight shapes {tuple(gate_up.shape)}, {d_shape} do not agree")
-    return facts
+    ok = tuple(down.shape) == ((E, b // 2, a) if facts["expert_transposed"] else (E, b, a // 2))
+    if not ok or (b if facts["expert_transposed"] else a) % 2:
+        raise Refusal(f"experts {name} weight shapes {tuple(gate_up.shape)}, {tuple(down.shape)} do not agree")
+    if facts["expert_bias"]:
+        gb, db = experts.gate_up_proj_bias, experts.down_proj_bias
+        two_f, d = (b, a) if facts["expert_transposed"] else (a, b)
+        if tuple(gb.shape) != (E, two_f) or tuple(db.shape) != (E, d):
+            raise Refusal(f"experts {name} bias shapes {tuple(gb.shape)}, {tuple(db.shape)} do not fit the weights")
+    params = [p for p in experts.parameters()]
+    if len({p.requires_grad for p in params}) > 1:
+        raise Refusal(f"experts {name}: some expert parameters are frozen and some are not")
 
 
 # ---------------------------------------------------------------------------------------------
-# ModuleList experts: prove  down(act(gate(x)) * up(x))  from the expert's forward
+# _apply_gate: row-local (EP runs it on any subset of rows)
 # ---------------------------------------------------------------------------------------------
+
+_SLICES = {"(..., ::2)": "strided", "(..., 1::2)": "strided"}
+
+
+def apply_gate_facts(cls: type, experts: nn.Module) -> tuple[str, str]:
+    """Prove the experts' ``_apply_gate(h)`` computes each output row from the same input row alone,
+    with element-wise operations and last-dim splits; return (gate_up layout, activation)."""
+    fn = plain_method(cls, "_apply_gate", experts)
+    tree = function_tree(fn)
+    if len(tree.args.args) != 2 or tree.args.vararg or tree.args.kwarg or tree.args.kwonlyargs:
+        raise Refusal("_apply_gate is not `(self, gate_up) -> ...`")
+    gate = _RowLocal(fn, tree, experts)
+    body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    for stmt in body[:-1]:
+        gate.assign(stmt)
+    if not isinstance(body[-1], ast.Return) or gate.eval(body[-1].value) != "row":
+        raise Refusal(f"_apply_gate line {body[-1].lineno} does not return a row-local value")
+    if len(gate.splits) != 1:
+        raise Refusal(f"_apply_gate splits gate/up as {sorted(gate.splits) or 'nothing'}, not one layout")
+    layout = "concatenated" if gate.splits == {"chunk"} else "interleaved"
+    return layout, "clamped_glu" if gate.clamped else "own_gate"
+
+
+class _RowLocal:
+    """Values: "row" (row-local tensor), ("chunks",) or a scalar ``Obj``."""
+
+    def __init__(self, fn, tree: ast.FunctionDef, experts: nn.Module):
+        self.scope, self.experts = Scope(fn), experts
+        self.env = {tree.args.args[1].arg: "input"}
+        self.splits: set[str] = set()
+        self.clamped = False
+
+    def refuse(self, node, why="is not proven row-local"):
+        raise Refusal(f"_apply_gate line {getattr(node, 'lineno', '?')}: `{ast.unparse(node)[:80]}` {why}")
+
+    def assign(self, stmt):
+        if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+            self.refuse(stmt, "is not an assignment")
+        target, value = stmt.targets[0], stmt.value
+        if isinstance(target, ast.Name):
+            self.env[target.id] = self.eval(value)
+        elif isinstance(target, ast.Tuple) and all(isinstance(t, ast.Name) for t in target.elts):
+            items = value.elts if isinstance(value, ast.Tuple) and len(value.elts) == len(target.elts) else None
+            if items is None and self.eval(value) == ("chunks",) and len(target.elts) == 2:
+                items = [None, None]
+            if items is None:
+                self.refuse(stmt, "cannot be unpacked")
+            for t, v in zip(target.elts, items):
+                self.env[t.id] = "row" if v is None else self.eval(v)
+        else:
+            self.refuse(stmt)
+
+    def scalar(self, v) -> bool:
+        return isinstance(v, Obj) and (v.value is None or type(v.value) in (int, float))
+
+    def eval(self, node):
+        if isinstance(node, ast.Constant):
+            return Obj(node.value)
+        if isinstance(node, ast.Name):
+            return self.env[node.id] if node.id in self.env else Obj(self.scope.lookup(node.id))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            value = getattr(self.experts, node.attr, None)
+            if node.attr == "act_fn":
+                elementwise.check_activation_module(value, f"{type(self.experts).__name__}.act_fn")
+                return "act"
+            if type(value) in (int, float):
+                return Obj(value)
+            self.refuse(node, "reads an attribute that is not a number")
+        if isinstance(node, ast.Attribute):
+            base = self.eval(node.value)
+            if base in ("row", "input") and node.attr == "dtype":
+                return "dtype"
+            if isinstance(base, Obj) and base.value is not None and hasattr(base.value, node.attr):
+                return Obj(getattr(base.value, node.attr))
+            self.refuse(node)
+        if isinstance(node, ast.Subscript):
+            return self._subscript(node)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+            left, right = self.eval(node.left), self.eval(node.right)
+            if "row" in (left, right) and all(v == "row" or self.scalar(v) for v in (left, right)):
+                return "row"
+            self.refuse(node)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            v = self.eval(node.operand)
+            return v if v == "row" else Obj(-v.value) if self.scalar(v) and v.value is not None else self.refuse(node)
+        if isinstance(node, ast.Call):
+            return self._call(node)
+        self.refuse(node)
+
+    def _subscript(self, node):
+        base = self.eval(node.value)
+        if base == "input" and ast.unparse(node.slice) in _SLICES:
+            self.splits.add("strided")
+            return "row"
+        if base == ("chunks",) and isinstance(node.slice, ast.Constant) and node.slice.value in (0, 1):
+            return "row"
+        self.refuse(node)
+
+    def _call(self, node):
+        if any(k.arg is None for k in node.keywords) or any(isinstance(a, ast.Starred) for a in node.args):
+            self.refuse(node, "unpacks arguments")
+        func = node.func
+        if isinstance(func, ast.Attribute) and not (isinstance(func.value, ast.Name) and func.value.id == "self"):
+            base = self.eval(func.value)
+            if base == "input" and func.attr == "chunk":
+                if [ast.unparse(a) for a in node.args] + [ast.unparse(k) for k in node.keywords] in (["2", "dim=-1"], ["2", "-1"]):
+                    self.splits.add("chunk")
+                    return ("chunks",)
+                self.refuse(node, "is not chunk(2, dim=-1)")
+            if base == "row" and func.attr in ("float", "double", "half", "bfloat16") and not node.args and not node.keywords:
+                return "row"
+            if base == "row" and func.attr == "to" and len(node.args) == 1 and not node.keywords \
+                    and self.eval(node.args[0]) == "dtype":
+                return "row"
+            if base == "row" and func.attr == "clamp":
+                if node.args or {k.arg for k in node.keywords} - {"min", "max"}:
+                    self.refuse(node, "is not clamp(min=..., max=...)")
+                if not all(self.scalar(self.eval(k.value)) for k in node.keywords):
+                    self.refuse(node, "clamps to something that is not a number")
+                self.clamped = True
+                return "row"
+            if not isinstance(base, Obj):
+                self.refuse(node)
+        target = self.eval(func)
+        if target == "act" or (isinstance(target, Obj) and target.value in elementwise.ELEMENTWISE_FUNCTIONS):
+            if len(node.args) != 1 or node.keywords or self.eval(node.args[0]) != "row":
+                self.refuse(node, "is not an element-wise function of one row-local value")
+            return "row"
+        self.refuse(node, "calls something not known to be element-wise")
+
+
+# ---------------------------------------------------------------------------------------------
+# ModuleList experts: every expert is the same proven SwiGLU
+# ---------------------------------------------------------------------------------------------
+
+# F.silu written in an expert forward runs as this module in the stacked compute.
+_FUNCTION_MODULES = {F.silu: nn.SiLU, F.relu: nn.ReLU, torch.relu: nn.ReLU, F.sigmoid: nn.Sigmoid,
+                     torch.sigmoid: nn.Sigmoid, F.tanh: nn.Tanh, torch.tanh: nn.Tanh}
 
 
 @functools.lru_cache(maxsize=None)
-def _swiglu_expert_proof(forward, cls_name: str) -> tuple[str, str, str, str]:
-    """-> (gate, up, down, act) attribute names / activation, or refuse."""
+def _swiglu_shape(forward) -> tuple[str, str, str, object]:
+    """(gate, up, down attribute names, activation: "act_fn" or a function) of ``down(act(gate(x)) * up(x))``."""
     tree = function_tree(forward)
-    params = arg_names(tree)
-    if len(params) != 2:
-        raise Refusal(f"expert {cls_name}.forward takes {params[1:]}, not one input")
-    expr = straight_line_result(tree, f"expert {cls_name}.forward")
-    x = params[1]
+    a = tree.args
+    if len(a.args) != 2 or a.vararg or a.kwarg or a.kwonlyargs:
+        raise Refusal(f"expert {forward.__qualname__} does not take one input")
+    scope, x = Scope(forward), a.args[1].arg
+    env: dict[str, tuple] = {x: ("x",)}
+    body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
 
-    def proj(node) -> str | None:
-        ok = isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords
-        ok = ok and isinstance(node.args[0], ast.Name) and node.args[0].id == x
-        return self_attr(node.func) if ok else None
+    def ev(node):
+        if isinstance(node, ast.Name) and node.id in env:
+            return env[node.id]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            return ("mul", ev(node.left), ev(node.right))
+        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                return ("call", f.attr, ev(node.args[0]))
+            if isinstance(f, (ast.Name, ast.Attribute)) and not (isinstance(f, ast.Name) and f.id in env):
+                fn = scope.resolve(f)
+                if fn in _FUNCTION_MODULES:
+                    return ("fn", fn, ev(node.args[0]))
+        raise Refusal(f"expert {forward.__qualname__} line {node.lineno}: `{ast.unparse(node)[:80]}` is not understood")
 
-    down = self_attr(expr.func) if isinstance(expr, ast.Call) and len(expr.args) == 1 else None
-    inner = expr.args[0] if down else None
-    if not (down and isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Mult)):
-        raise Refusal(f"expert {cls_name}.forward returns `{ast.unparse(expr)[:80]}`, not down(act(gate(x)) * up(x))")
-    act_call, up_call = inner.left, inner.right
-    act = None
-    if isinstance(act_call, ast.Call) and len(act_call.args) == 1 and not act_call.keywords:
-        if self_attr(act_call.func) == "act_fn":
-            act = "act_fn"
-        elif last_name(act_call.func) == "silu" and self_attr(act_call.func) is None:
-            act = "silu"
-    gate = proj(act_call.args[0]) if act else None
-    up = proj(up_call)
-    if not (act and gate and up and len({gate, up, down}) == 3):
-        raise Refusal(f"expert {cls_name}.forward returns `{ast.unparse(expr)[:80]}`, not down(act(gate(x)) * up(x))")
-    return gate, up, down, act
+    for stmt in body[:-1]:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            raise Refusal(f"expert {forward.__qualname__} line {stmt.lineno} is not an assignment to a name")
+        env[stmt.targets[0].id] = ev(stmt.value)
+    if not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        raise Refusal(f"expert {forward.__qualname__} does not end in a return")
+    out = ev(body[-1].value)
+    try:
+        kind, down, prod = out
+        _, left, right = prod
+        assert kind == "call" and prod[0] == "mul"
+        for act_side, up_side in ((left, right), (right, left)):
+            if act_side[0] == "call" and act_side[1] == "act_fn" and act_side[2][0] == "call":
+                act, gate = "act_fn", act_side[2]
+            elif act_side[0] == "fn" and act_side[2][0] == "call":
+                act, gate = act_side[1], act_side[2]
+            else:
+                continue
+            if gate[2] == ("x",) and up_side[0] == "call" and up_side[2] == ("x",) and len({gate[1], up_side[1], down}) == 3:
+                return gate[1], up_side[1], down, act
+    except (AssertionError, ValueError, TypeError, IndexError):
+        pass
+    raise Refusal(f"expert {forward.__qualname__} does not return down(act(gate(x)) * up(x))")
 
 
 def module_list_facts(experts: nn.ModuleList) -> dict:
+    """Every expert: same class and forward, bias-free exact ``nn.Linear`` projections of equal shapes,
+    dtype and device, the same element-wise activation, nothing tied, nothing hooked, uniformly trainable."""
     if len(experts) == 0:
         raise Refusal("experts ModuleList is empty")
     classes = {type(e) for e in experts}
     if len(classes) != 1:
         raise Refusal(f"experts mix classes {sorted(c.__name__ for c in classes)}")
     cls = classes.pop()
-    gate, up, down, act = _swiglu_expert_proof(cls.forward, cls.__name__)
+    gate, up, down, act = _swiglu_shape(cls.forward)
     first = experts[0]
-    for name in (gate, up, down):
-        lin = getattr(first, name)
+    shapes = {n: tuple(getattr(first, n).weight.shape) if isinstance(getattr(first, n, None), nn.Linear) else None
+              for n in (gate, up, down)}
+    seen: set[int] = set()
+    for e, expert in enumerate(experts):
+        _check_expert(expert, e, cls, (gate, up, down), shapes, act, first, seen)
+    params = [p for expert in experts for p in expert.parameters()]
+    if len({(p.dtype, p.device, p.requires_grad) for p in params}) != 1:
+        raise Refusal("experts differ in dtype, device or requires_grad (frozen experts cannot be stacked)")
+    if global_hooks():
+        raise Refusal("global module hooks are registered; the stacked experts would not run them")
+    return dict(expert_projs=f"{gate},{up},{down}", expert_act="act_fn" if act == "act_fn" else act.__name__)
+
+
+def _check_expert(expert, e, cls, names, shapes, act, first, seen) -> None:
+    what = f"experts[{e}] ({cls.__name__})"
+    elementwise.runtime_clean(expert, what)
+    own = {n for n, _ in expert.named_parameters(remove_duplicate=False)}
+    if own != {f"{n}.weight" for n in names}:
+        raise Refusal(f"{what} holds parameters {sorted(own)}; its forward uses only {[f'{n}.weight' for n in names]}")
+    if list(expert.buffers()):
+        raise Refusal(f"{what} holds buffers its forward does not use")
+    for n in names:
+        lin = getattr(expert, n)
         if type(lin) is not nn.Linear or lin.bias is not None:
-            raise Refusal(f"expert {cls.__name__}.{name} is not a bias-free nn.Linear")
-    extra = sorted({n for n, _ in first.named_parameters()} - {f"{p}.weight" for p in (gate, up, down)})
-    if extra:
-        raise Refusal(f"expert {cls.__name__} holds parameters {extra} its forward does not use")
-    return dict(expert_projs=f"{gate},{up},{down}", expert_act=act)
+            raise Refusal(f"{what}.{n} is not a bias-free nn.Linear")
+        elementwise.runtime_clean(lin, f"{what}.{n}")
+        if tuple(lin.weight.shape) != shapes[n]:
+            raise Refusal(f"{what}.{n} has shape {tuple(lin.weight.shape)}, experts[0] has {shapes[n]}")
+        if id(lin.weight) in seen:
+            raise Refusal(f"{what}.{n}.weight is tied to another expert's weight")
+        seen.add(id(lin.weight))
+    if act == "act_fn":
+        elementwise.check_activation_module(expert.act_fn, f"{what}.act_fn")
+        if not elementwise.same_activation(expert.act_fn, first.act_fn):
+            raise Refusal(f"{what}.act_fn differs from experts[0].act_fn")
 
 
+def global_hooks() -> bool:
+    from torch.nn.modules import module as m
+
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+             "_global_backward_pre_hooks")
+    return any(getattr(m, n, None) for n in names)
+
+
+# ---------------------------------------------------------------------------------------------
+# v4-style blocks: the one expert loop to splice out
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplicePlan:
+    """Where the expert loop sits and what it reads: the recipe replaces ``method``'s top-level
+    statement ``loop_index`` by ``acc.index_add_(rows, EP(x, idx, w))`` and runs the rest as written."""
+
+    method: str
+    fn: object
+    loop_index: int
+    acc: str
+    x: str
+    idx: str
+    w: str
+
+
+def module_list_plan(block: nn.Module) -> SplicePlan:
+    cls = type(block)
+    if "forward" in vars(block):
+        raise Refusal(f"{cls.__name__} has an instance-level forward")
+    if type(block).__call__ is not nn.Module.__call__:
+        raise Refusal(f"{cls.__name__} overrides __call__")
+    forward = plain_method(cls, "forward", block)
+    trees = {"forward": (forward, function_tree(forward))}
+    for call in ast.walk(trees["forward"][1]):
+        name = _self_method_call(call)
+        if name and name not in trees and inspect.isfunction(getattr(cls, name, None)):
+            fn = plain_method(cls, name, block)
+            trees[name] = (fn, function_tree(fn))
+    loops = [(m, i, s) for m, (_, t) in trees.items() for i, s in enumerate(t.body)
+             if isinstance(s, ast.For) and self_reads(s, "experts")]
+    if len(loops) != 1:
+        raise Refusal(f"{cls.__name__} has {len(loops)} top-level loops over self.experts, not one")
+    method, index, loop = loops[0]
+    for m, (_, t) in trees.items():
+        _experts_only_in(t, loop, f"{cls.__name__}.{m}")
+    fn, tree = trees[method]
+    always_reached(tree, loop, "the expert loop")
+    if method != "forward":
+        calls = [c for c in ast.walk(trees["forward"][1]) if _self_method_call(c) == method]
+        if len(calls) != 1:
+            raise Refusal(f"{cls.__name__}.forward calls self.{method} {len(calls)} times, not once")
+        always_reached(trees["forward"][1], calls[0], f"the call of self.{method}")
+    return _plan(block, fn, tree, method, index, loop)
+
+
+def _self_method_call(node) -> str | None:
+    ok = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    ok = ok and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+    return node.func.attr if ok else None
+
+
+def _experts_only_in(tree: ast.FunctionDef, loop: ast.For, where: str) -> None:
+    """Outside the loop, ``self.experts`` is read only as ``len(self.experts)``."""
+    in_loop = {id(n) for n in ast.walk(loop)}
+    in_len = {id(c.args[0]) for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+              and c.func.id == "len" and len(c.args) == 1}
+    for node in self_reads(tree, "experts"):
+        if id(node) not in in_loop and id(node) not in in_len:
+            raise Refusal(f"{where} line {node.lineno} uses self.experts outside the expert loop")
+
+
+def _plan(block, fn, tree: ast.FunctionDef, method: str, index: int, loop: ast.For) -> SplicePlan:
+    from autoep.expert_loop import prelude
+
+    p = Prover(fn, tree, block, len(block.experts), batched=False)
+    prelude(p, tree.body[:index])
+    p.loop(loop)
+    if p.facts.expert is None or _strip(p.facts.expert) != ("expert", ("x",)):
+        raise Refusal(f"{p.where}: the loop adds {p.facts.expert}, not expert(x[tok]) × weight")
+    stored = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    later = {n.id for s in tree.body[index + 1:] for n in ast.walk(s) if isinstance(n, ast.Name)}
+    if stored & later:
+        raise Refusal(f"{p.where}: {sorted(stored & later)} from inside the expert loop are used after it")
+    names = {}
+    for role in ("acc", "x", "idx", "w"):
+        value = getattr(p.facts, role)
+        holders = [n for n, v in p.env.items() if v is value and n not in stored]
+        if not holders:
+            raise Refusal(f"{p.where}: the loop's {role} is not held by a name at the loop")
+        names[role] = holders[0]
+    return SplicePlan(method, fn, index, names["acc"], names["x"], names["idx"], names["w"])
+
+
+def _strip(expr: tuple) -> tuple:
+    while expr[0] == "cast":
+        expr = expr[1]
+    return expr

@@ -1,5 +1,14 @@
-"""Proofs about routing: the router kind from the gate/router submodule, and for whole-block recipes
-the routing a v4-style block's own forward performs. Cached per class.
+"""The routing vocabulary: router kind and shared branch, read from data flow.
+
+These facts are recorded in the decision for people (and the plan table); no recipe depends on
+them. The block's own routing code always runs (autoep moves only the expert work), so a router is
+never re-implemented and a fact recorded here cannot make a result wrong.
+
+- a bare ``nn.Linear`` gate (exact type): ``softmax_topk`` if top-k reads a softmax of the gate's
+  output, ``sigmoid_group`` if it reads a sigmoid of it (followed through the block's forward and the
+  helper methods it calls);
+- any other gate/router module: ``topk_router_module`` if its forward returns the index half of a
+  ``topk`` among its returned items.
 """
 from __future__ import annotations
 
@@ -7,20 +16,16 @@ import ast
 import functools
 import inspect
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from autoep.output_proof import prove_block_output
-from autoep.source import (
-    CASTS, Refusal, all_calls, assignments, call_names, forward_tree, function_tree, is_call_to, is_self_call,
-    last_name, self_attr, self_attrs_read,
-)
+from autoep.names import Scope
+from autoep.source import Refusal, function_tree
 
-# ---------------------------------------------------------------------------------------------
-# Router
-# ---------------------------------------------------------------------------------------------
-
-SIGMOID_MARKERS = ("routed_scaling_factor", "n_group", "topk_group")
-TOP_K_NAMES = ("top_k", "num_experts_per_tok")
+SHARED_ATTRS = ("shared_expert", "shared_expert_gate", "shared_experts")
+_SCORES = {F.softmax: "softmax", torch.softmax: "softmax", F.sigmoid: "sigmoid", torch.sigmoid: "sigmoid"}
+_TOPK = {torch.topk}
 
 
 def _find_router(module: nn.Module) -> tuple[str, nn.Module]:
@@ -31,70 +36,148 @@ def _find_router(module: nn.Module) -> tuple[str, nn.Module]:
     raise Refusal("no `gate` or `router` submodule to route tokens")
 
 
-def _explicit(module: nn.Module, names: tuple[str, ...]) -> dict[str, object]:
-    """The attributes in ``names`` set on the module itself or on its ``config`` (module wins)."""
-    found = {}
-    config = getattr(module, "config", None)
-    for name in names:
-        if name in vars(module) or hasattr(type(module), name) and not callable(getattr(type(module), name)):
-            found[name] = getattr(module, name)
-        elif config is not None and getattr(config, name, None) is not None:
-            found[name] = getattr(config, name)
-    return found
-
-
-def _returns_topk_indices(tree: ast.FunctionDef) -> bool:
-    """Every ``return`` is a 3-tuple whose last item is the index half of a ``topk`` result."""
-    env = assignments([tree])
-
-    def is_topk_index(expr: ast.AST) -> bool:
-        if isinstance(expr, ast.Name):
-            bound = env.get(expr.id, [])
-            return bool(bound) and all(is_topk_index(v) for v in bound)
-        return (
-            isinstance(expr, ast.Subscript)
-            and is_call_to(expr.value, "topk")
-            and isinstance(expr.slice, ast.Constant)
-            and expr.slice.value == 1
-        )
-
-    returns = [n for n in ast.walk(tree) if isinstance(n, ast.Return)]
-    return bool(returns) and all(
-        isinstance(r.value, ast.Tuple) and len(r.value.elts) == 3 and is_topk_index(r.value.elts[-1]) for r in returns
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _router_module_proof(router_cls: type) -> None:
-    tree = forward_tree(router_cls)
-    names = call_names(tree)
-    missing = [n for n in ("linear", "topk") if n not in names]
-    if missing:
-        raise Refusal(f"router {router_cls.__name__}.forward does not call {' and '.join(missing)}")
-    if not _returns_topk_indices(tree):
-        raise Refusal(
-            f"router {router_cls.__name__}.forward does not return (logits, scores, indices) "
-            "with indices taken from a topk call"
-        )
-
-
 def router_kind(module: nn.Module) -> str:
-    _, gate = _find_router(module)
+    name, gate = _find_router(module)
     if type(gate) is nn.Linear:  # exact type: a subclass may override forward
-        if not _explicit(module, TOP_K_NAMES):
-            raise Refusal(
-                "bare nn.Linear gate but no explicit `top_k` or `num_experts_per_tok` on the module or its config"
-            )
-        return "sigmoid_group" if _explicit(module, SIGMOID_MARKERS) else "softmax_topk"
-    _router_module_proof(type(gate))
+        return _bare_gate_kind(type(module), name)
+    _router_module_proof(type(gate).forward, type(gate).__name__)
     return "topk_router_module"
 
 
-# ---------------------------------------------------------------------------------------------
-# Shared branch and the block's own forward
-# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _router_module_proof(forward, cls_name: str) -> None:
+    tree = function_tree(forward)
+    scope = Scope(forward)
+    topk_results = _flow(tree, scope, lambda call: "topk" if _is_topk(call, scope) else None)
+    returns = [n for n in ast.walk(tree) if isinstance(n, ast.Return)]
 
-SHARED_ATTRS = ("shared_expert", "shared_expert_gate", "shared_experts")
+    def index_half(expr) -> bool:
+        if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant) and expr.slice.value == 1:
+            return _is_topk(expr.value, scope)
+        return isinstance(expr, ast.Name) and topk_results.get(expr.id) == "topk_index"
+
+    ok = bool(returns) and all(
+        isinstance(r.value, ast.Tuple) and any(index_half(e) for e in r.value.elts) for r in returns
+    )
+    if not ok:
+        raise Refusal(f"router {cls_name}.forward does not return the indices of a topk")
+
+
+def _is_topk(call, scope: Scope) -> bool:
+    if not isinstance(call, ast.Call):
+        return False
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr == "topk":
+        try:
+            return scope.resolve(func) in _TOPK
+        except Refusal:
+            return True  # ``tensor.topk(...)``: a method of a local tensor
+    try:
+        return scope.resolve(func) in _TOPK
+    except Refusal:
+        return False
+
+
+def _flow(tree: ast.FunctionDef, scope: Scope, mark) -> dict[str, str]:
+    """``{name: tag}`` for names assigned from a ``topk`` (tuple targets: the index half is tagged)."""
+    tags: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign):
+            continue
+        value = node.value
+        if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and value.slice.value == 1 \
+                and mark(value.value) is not None:
+            tags.update({t.id: "topk_index" for t in node.targets if isinstance(t, ast.Name)})
+            continue
+        if mark(value) is None:
+            continue
+        for target in node.targets:
+            if isinstance(target, ast.Tuple) and len(target.elts) == 2 and isinstance(target.elts[1], ast.Name):
+                tags[target.elts[1].id] = "topk_index"
+    return tags
+
+
+def _bare_gate_kind(cls: type, gate_name: str) -> str:
+    """Which score function the top-k of the gate's output reads, followed by name through the block."""
+    fns = _block_functions(cls)
+    derived: dict[str, set[str]] = {}  # name -> tags: "gate", "softmax", "sigmoid"
+    kinds: set[str] = set()
+    for _ in range(3):  # helper parameters learn their tags from call sites; a few passes suffice
+        for fn, tree in fns:
+            scope = Scope(fn)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign):
+                    tags = _tags(node.value, derived, scope, gate_name)
+                    for t in node.targets:
+                        for n in ast.walk(t):
+                            if isinstance(n, ast.Name):
+                                derived.setdefault(n.id, set()).update(tags)
+                if isinstance(node, ast.Call):
+                    _helper_args(node, derived, fns, scope, gate_name)
+                    if _is_topk(node, scope) and node.args:
+                        kinds |= _tags(node.args[0], derived, scope, gate_name) & {"softmax", "sigmoid"}
+    if len(kinds) != 1:
+        raise Refusal(f"{cls.__name__}: cannot tell from data flow whether top-k reads a softmax or a sigmoid "
+                      f"of the gate's output (found {sorted(kinds) or 'neither'})")
+    return "softmax_topk" if kinds == {"softmax"} else "sigmoid_group"
+
+
+def _tags(expr: ast.AST, derived: dict, scope: Scope, gate_name: str) -> set[str]:
+    tags: set[str] = set()
+    for node in ast.walk(expr):
+        if isinstance(node, ast.Name):
+            tags |= derived.get(node.id, set())
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self" and f.attr == gate_name:
+                tags.add("gate")
+            kind = _score_kind(node, scope)
+            inner = set().union(*(_tags(a, derived, scope, gate_name) for a in node.args)) if node.args else set()
+            if isinstance(f, ast.Attribute):
+                inner |= _tags(f.value, derived, scope, gate_name)
+            if kind and "gate" in inner:
+                tags.add(kind)
+    return tags
+
+
+def _score_kind(call: ast.Call, scope: Scope) -> str | None:
+    func = call.func
+    try:
+        kind = _SCORES.get(scope.resolve(func))
+    except (Refusal, TypeError):
+        kind = None
+    if kind is None and isinstance(func, ast.Attribute) and func.attr in ("softmax", "sigmoid"):
+        try:
+            scope.resolve(func)
+        except Refusal:
+            kind = func.attr  # a method of a local tensor
+    return kind
+
+
+def _helper_args(call: ast.Call, derived: dict, fns, scope: Scope, gate_name: str) -> None:
+    func = call.func
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"):
+        return
+    for _fn, tree in fns:
+        if tree.name == func.attr:
+            params = [a.arg for a in tree.args.args[1:]]
+            for p, a in zip(params, call.args):
+                derived.setdefault(p, set()).update(_tags(a, derived, scope, gate_name))
+
+
+def _block_functions(cls: type) -> list[tuple[object, ast.FunctionDef]]:
+    """The block's forward and every method of its own that the forward calls as ``self.name(...)``."""
+    out = [(cls.forward, function_tree(cls.forward))]
+    seen = {"forward"}
+    for _fn, tree in out:
+        for call in ast.walk(tree):
+            f = getattr(call, "func", None)
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
+                method = getattr(cls, f.attr, None)
+                if f.attr not in seen and inspect.isfunction(method):
+                    seen.add(f.attr)
+                    out.append((method, function_tree(method)))
+    return out
 
 
 def shared_kind(module: nn.Module) -> str:
@@ -105,162 +188,20 @@ def shared_kind(module: nn.Module) -> str:
     return kinds[found]
 
 
-def experts_only_called(tree: ast.FunctionDef, cls_name: str) -> None:
-    """The block touches ``self.experts`` only by calling it (the experts contract), so it can be replaced."""
-    calls = {id(c.func) for c in all_calls(tree)}
-    for node in ast.walk(tree):
-        if self_attr(node) == "experts" and id(node) not in calls:
-            raise Refusal(f"{cls_name}.forward uses self.experts other than by calling it (line {node.lineno})")
-    if not any(is_self_call(c, "experts") for c in all_calls(tree)):
-        raise Refusal(f"{cls_name}.forward never calls self.experts")
+def experts_call(module: nn.Module) -> None:
+    """The block calls ``self.experts`` exactly once, always (a rank that skipped the call would hang
+    its peers in the exchange), and touches it no other way (its weights are sharded under EP)."""
+    from autoep.expert_loop import always_reached, plain_method, self_reads
 
-
-BLOCK_ATTRS = {"gate", "experts", "top_k", "num_experts", "num_experts_per_tok", "num_local_experts", "n_routed_experts"}
-BLOCK_ATTRS |= {"config"}
-BLOCK_ATTRS |= {"norm_topk_prob", "jitter_noise", "training", "hidden_dim", "ffn_dim", "hidden_size"}
-BLOCK_ATTRS |= {"routed_scaling_factor", "n_group", "topk_group", "e_score_correction_bias"}
-BLOCK_ATTRS |= set(SHARED_ATTRS)
-
-
-def _divides_by_sum(node: ast.BinOp | ast.AugAssign, assigned: dict[str, list[ast.AST]]) -> bool:
-    """``w / w.sum(...)`` or ``w /= denominator`` where ``denominator`` was assigned from a sum."""
-    right = node.right if isinstance(node, ast.BinOp) else node.value
-    exprs = [right] + [v for n in ast.walk(right) if isinstance(n, ast.Name) for v in assigned.get(n.id, [])]
-    return isinstance(node.op, ast.Div) and any(is_call_to(c, "sum") for e in exprs for c in ast.walk(e))
-
-
-def _topk_norm(tree: ast.FunctionDef) -> str:
-    conditional = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "norm_topk_prob" in ast.unparse(node.test):
-            conditional |= {id(n) for s in node.body for n in ast.walk(s)}
-    assigned = assignments([tree])
-    norms = [
-        n for n in ast.walk(tree) if isinstance(n, (ast.BinOp, ast.AugAssign)) and _divides_by_sum(n, assigned)
-    ]
-    if not norms:
-        return "never"
-    if all(id(n) in conditional for n in norms):
-        return "norm_topk_prob"
-    if not any(id(n) in conditional for n in norms):
-        return "always"
-    raise Refusal("top-k weights are normalised both conditionally and unconditionally")
-
-
-def _block_trees(cls: type) -> list[ast.FunctionDef]:
-    """The block's forward plus every method of its own that the forward calls as ``self.name(...)``."""
-    trees, seen = [forward_tree(cls)], {"forward"}
-    for tree in trees:
-        for call in all_calls(tree):
-            name = self_attr(call.func)
-            if name and name not in seen and inspect.isfunction(getattr(cls, name, None)):
-                seen.add(name)
-                trees.append(function_tree(getattr(cls, name)))
-    return trees
-
-
-@functools.lru_cache(maxsize=None)
-def routing_facts(cls: type, router: str) -> dict:
-    """Whole-block recipes re-run the block's routing: prove it is the one they reproduce."""
-    trees = _block_trees(cls)
-    methods = {t.name for t in trees}
-    unknown = set().union(*(self_attrs_read(t) for t in trees)) - BLOCK_ATTRS - methods
-    if unknown:
-        raise Refusal(f"{cls.__name__}.forward also uses {sorted(unknown)}, which the block recipe does not reproduce")
-    score_fn = "softmax" if router == "softmax_topk" else "sigmoid"
-    names = set().union(*(call_names(t) for t in trees))
-    if score_fn not in names or "topk" not in names:
-        raise Refusal(f"{cls.__name__}.forward does not take {score_fn} of the gate logits and then topk")
-    for tree in trees:  # within one function, the scores come before the top-k
-        first = {}
-        for call in sorted(all_calls(tree), key=lambda c: (c.lineno, c.col_offset)):
-            first.setdefault(last_name(call.func), call.lineno)
-        if score_fn in first and "topk" in first and first[score_fn] > first["topk"]:
-            raise Refusal(f"{cls.__name__}.{tree.name} takes topk before {score_fn}")
-    if router == "sigmoid_group":
-        _sigmoid_group_reads(cls, trees)
-    _routing_constants(cls, trees, router)
-    _gate_input_not_cast(cls, trees)
-    prove_block_output(cls, trees)
-    returns = [r.value for r in ast.walk(trees[0]) if isinstance(r, ast.Return)]
-    pairs = {isinstance(v, ast.Tuple) and len(v.elts) == 2 for v in returns}
-    if len(pairs) != 1:
-        raise Refusal(f"{cls.__name__}.forward returns both tuples and tensors")
-    norms = {_topk_norm(t) for t in trees} - {"never"}
-    if len(norms) > 1:
-        raise Refusal(f"{cls.__name__} normalises top-k weights in more than one way")
-    return dict(topk_norm=norms.pop() if norms else "never", returns_router_logits=pairs.pop())
-
-
-def _gate_input_not_cast(cls: type, trees: list[ast.FunctionDef]) -> None:
-    """The recipe feeds the gate the block's hidden states as they are; a cast before it is not reproduced."""
-    assigned = assignments(trees)
-    for tree in trees:
-        for call in all_calls(tree):
-            if self_attr(call.func) != "gate":
-                continue
-            for arg in call.args:
-                seen = [arg] + (assigned.get(arg.id, []) if isinstance(arg, ast.Name) else [])
-                if any(isinstance(v, ast.Call) and last_name(v.func) in CASTS for v in seen):
-                    raise Refusal(f"{cls.__name__} casts the hidden states before its gate, which the recipe does not")
-
-
-def _routing_constants(cls: type, trees: list[ast.FunctionDef], router: str) -> None:
-    """The constants the recipe hard-codes: sigmoid_group masks dropped groups with 0.0, scores groups by
-    their top-2 sum and normalises with +1e-20; softmax_topk normalises with no epsilon."""
-    text = "\n".join(ast.unparse(t) for t in trees)
-    if router == "sigmoid_group":
-        fills = [c for t in trees for c in all_calls(t) if last_name(c.func) == "masked_fill"]
-        values = {ast.unparse(c.args[1]) if len(c.args) > 1 else "?" for c in fills}
-        if values != {"0.0"}:
-            raise Refusal(f"{cls.__name__} masks dropped expert groups with {sorted(values)}; the recipe fills 0.0")
-        if ".topk(2, dim=-1)[0].sum(dim=-1)" not in text:
-            raise Refusal(f"{cls.__name__} does not score expert groups by their top-2 sum")
-        _weights_from_unbiased_scores(cls, trees)
-    expected = {1e-20} if router == "sigmoid_group" else set()
-    assigned = assignments(trees)
-    for tree in trees:
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.BinOp, ast.AugAssign)) and _divides_by_sum(node, assigned):
-                right = node.right if isinstance(node, ast.BinOp) else node.value
-                exprs = [right] + [v for n in ast.walk(right) if isinstance(n, ast.Name) for v in assigned.get(n.id, [])]
-                eps = {c.value for e in exprs for c in ast.walk(e) if isinstance(c, ast.Constant)
-                       and isinstance(c.value, float)}
-                if eps != expected:
-                    raise Refusal(f"{cls.__name__} normalises its top-k weights with epsilon {sorted(eps) or 'none'}; "
-                                   f"the {router} recipe uses {sorted(expected) or 'none'}")
-
-
-def _weights_from_unbiased_scores(cls: type, trees: list[ast.FunctionDef]) -> None:
-    """The recipe gathers the top-k weights from the sigmoid scores without the correction bias."""
-    gathers = [(t, c) for t in trees for c in all_calls(t) if last_name(c.func) == "gather"]
-    if not gathers:
-        raise Refusal(f"{cls.__name__} does not gather its top-k weights from the scores")
-    for tree, call in gathers:
-        # What the gathered tensor was built from, in this function, before this line.
-        earlier: dict[str, list[ast.AST]] = {}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assign) and node.lineno < call.lineno:
-                for target in node.targets:
-                    if isinstance(target, ast.Name):
-                        earlier.setdefault(target.id, []).append(node.value)
-
-        def uses_bias(expr: ast.AST, seen: frozenset = frozenset()) -> bool:
-            if "e_score_correction_bias" in ast.unparse(expr):
-                return True
-            names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)} - seen
-            return any(uses_bias(v, seen | names) for n in names for v in earlier.get(n, []))
-
-        if uses_bias(call.func.value):
-            raise Refusal(f"{cls.__name__} gathers its top-k weights from bias-corrected scores "
-                          f"(line {call.lineno}); the recipe gathers from the sigmoid scores")
-
-
-def _sigmoid_group_reads(cls: type, trees: list[ast.FunctionDef]) -> None:
-    """Group-limited routing must read every group/bias/scale attribute it is configured with."""
-    text = "\n".join(ast.unparse(t) for t in trees)
-    for name in ("n_group", "topk_group", "routed_scaling_factor", "e_score_correction_bias"):
-        if name not in text:
-            raise Refusal(f"{cls.__name__} is group-routed but its forward never reads `{name}`")
-
-
+    cls = type(module)
+    if "forward" in vars(module):
+        raise Refusal(f"{cls.__name__} has an instance-level forward")
+    if cls.__call__ is not nn.Module.__call__:
+        raise Refusal(f"{cls.__name__} overrides __call__")
+    tree = function_tree(plain_method(cls, "forward", module))
+    reads = self_reads(tree, "experts")
+    calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and c.func in reads]
+    if len(reads) != 1 or len(calls) != 1:
+        raise Refusal(f"{cls.__name__}.forward uses self.experts {len(reads)} times, {len(calls)} of them calls; "
+                      "the experts contract is one call")
+    always_reached(tree, calls[0], "the experts call")

@@ -14,7 +14,7 @@ from autoep import experts_proof, routing_proof, source
 from autoep.errors import UnsupportedModuleStructure
 from autoep.source import Refusal
 
-DETECTOR_VERSION = "1"
+DETECTOR_VERSION = "2"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module")
 SHARED_KINDS = ("none", "gated", "additive")
@@ -25,29 +25,25 @@ STORAGE_KINDS = ("module_list", "batched_parameters")
 class MoeStructure:
     """What a recipe needs to know about an MoE block, every field proven from source and attributes."""
 
-    router: str  # softmax_topk | sigmoid_group | topk_router_module
-    shared_experts: str  # none | gated | additive
+    router: str  # softmax_topk | sigmoid_group | topk_router_module (vocabulary: routing always runs as written)
+    shared_experts: str  # none | gated | additive (vocabulary: the shared branch always runs as written)
     expert_storage: str  # module_list | batched_parameters
-    jitter: bool  # the block has ``jitter_noise`` (multiplicative input noise in training)
+    jitter: bool  # the block has ``jitter_noise`` (vocabulary: jitter always runs as written)
     # Expert layout facts (batched_parameters; module_list experts are stacked to the default layout).
     expert_bias: bool = False  # gate_up_proj_bias / down_proj_bias are added
     expert_transposed: bool = False  # weights stored (E, in, out) and applied as x @ w
     gate_up_layout: str = "concatenated"  # concatenated [gate | up] | interleaved [g0, u0, g1, u1, ...]
-    # glu: act_fn(gate) * up | clamped_glu: a clamped gate (GPT-OSS) | own_gate: another row-local gate;
-    # for clamped_glu and own_gate the recipe calls the experts' own proven-row-local ``_apply_gate``.
+    # glu: the experts' forward computes act_fn(gate) * up itself | clamped_glu, own_gate: it calls its
+    # own proven-row-local ``_apply_gate`` (with a clamp / without), which the recipe then calls.
     activation: str = "glu"
-    # Routing facts for whole-block recipes (module_list). "router" when a router module computes them.
-    topk_norm: str = "router"  # router | always | never | norm_topk_prob
-    returns_router_logits: bool = False  # the block's forward returns (hidden, router_logits)
     # module_list experts: attribute names of the gate, up and down projections (comma-separated,
-    # e.g. "gate_proj,up_proj,down_proj" or "w1,w3,w2"), and how the gate is activated:
-    # "act_fn" = the expert's own ``act_fn`` module, "silu" = F.silu written in the expert's forward.
+    # e.g. "gate_proj,up_proj,down_proj" or "w1,w3,w2"), and the activation: "act_fn" = the expert's
+    # own ``act_fn`` module, else the name of the torch function written in its forward (e.g. "silu").
     expert_projs: str = ""
     expert_act: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
-
 
 
 def _refuse(module: nn.Module, exc: Refusal) -> UnsupportedModuleStructure:
@@ -60,6 +56,8 @@ def detect_router_kind(module: nn.Module) -> str:
         return routing_proof.router_kind(module)
     except Refusal as exc:
         raise _refuse(module, exc) from None
+    except Exception as exc:  # noqa: BLE001 - the detector raises nothing but UnsupportedModuleStructure
+        raise UnsupportedModuleStructure(type(module).__name__, f"router proof failed ({type(exc).__name__}: {exc})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,22 +66,17 @@ def detect_router_kind(module: nn.Module) -> str:
 
 
 def _structure(module: nn.Module) -> MoeStructure:
-    cls = type(module)
     router = routing_proof.router_kind(module)
     shared = routing_proof.shared_kind(module)
     experts = getattr(module, "experts", None)
     if isinstance(experts, nn.ModuleList):
         storage = "module_list"
         facts = experts_proof.module_list_facts(experts)
-        if router == "topk_router_module":
-            raise Refusal("a router module with ModuleList experts has no recipe (routing lives in the block)")
-        facts |= routing_proof.routing_facts(cls, router)
-        if shared == "gated" and "sigmoid" not in source.call_names(source.forward_tree(cls)):
-            raise Refusal(f"{cls.__name__}.forward does not gate the shared expert with a sigmoid")
+        experts_proof.module_list_plan(module)  # the one expert loop autoep splices out
     elif isinstance(experts, nn.Module):
         storage = "batched_parameters"
         facts = experts_proof.batched_experts_facts(experts)
-        routing_proof.experts_only_called(source.forward_tree(cls), cls.__name__)
+        routing_proof.experts_call(module)
     else:
         raise Refusal("no `experts` submodule")
     structure = MoeStructure(
@@ -106,6 +99,11 @@ def detect_moe_structure(module: nn.Module) -> MoeStructure:
         return _structure(module)
     except Refusal as exc:
         raise _refuse(module, exc) from None
+    except UnsupportedModuleStructure:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure inside a proof is a refusal, never a crash
+        reason = f"the proof could not follow the source ({type(exc).__name__}: {str(exc)[:120]})"
+        raise UnsupportedModuleStructure(type(module).__name__, reason) from None
 
 
 def count_experts(module: nn.Module) -> int:
@@ -120,10 +118,6 @@ def count_experts(module: nn.Module) -> int:
 
 
 def clear_caches() -> None:
-    """Forget every per-class proof (benchmarks measure a cold detection with this)."""
-    caches = (source.function_tree, routing_proof._router_module_proof, routing_proof.routing_facts,
-              experts_proof._apply_gate_facts, experts_proof._batched_forward_facts_cached,
-              experts_proof._swiglu_expert_proof)
-    for fn in caches:
+    """Forget every per-function proof (benchmarks measure a cold detection with this)."""
+    for fn in (source.function_tree, routing_proof._router_module_proof, experts_proof._swiglu_shape):
         fn.cache_clear()
-

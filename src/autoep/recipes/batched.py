@@ -3,12 +3,14 @@ obeying ``experts(hidden_TD, top_k_index_TK, top_k_weights_TK) -> (T, D)``).
 
 The block's own forward runs unchanged (routing, shared branch, jitter, output shape); only
 ``block.experts.forward`` is replaced by the token exchange + grouped local compute. The replacement
-honours the layout facts the detector proved (biases, transposed weights, interleaved gate/up, the
-experts' own gate) and equals the experts' eager forward.
+binds its arguments by the experts' own signature, honours the layout facts the detector proved
+(biases, transposed weights, the experts' own gate where their forward calls it), skips padding ids as
+their loop does, and equals the experts' proven forward.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -16,8 +18,11 @@ from typing import Callable
 from torch import Tensor, nn
 
 from autoep.dispatch import ep_experts_forward
+from autoep.errors import UnsupportedModuleStructure
 from autoep.experts import glu_gate, grouped_swiglu
+from autoep.experts_proof import BatchedRoles, batched_proof, experts_forward
 from autoep.recipes import ep_group_of, local_tensor
+from autoep.source import Refusal
 from autoep.structure import MoeStructure
 
 
@@ -30,50 +35,62 @@ class _EpExperts:
     transposed: bool
     bias: bool
     apply_gate: Callable[[Tensor], Tensor]
+    signature: inspect.Signature  # of the experts' own forward: the replacement binds its arguments by it
+    roles: BatchedRoles
 
 
 def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | MoeStructure) -> None:
     """Bind the EP experts forward on ``module.experts`` (factory contract: ``autoep.recipes``)."""
     facts = structure if isinstance(structure, MoeStructure) else MoeStructure(**structure)
     experts = module.experts
-    _check_supported(experts, facts)
+    roles = validate(module, structure=facts)
+    own_forward = experts_forward(type(experts))
     experts._autoep_ep = _EpExperts(
         num_experts=int(experts.gate_up_proj.shape[0]),  # global count: a DTensor reports the global shape
         ep_group=ep_group_of(ep_mesh),
         transposed=facts.expert_transposed,
         bias=facts.expert_bias,
         apply_gate=_gate_of(experts, facts),
+        signature=inspect.signature(own_forward),
+        roles=roles,
     )
     experts.forward = types.MethodType(_ep_forward, experts)
 
 
-def _check_supported(experts: nn.Module, facts: MoeStructure) -> None:
-    name = type(experts).__name__
-    for attr in ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if facts.expert_bias else ()):
-        if not isinstance(getattr(experts, attr, None), nn.Parameter | Tensor):
-            raise ValueError(f"{name}.{attr} is missing; the batched recipe needs it (structure={facts.as_dict()})")
-    if getattr(experts, "has_post_expert_norm", False):
-        raise ValueError(f"{name} applies a post-expert norm, which the batched recipe does not reproduce")
+def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> BatchedRoles:
+    """Resolve-time check (an explicit ``_target_`` included) that this recipe computes what ``module``'s
+    experts compute: their forward is proven and its layout facts are the ones given."""
+    facts = structure if isinstance(structure, MoeStructure) else MoeStructure(**structure)
+    name = type(module).__name__
+    experts = getattr(module, "experts", None)
+    if not isinstance(experts, nn.Module) or isinstance(experts, nn.ModuleList):
+        raise UnsupportedModuleStructure(name, "the batched recipe needs an experts module with 3-D parameters")
+    try:
+        proven, roles = batched_proof(experts)
+    except Refusal as exc:
+        raise UnsupportedModuleStructure(name, str(exc)) from None
+    given = {k: getattr(facts, k) for k in proven}
+    if given != proven:
+        raise UnsupportedModuleStructure(name, f"structure says {given} but the experts compute {proven}")
+    return roles
 
 
 def _gate_of(experts: nn.Module, facts: MoeStructure) -> Callable[[Tensor], Tensor]:
-    """The experts' own gate where they define one (always for clamped/interleaved), else act_fn(gate)*up."""
-    own = getattr(experts, "_apply_gate", None)
-    if own is not None:
-        return own
-    if facts.activation != "glu" or facts.gate_up_layout != "concatenated":
-        raise ValueError(
-            f"{type(experts).__name__} has activation={facts.activation}, layout={facts.gate_up_layout} "
-            "but no _apply_gate to reproduce it"
-        )
+    """The gate the proven forward computes: its own ``_apply_gate`` only where it calls it, else
+    ``act_fn(gate) * up`` on the concatenated halves, as it writes it."""
+    if facts.activation in ("own_gate", "clamped_glu"):
+        return experts._apply_gate
     return glu_gate(experts.act_fn)
 
 
-def _ep_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor = None, top_k_weights: Tensor = None, **aliases):
-    # transformers calls experts positionally; GPT-OSS's signature names them router_indices/routing_weights.
-    top_k_index = aliases.pop("router_indices", top_k_index)
-    top_k_weights = aliases.pop("routing_weights", top_k_weights)
+def _ep_forward(self: nn.Module, *args, **kwargs):
     spec: _EpExperts = self._autoep_ep
+    # Bound exactly as the experts' own forward binds them: unknown keywords fail as they would there.
+    bound = spec.signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    hidden_states = bound.arguments[spec.roles.hidden]
+    top_k_index = bound.arguments[spec.roles.index]
+    top_k_weights = bound.arguments[spec.roles.weights]
 
     def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
         return grouped_swiglu(

@@ -1,9 +1,10 @@
-"""Whole-block recipe for v4-style MoE blocks: bare ``nn.Linear`` gate, routing written in the block
-forward, a ``ModuleList`` of SwiGLU experts.
+"""Recipe for v4-style MoE blocks: routing written in the block, a ``ModuleList`` of SwiGLU experts
+called in a per-expert loop.
 
-The block's forward is replaced by one that reproduces the block's own routing (softmax top-k or
-DeepSeek-V3 sigmoid group-limited top-k, as the detector proved), training-time jitter, the shared
-branch and the return structure, and sends the expert work through ``ep_experts_forward``.
+The block's own forward runs: autoep recompiles the method holding the proven expert loop from its own
+source, globals and closure with only that loop replaced by a call into ``ep_experts_forward``
+(``autoep.splice``). Routing, jitter, scaling, the shared branch, aux losses and the return structure
+are the model's own code; this module holds no routing code.
 
 Expert storage changes once, at apply time: the ``ModuleList`` is replaced by ``StackedSwiGLUExperts``
 holding ``experts.gate_up_proj`` (E, 2F, D) = [gate | up] and ``experts.down_proj`` (E, D, F), the
@@ -17,17 +18,16 @@ a ModuleList has none, so it shards nothing here; this factory stacks the expert
 stacked parameters itself with ``autoep.apply.shard_expert_tensor`` (local slice, no communication).
 
 Shape legend: T tokens on this rank, K top-k, D hidden, F expert intermediate size, E routed experts,
-G expert groups (sigmoid_group), S (token, expert) rows grouped by local expert.
+S (token, expert) rows grouped by local expert.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import types
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -35,10 +35,11 @@ from autoep.apply import shard_expert_tensor
 from autoep.dispatch import ep_experts_forward
 from autoep.errors import UnsupportedModuleStructure
 from autoep.experts import glu_gate, grouped_swiglu
+from autoep.experts_proof import module_list_facts, module_list_plan
 from autoep.recipes import ep_group_of, local_tensor
+from autoep.source import Refusal
+from autoep.splice import compile_spliced
 from autoep.structure import MoeStructure
-
-TOP_K_NAMES = ("top_k", "num_experts_per_tok")
 
 
 class StackedSwiGLUExperts(nn.Module):
@@ -55,6 +56,9 @@ class StackedSwiGLUExperts(nn.Module):
         self.down_proj = nn.Parameter(down_EDF, requires_grad=down_EDF.requires_grad)
         self.act_fn = act_fn
         self.proj_names = proj_names
+
+    def __len__(self) -> int:  # the block's own code may still read len(self.experts)
+        return self.num_experts
 
     def forward(self, x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
         """Rows of ``x_SD`` grouped by this rank's local experts -> their outputs (S, D)."""
@@ -81,11 +85,14 @@ def _proj_names(module: nn.Module, structure: dict) -> tuple[str, str, str]:
     return names
 
 
+_ACT_MODULES = {"silu": nn.SiLU, "relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh}
+
+
 def _act_fn(module: nn.Module, structure: dict) -> nn.Module:
     """The experts' activation the detector proved: their own ``act_fn`` module, or ``F.silu``."""
     act = structure.get("expert_act")
-    if act == "silu":
-        return nn.SiLU()
+    if act in _ACT_MODULES:
+        return _ACT_MODULES[act]()
     if act != "act_fn":
         reason = f"structure.expert_act={act!r}; expected act_fn or silu"
         raise UnsupportedModuleStructure(type(module).__name__, reason)
@@ -214,123 +221,14 @@ def shard_stacked_experts(module: nn.Module, ep_mesh) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Routing, as the block's own forward computes it
+# The spliced expert loop and the factory
 # ---------------------------------------------------------------------------------------------
 
 
-def _explicit(module: nn.Module, name: str):
-    """``name`` on the module, else on its ``config``; None where neither sets it."""
-    value = getattr(module, name, None)
-    if value is None and getattr(module, "config", None) is not None:
-        value = getattr(module.config, name, None)
-    return value
-
-
-def _required(module: nn.Module, names: tuple[str, ...], what: str):
-    for name in names:
-        value = _explicit(module, name)
-        if value is not None:
-            return value
-    raise UnsupportedModuleStructure(
-        type(module).__name__, f"{what}: none of {', '.join(names)} is set on the module or its config"
-    )
-
-
-@dataclass(frozen=True)
-class Routing:
-    """The routing facts of one block, read once at apply time from the module and its config."""
-
-    kind: str  # softmax_topk | sigmoid_group
-    top_k: int
-    normalize: bool  # renormalise the top-k weights to sum to 1
-    routed_scaling_factor: float = 1.0
-    n_group: int = 1
-    topk_group: int = 1
-
-    @classmethod
-    def of(cls, module: nn.Module, structure: dict) -> Routing:
-        kind, norm = structure["router"], structure.get("topk_norm", "always")
-        if kind not in ("softmax_topk", "sigmoid_group"):
-            reason = f"structure.router={kind!r} is not a bare-gate router"
-            raise UnsupportedModuleStructure(type(module).__name__, reason)
-        if norm not in ("always", "never", "norm_topk_prob"):
-            raise UnsupportedModuleStructure(type(module).__name__, f"structure.topk_norm={norm!r} for a bare gate")
-        normalize = norm == "always" or (norm == "norm_topk_prob" and bool(_explicit(module, "norm_topk_prob")))
-        top_k = int(_required(module, TOP_K_NAMES, "top-k"))
-        if kind == "softmax_topk":
-            return cls(kind, top_k, normalize)
-        return cls(
-            kind,
-            top_k,
-            normalize,
-            float(_required(module, ("routed_scaling_factor",), "sigmoid_group")),
-            int(_required(module, ("n_group",), "sigmoid_group")),
-            int(_required(module, ("topk_group",), "sigmoid_group")),
-        )
-
-
-def _correction_bias(module: nn.Module) -> Tensor | None:
-    # Read per call: aux-loss-free balancing updates the bias during training.
-    for owner in (module, module.gate):
-        bias = getattr(owner, "e_score_correction_bias", None)
-        if bias is not None:
-            return bias
-    return None
-
-
-def route_softmax_topk(logits_TE: Tensor, r: Routing, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Mixtral / Qwen2-MoE: softmax in fp32, top-k, optional renormalisation, cast to ``dtype``."""
-    weights_TE = F.softmax(logits_TE, dim=1, dtype=torch.float)
-    top_k_weights_TK, top_k_index_TK = torch.topk(weights_TE, r.top_k, dim=-1)
-    if r.normalize:
-        top_k_weights_TK = top_k_weights_TK / top_k_weights_TK.sum(dim=-1, keepdim=True)
-    return top_k_index_TK, top_k_weights_TK.to(dtype)
-
-
-def route_sigmoid_group(logits_TE: Tensor, r: Routing, bias_E: Tensor | None) -> tuple[Tensor, Tensor]:
-    """DeepSeek-V3: sigmoid scores; top-k among the best ``topk_group`` of ``n_group`` groups chosen on
-    bias-corrected scores; weights from the un-biased scores, optionally renormalised, scaled."""
-    scores_TE = logits_TE.sigmoid()
-    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E
-    T, E = choice_TE.shape
-    group_scores_TG = choice_TE.view(T, r.n_group, E // r.n_group).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores_TG, k=r.topk_group, dim=-1, sorted=False)[1]
-    group_mask_TG = torch.zeros_like(group_scores_TG).scatter_(1, group_idx, 1)
-    score_mask_TE = group_mask_TG.unsqueeze(-1).expand(T, r.n_group, E // r.n_group).reshape(T, E)
-    masked_TE = choice_TE.masked_fill(~score_mask_TE.bool(), 0.0)
-    top_k_index_TK = torch.topk(masked_TE, k=r.top_k, dim=-1, sorted=False)[1]
-    top_k_weights_TK = scores_TE.gather(1, top_k_index_TK)
-    if r.normalize:
-        top_k_weights_TK = top_k_weights_TK / (top_k_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    return top_k_index_TK, top_k_weights_TK * r.routed_scaling_factor
-
-
-# ---------------------------------------------------------------------------------------------
-# The block forward and the factory
-# ---------------------------------------------------------------------------------------------
-
-
-def _shared_output(module: nn.Module, x_TD: Tensor, kind: str) -> Tensor | None:
-    if kind == "gated":
-        return F.sigmoid(module.shared_expert_gate(x_TD)) * module.shared_expert(x_TD)
-    if kind == "additive":
-        return module.shared_experts(x_TD)
-    return None
-
-
-def ep_block_forward(module: nn.Module, hidden_states: Tensor, *, routing: Routing, structure: dict, ep_group):
-    """The block's own computation with the routed experts exchanged over ``ep_group``."""
-    shape = hidden_states.shape
-    jitter_noise = getattr(module, "jitter_noise", 0.0) if structure.get("jitter") else 0.0
-    if module.training and jitter_noise > 0:
-        # Same RNG draw (shape, order) as the block's own forward, so the same seed gives the same noise.
-        hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - jitter_noise, 1.0 + jitter_noise)
-    x_TD = hidden_states.reshape(-1, shape[-1])
-    router_logits_TE = module.gate(x_TD)
-    if routing.kind == "softmax_topk":
-        top_k_index_TK, top_k_weights_TK = route_softmax_topk(router_logits_TE, routing, x_TD.dtype)
-    else:
-        top_k_index_TK, top_k_weights_TK = route_sigmoid_group(router_logits_TE, routing, _correction_bias(module))
+def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK: Tensor, top_k_weights_TK: Tensor,
+                   *, ep_group) -> None:
+    """What the block's own expert loop did: ``acc[t] += sum_k w[t, k] * expert_{idx[t, k]}(x[t])`` for
+    every id in [0, E) (others, e.g. padding, add nothing), with the experts spread over ``ep_group``."""
     out_TD = ep_experts_forward(
         x_TD,
         top_k_index_TK,
@@ -338,26 +236,46 @@ def ep_block_forward(module: nn.Module, hidden_states: Tensor, *, routing: Routi
         num_experts=module.experts.num_experts,
         ep_group=ep_group,
         expert_fn=module.experts,
+        out_dtype=torch.float32,
     )
-    shared_TD = _shared_output(module, x_TD, structure.get("shared_experts", "none"))
-    if shared_TD is not None:
-        out_TD = out_TD + shared_TD
-    out = out_TD.reshape(shape)
-    return (out, router_logits_TE) if structure.get("returns_router_logits") else out
+    rows_T = torch.arange(top_k_index_TK.shape[0], device=acc.device)
+    acc.index_add_(0, rows_T, out_TD.to(acc.dtype))
 
 
 def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructure) -> None:
     """Make a v4-style block EP-ready in place (factory contract: ``autoep.recipes``).
 
-    Stacks the experts, shards them ``Shard(0)`` over ``ep_mesh`` (``None``: no exchange; ``PlanError``
-    where ep_size does not divide the expert count), and binds a forward computing exactly the block's
-    own routing, jitter, experts and shared branch, with the block's own return structure.
+    Proves the block's expert loop (refusing what it cannot prove), stacks the experts, shards them
+    ``Shard(0)`` over ``ep_mesh`` (``None``: no exchange; ``PlanError`` where ep_size does not divide the
+    expert count), and binds the block's own method recompiled with only that loop replaced by the
+    exchange: routing, jitter, shared branch and return are the model's own code.
     """
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
+    plan = validate(module, structure=structure)
     stack_module_list_experts(module, structure=structure)
     shard_stacked_experts(module, ep_mesh)
-    routing = Routing.of(module, structure)
-    # An instance attribute shadows the class forward; nn.Module.__call__ (and its hooks) still run.
-    module.forward = functools.partial(
-        ep_block_forward, module, routing=routing, structure=structure, ep_group=ep_group_of(ep_mesh)
-    )
+    loop = functools.partial(ep_expert_loop, ep_group=ep_group_of(ep_mesh))
+    # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run.
+    setattr(module, plan.method, types.MethodType(compile_spliced(plan, loop), module))
+
+
+def validate(module: nn.Module, *, structure: dict | MoeStructure, **_):
+    """Resolve-time check (an explicit ``_target_`` included) that this recipe computes what ``module``
+    computes: its expert loop and every expert are proven, and the given expert facts are the proven
+    ones. Returns the splice plan; raises ``UnsupportedModuleStructure`` naming the key otherwise."""
+    structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
+    name = type(module).__name__
+    if isinstance(getattr(module, "experts", None), StackedSwiGLUExperts):
+        raise UnsupportedModuleStructure(name, "the block is already EP-ready (experts stacked)")
+    if not isinstance(getattr(module, "experts", None), nn.ModuleList):
+        raise UnsupportedModuleStructure(name, "the module_list recipe needs a ModuleList of experts")
+    try:
+        proven = module_list_facts(module.experts)
+        plan = module_list_plan(module)
+    except Refusal as exc:
+        raise UnsupportedModuleStructure(name, str(exc)) from None
+    for key, value in proven.items():
+        if structure.get(key) != value:
+            reason = f"structure.{key}={structure.get(key)!r}, but the experts are proven {key}={value!r}"
+            raise UnsupportedModuleStructure(name, reason)
+    return plan

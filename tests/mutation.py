@@ -1336,61 +1336,65 @@ def _ranks_round(block, structure, x, split, rank, group, mesh) -> str | None:
     return "; ".join(diffs[:3]) if diffs else None
 
 
-def check_on_ranks(mutant: Mutant, rank: int, world_size: int) -> tuple[str, str]:
-    """``(verdict, detail)`` of one mutant on this rank: refused / invalid / accepted_exact / accepted_wrong."""
+def check_on_ranks(mutant: Mutant, rank: int, world_size: int) -> tuple[str, str, bool]:
+    """``(verdict, detail, broken)`` of one mutant on this rank; ``broken``: the EP path raised on some rank,
+    so this process group may be out of step (the caller starts a fresh one for the next mutant)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     block = mutant.build()
     structure, why = detect(block)
     if why:
-        return why.split(":")[0], why
+        return why.split(":")[0], why, False
     x = inputs(block)
     try:
         for split in SPLITS:
             for r, s in enumerate(_slices(x, split)):
                 forward_backward(copy.deepcopy(block), s, seed=100 + r)
     except Exception as exc:  # noqa: BLE001 - the same on every rank: every rank computes every slice
-        return "invalid", "own forward on a slice: " + short_error(exc)
+        return "invalid", "own forward on a slice: " + short_error(exc), False
     group = dist.new_group(list(range(world_size)), backend="gloo", timeout=datetime.timedelta(seconds=HANG_S))
     mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("ep",))
-    result = ("accepted_exact", "")
     for split in SPLITS:
         try:
-            why = _ranks_round(block, structure, x, split, rank, group, mesh)
+            why, raised = _ranks_round(block, structure, x, split, rank, group, mesh), False
         except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails (or a peer hung)
-            why = "EP path raised " + short_error(exc)
-        failed = torch.tensor([float(why is not None)])
-        dist.all_reduce(failed)  # NOTE: collective on the default group: ranks agree, and resync after a hang
-        if why is not None:
-            result = ("accepted_wrong", f"split {split}, rank {rank}: {why}")
-        if failed.item():
-            return result if why is not None else ("accepted_wrong", f"split {split}: failed on another rank")
-    return result
+            why, raised = "EP path raised " + short_error(exc), True
+        state = torch.tensor([2.0 if raised else float(why is not None)])
+        # NOTE: collective on the default group: the ranks agree on the outcome and resync after a hang.
+        dist.all_reduce(state, op=dist.ReduceOp.MAX)
+        if state.item():
+            detail = f"split {split}, rank {rank}: {why}" if why else f"split {split}: failed on another rank"
+            return "accepted_wrong", detail, state.item() >= 2
+    dist.destroy_process_group(group)
+    return "accepted_exact", "", False
 
 
 def gloo_cases(rank: int, world_size: int, names: list[str]) -> dict[str, tuple[str, str]]:
-    """Worker (``distributed.spawn``): ``{mutant name: (verdict, detail)}`` on this rank."""
+    """Worker (``distributed.spawn``): ``{mutant name: (verdict, detail)}`` on this rank, in order, up to
+    and including the first mutant whose EP path raised (the group may be out of step after it)."""
     torch.set_num_threads(1)
     out = {}
     for m in mutants_by_name(names):
-        try:
-            out[m.name] = check_on_ranks(m, rank, world_size)
-        except Exception as exc:  # noqa: BLE001 - recorded; the next mutant still runs
-            out[m.name] = ("accepted_wrong", "rank check raised " + short_error(exc))
+        verdict, detail, broken = check_on_ranks(m, rank, world_size)
+        out[m.name] = (verdict, detail)
+        if broken:
+            break
     return out
 
 
 def gloo_check(names: list[str], world_size: int = 2) -> dict[str, tuple[str, str]]:
-    """Run ``names`` on ``world_size`` gloo ranks; ``{name: (verdict, detail)}`` merged over ranks (the
-    first failing rank's detail)."""
+    """Run ``names`` on ``world_size`` gloo ranks; ``{name: (verdict, detail)}`` merged over ranks (a
+    failing rank's detail first). A fresh group of processes continues after a mutant whose EP path raised."""
     from distributed import spawn
 
     merged: dict[str, tuple[str, str]] = {}
-    for per_rank in spawn(world_size, "mutation:gloo_cases", list(names)):
-        for name, (verdict, detail) in per_rank.items():
-            if name not in merged or (verdict == "accepted_wrong" and merged[name][0] != "accepted_wrong"):
-                merged[name] = (verdict, detail)
+    while len(merged) < len(names):
+        todo = [n for n in names if n not in merged]
+        for per_rank in spawn(world_size, "mutation:gloo_cases", todo):
+            for name, (verdict, detail) in per_rank.items():
+                if name not in merged or (detail and not merged[name][1].startswith("split [") and "rank" in detail):
+                    merged[name] = (verdict, detail)
     return merged
 
 

@@ -311,6 +311,8 @@ class Prover:
         if isinstance(left, Obj) and isinstance(right, Obj) and type(left.value) is int and type(right.value) is int:
             if isinstance(node.op, ast.Add):
                 return Obj(left.value + right.value)
+            if isinstance(node.op, ast.Sub):
+                return Obj(left.value - right.value)
         if isinstance(node.op, ast.Mult):
             return self._mult(node, left, right)
         if isinstance(node.op, ast.MatMult) and isinstance(left, Row) and isinstance(right, tuple) and right[0] == "param":

@@ -329,3 +329,60 @@ class MoE(nn.Module):
                 continue
             out.index_add_(0, token_idx, expert(x[token_idx]) * top_scores[token_idx, slot, None])
         return out.view(bs, slen, dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Idioms the block's own code may use around its expert loop (they run as written under EP)
+# ---------------------------------------------------------------------------------------------
+
+
+class CappedRouterMoE(MoE):
+    """A soft-capped, temperature-scaled router that drops low-confidence picks to the padding id
+    ``num_experts`` (the loop ``where(selected == i)`` never visits it), then a routed scale."""
+
+    def __init__(self, *, temperature=0.7, cap=5.0, drop_below=0.2, **kw):
+        super().__init__(**kw)
+        self.temperature, self.cap, self.drop_below = temperature, cap, drop_below
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        logits = self.cap * torch.tanh(self.gate(x) / self.temperature / self.cap)
+        scores = F.softmax(logits, dim=-1, dtype=torch.float)
+        top_scores, selected = torch.topk(scores, self.config.top_k, dim=-1)
+        selected = torch.where(top_scores < self.drop_below, torch.full_like(selected, len(self.experts)), selected)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(selected == i)
+            out.index_add_(0, token_idx, expert(x[token_idx]) * top_scores[token_idx, slot, None])
+        return (out * 1.5).view(bs, slen, dim)
+
+
+class _FlatteningBase(nn.Module):
+    def _flatten(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1])
+
+
+def make_closure_moe_class(bias_scale: float):
+    """A block class built in a function: its forward reads a closure variable and zero-arg super()."""
+
+    class ClosureMoE(_FlatteningBase):
+        def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+            super().__init__()
+            self.top_k = top_k
+            self.gate = nn.Linear(hidden, num_experts, bias=False)
+            self.experts = nn.ModuleList([FeedForward(hidden, ffn) for _ in range(num_experts)])
+
+        def forward(self, hidden_states):
+            shape = hidden_states.shape
+            x = super()._flatten(hidden_states)
+            probs = self.gate(x).softmax(dim=-1) + bias_scale
+            weights, chosen = probs.topk(self.top_k, dim=-1)
+            acc = x.new_zeros(x.shape)
+            mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 0, 1)
+            for e in range(len(self.experts)):
+                tok, slot = torch.where(mask[e])
+                acc.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, slot].unsqueeze(-1))
+            return acc.view(shape)
+
+    return ClosureMoE

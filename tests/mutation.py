@@ -1336,11 +1336,10 @@ def _ranks_round(block, structure, x, split, rank, group, mesh) -> str | None:
     return "; ".join(diffs[:3]) if diffs else None
 
 
-def check_on_ranks(mutant: Mutant, rank: int, world_size: int) -> tuple[str, str, bool]:
+def check_on_ranks(mutant: Mutant, rank: int, group, mesh) -> tuple[str, str, bool]:
     """``(verdict, detail, broken)`` of one mutant on this rank; ``broken``: the EP path raised on some rank,
-    so this process group may be out of step (the caller starts a fresh one for the next mutant)."""
+    so ``group`` may be out of step (the caller starts fresh processes for the next mutant)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     block = mutant.build()
     structure, why = detect(block)
@@ -1353,8 +1352,6 @@ def check_on_ranks(mutant: Mutant, rank: int, world_size: int) -> tuple[str, str
                 forward_backward(copy.deepcopy(block), s, seed=100 + r)
     except Exception as exc:  # noqa: BLE001 - the same on every rank: every rank computes every slice
         return "invalid", "own forward on a slice: " + short_error(exc), False
-    group = dist.new_group(list(range(world_size)), backend="gloo", timeout=datetime.timedelta(seconds=HANG_S))
-    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("ep",))
     for split in SPLITS:
         try:
             why, raised = _ranks_round(block, structure, x, split, rank, group, mesh), False
@@ -1366,17 +1363,22 @@ def check_on_ranks(mutant: Mutant, rank: int, world_size: int) -> tuple[str, str
         if state.item():
             detail = f"split {split}, rank {rank}: {why}" if why else f"split {split}: failed on another rank"
             return "accepted_wrong", detail, state.item() >= 2
-    dist.destroy_process_group(group)
     return "accepted_exact", "", False
 
 
 def gloo_cases(rank: int, world_size: int, names: list[str]) -> dict[str, tuple[str, str]]:
     """Worker (``distributed.spawn``): ``{mutant name: (verdict, detail)}`` on this rank, in order, up to
     and including the first mutant whose EP path raised (the group may be out of step after it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
     torch.set_num_threads(1)
+    # The ep group times out fast: an accepted mutant whose rank skips a collective fails, not hangs.
+    group = dist.new_group(list(range(world_size)), backend="gloo", timeout=datetime.timedelta(seconds=HANG_S))
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("ep",))
     out = {}
     for m in mutants_by_name(names):
-        verdict, detail, broken = check_on_ranks(m, rank, world_size)
+        verdict, detail, broken = check_on_ranks(m, rank, group, mesh)
         out[m.name] = (verdict, detail)
         if broken:
             break

@@ -30,7 +30,14 @@ from autoep.recipes.module_list import (
     unstack_module_list_experts,
 )
 from autoep.structure import detect_moe_structure
-from blocks import DeepseekV3StyleMoE, MixtralStyleSparseMoeBlock, MoE, Qwen2MoeStyleSparseMoeBlock
+from blocks import (
+    CappedRouterMoE,
+    DeepseekV3StyleMoE,
+    MixtralStyleSparseMoeBlock,
+    MoE,
+    Qwen2MoeStyleSparseMoeBlock,
+    make_closure_moe_class,
+)
 from distributed import guarded, run_cases
 
 D, SEQ = 16, 3
@@ -56,7 +63,16 @@ BLOCKS = {
     "deepseek_v3_no_norm": lambda: DeepseekV3StyleMoE(hidden=D, num_experts=8, top_k=2, norm_topk_prob=False),
     "research_w1w2w3": lambda: MoE(hidden=D, num_experts=4, top_k=2),
     "idle_experts": _idle_experts_moe,
+    "capped_router_padding": lambda: CappedRouterMoE(hidden=D, num_experts=4, top_k=2),
+    "closure_super": lambda: make_closure_moe_class(0.05)(hidden=D, num_experts=4, top_k=2),
+    "block_hook": lambda: _hooked(MoE(hidden=D, num_experts=4, top_k=2)),
 }
+
+
+def _hooked(block):
+    """A forward hook on the block itself: the block's __call__ still runs it around the spliced forward."""
+    block.register_forward_hook(lambda module, args, out: out * 0.5)
+    return block
 
 
 def _make(name: str) -> nn.Module:

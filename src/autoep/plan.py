@@ -38,7 +38,7 @@ def structure_label(decision) -> str:
     s = decision.structure
     if s is None:
         return "explicit"
-    flags = [k for k in ("jitter", "expert_bias", "expert_transposed", "returns_router_logits") if s.get(k)]
+    flags = [k for k in ("jitter", "expert_bias", "expert_transposed") if s.get(k)]
     flags += [f"{k}={s[k]}" for k, default in (("gate_up_layout", "concatenated"), ("activation", "glu"))
               if s.get(k, default) != default]
     return "/".join([s["router"], s["shared_experts"], s["expert_storage"], *flags])

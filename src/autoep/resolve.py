@@ -9,6 +9,7 @@ its seal and its code fingerprint are recomputed and compared.
 from __future__ import annotations
 
 import difflib
+import importlib
 import fnmatch
 import inspect
 import logging
@@ -120,6 +121,8 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
         structure_dict, num_experts, source = None, _count_explicit(modules, matched), "explicit"
     check_compute_fn(key, fn, parallel.allowed_targets)
     check_ep_size(parallel.ep_size, num_experts, matched)
+    if source == "explicit":
+        check_recipe_fits(key, fn, modules, matched)
     decision = {
         "source": source,
         "structure": structure_dict,
@@ -209,6 +212,25 @@ def _check_binds(key: str, target: str, kwargs: dict) -> None:
         raise PlanError(f"{key}.local_compute_fn: keys {sorted(kwargs)} do not bind to "
                         f"{target}{_signature(factory)} ({e}); the factory contract is "
                         f"factory(module, *, ep_mesh, **kwargs): make the keys next to _target_ its keyword parameters") from None
+
+
+def check_recipe_fits(key: str, fn: Mapping, modules: dict, matched: list[str]) -> None:
+    """An explicit shipped recipe must fit every module it will bind to (proofs, facts, parameters), so
+    a misfit is an error here, naming the module, not a traceback at run time."""
+    target = fn["_target_"]
+    if not target.startswith(archetypes.RECIPES + "."):
+        return  # the user's own factory: their contract
+    validate = getattr(importlib.import_module(target.rsplit(".", 1)[0]), "validate", None)
+    if validate is None:
+        return
+    kwargs = {k: v for k, v in fn.items() if k != "_target_"}
+    for name in matched:
+        try:
+            validate(modules[name], **kwargs)
+        except (UnsupportedModuleStructure, TypeError, ValueError, KeyError) as e:
+            raise PlanError(f"{key}.local_compute_fn._target_={target!r} does not fit {name} "
+                            f"({type(modules[name]).__name__}): {getattr(e, 'reason', e)}. Use "
+                            f"'{key}.local_compute_fn=auto' to let autoep decide, or name a factory that fits") from None
 
 
 def _signature(fn) -> str:

@@ -78,6 +78,21 @@ def _is_topk(call, scope: Scope) -> bool:
         return False
 
 
+def _topk_input(call: ast.Call, scope: Scope) -> ast.AST | None:
+    """What a top-k call ranks: ``x.topk(k)`` -> x; ``torch.topk(x, k)`` / ``torch.topk(input=x, ...)`` -> x."""
+    if not _is_topk(call, scope):
+        return None
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr == "topk":
+        try:
+            scope.resolve(func)
+        except Refusal:
+            return func.value  # a method of a local tensor
+    if call.args:
+        return call.args[0]
+    return next((k.value for k in call.keywords if k.arg == "input"), None)
+
+
 def _flow(tree: ast.FunctionDef, scope: Scope, mark) -> dict[str, str]:
     """``{name: tag}`` for names assigned from a ``topk`` (tuple targets: the index half is tagged)."""
     tags: dict[str, str] = {}
@@ -114,8 +129,9 @@ def _bare_gate_kind(cls: type, gate_name: str) -> str:
                                 derived.setdefault(n.id, set()).update(tags)
                 if isinstance(node, ast.Call):
                     _helper_args(node, derived, fns, scope, gate_name)
-                    if _is_topk(node, scope) and node.args:
-                        kinds |= _tags(node.args[0], derived, scope, gate_name) & {"softmax", "sigmoid"}
+                    source = _topk_input(node, scope)
+                    if source is not None:
+                        kinds |= _tags(source, derived, scope, gate_name) & {"softmax", "sigmoid"}
     if len(kinds) != 1:
         raise Refusal(f"{cls.__name__}: cannot tell from data flow whether top-k reads a softmax or a sigmoid "
                       f"of the gate's output (found {sorted(kinds) or 'neither'})")

@@ -23,6 +23,7 @@ Abstract values (what a name holds in the proof):
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from dataclasses import dataclass, field
@@ -190,13 +191,21 @@ def _fn_tree(fn) -> ast.FunctionDef:
     return tree
 
 
-def local_names(tree: ast.FunctionDef) -> set[str]:
-    """Every name the function binds (parameters, assignment and loop targets, with-as names)."""
+@functools.lru_cache(maxsize=None)
+def local_names(tree: ast.FunctionDef) -> frozenset[str]:
+    """Every name the function binds (parameters, assignment and loop targets, with-as names); cached
+    per parsed tree (trees are cached per function object)."""
     names = {a.arg for a in tree.args.args + tree.args.kwonlyargs}
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
-    return names
+    return frozenset(names)
+
+
+@functools.lru_cache(maxsize=None)
+def stored_names(node: ast.AST) -> frozenset[str]:
+    """Names assigned anywhere inside ``node`` (cached per node)."""
+    return frozenset(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
 
 
 class Prover:
@@ -603,7 +612,7 @@ class Prover:
             self.refuse(loop, "does not iterate over the experts (hit experts, range(E) or enumerate(experts))")
         self.loop_target = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
         before = set(self.env) - self.loop_target
-        stored = {n.id for s in loop.body for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        stored = set().union(*(stored_names(s) for s in loop.body))
         if stored & before:
             self.refuse(loop, f"rebinds {sorted(stored & before)}, which hold values from before the loop")
         self.body(loop.body)
@@ -686,7 +695,9 @@ def always_reached(tree: ast.FunctionDef, node: ast.AST, what: str) -> None:
     raise Refusal(f"{tree.name}: {what} not found")
 
 
+@functools.lru_cache(maxsize=None)
 def self_reads(tree: ast.AST, attr: str) -> list[ast.Attribute]:
+    """Every ``self.<attr>`` read in ``tree`` (cached per parsed tree)."""
     return [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == attr
             and isinstance(n.value, ast.Name) and n.value.id == "self"]
 

@@ -207,17 +207,25 @@ def shared_kind(module: nn.Module) -> str:
 def experts_call(module: nn.Module) -> None:
     """The block calls ``self.experts`` exactly once, always (a rank that skipped the call would hang
     its peers in the exchange), and touches it no other way (its weights are sharded under EP)."""
-    from autoep.expert_loop import always_reached, plain_method, self_reads
+    from autoep.expert_loop import plain_method
 
     cls = type(module)
     if "forward" in vars(module):
         raise Refusal(f"{cls.__name__} has an instance-level forward")
     if cls.__call__ is not nn.Module.__call__:
         raise Refusal(f"{cls.__name__} overrides __call__")
-    tree = function_tree(plain_method(cls, "forward", module))
+    _experts_call_source(plain_method(cls, "forward", module), cls.__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _experts_call_source(forward, cls_name: str) -> None:
+    """The source half of ``experts_call``: cached per forward function (a patched class is re-proven)."""
+    from autoep.expert_loop import always_reached, self_reads
+
+    tree = function_tree(forward)
     reads = self_reads(tree, "experts")
     calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and c.func in reads]
     if len(reads) != 1 or len(calls) != 1:
-        raise Refusal(f"{cls.__name__}.forward uses self.experts {len(reads)} times, {len(calls)} of them calls; "
+        raise Refusal(f"{cls_name}.forward uses self.experts {len(reads)} times, {len(calls)} of them calls; "
                       "the experts contract is one call")
     always_reached(tree, calls[0], "the experts call")

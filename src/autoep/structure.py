@@ -119,5 +119,8 @@ def count_experts(module: nn.Module) -> int:
 
 def clear_caches() -> None:
     """Forget every per-function proof (benchmarks measure a cold detection with this)."""
-    for fn in (source.function_tree, routing_proof._router_module_proof, experts_proof._swiglu_shape):
+    from autoep import expert_loop
+
+    for fn in (source.function_tree, routing_proof._router_module_proof, routing_proof._experts_call_source,
+               experts_proof._swiglu_shape, expert_loop.local_names, expert_loop.stored_names, expert_loop.self_reads):
         fn.cache_clear()

@@ -1115,8 +1115,15 @@ def all_mutants() -> tuple[Mutant, ...]:
     return tuple(m for t in targets() for m in target_mutants(t))
 
 
+def unmodified(target: Target) -> Mutant:
+    """The target as written (a control: it must be accepted and exact)."""
+    return Mutant(f"{target.name}/unmodified", target, "none", lambda block: None)
+
+
 def mutants_by_name(names) -> list[Mutant]:
-    index = {m.name: m for m in all_mutants()}
+    """The named mutants (or ``<target>/unmodified``), enumerating only their targets."""
+    wanted = {n.rsplit("/", 2)[0] if not n.endswith("/unmodified") else n.rsplit("/", 1)[0] for n in names}
+    index = {m.name: m for t in targets() if t.name in wanted for m in [unmodified(t), *target_mutants(t)]}
     return [index[n] for n in names]
 
 
@@ -1390,13 +1397,15 @@ def gloo_check(names: list[str], world_size: int = 2) -> dict[str, tuple[str, st
     failing rank's detail first). A fresh group of processes continues after a mutant whose EP path raised."""
     from distributed import spawn
 
+    def rank(result):  # a rank's own failure, then "failed on another rank", then the rest
+        return (result[0] == "accepted_wrong") + (", rank " in result[1])
+
     merged: dict[str, tuple[str, str]] = {}
     while len(merged) < len(names):
         todo = [n for n in names if n not in merged]
         for per_rank in spawn(world_size, "mutation:gloo_cases", todo):
-            for name, (verdict, detail) in per_rank.items():
-                if name not in merged or (detail and not merged[name][1].startswith("split [") and "rank" in detail):
-                    merged[name] = (verdict, detail)
+            for name, result in per_rank.items():
+                merged[name] = max(merged.get(name, result), result, key=rank)
     return merged
 
 

@@ -217,8 +217,9 @@ def test_changed_source_is_drift_naming_the_class(resolved_qwen3, monkeypatch):
 
 
 def test_detector_version_change_is_drift(resolved_qwen3, monkeypatch):
+    old = structure.DETECTOR_VERSION
     monkeypatch.setattr(structure, "DETECTOR_VERSION", "999")
-    with pytest.raises(DriftError, match=rf"detector version {structure.DETECTOR_VERSION} -> 999"):
+    with pytest.raises(DriftError, match=rf"detector version {old} -> 999"):
         resolve_plan(resolved_qwen3, meta_model())
 
 

@@ -12,8 +12,11 @@ registered directly on ``module.experts`` are the expert parameters (dim 0 = exp
 shards them ``Shard(0)`` over ``ep`` before calling the factory. A recipe that restructures the experts
 (``module_list``: stacks a ModuleList into ``experts.gate_up_proj``/``experts.down_proj``) shards what it
 creates itself with ``autoep.apply.shard_expert_tensor``. Every other parameter of the block (router,
-shared branch) is dense. The factory makes ``module`` EP-ready in place (binds a new forward on the
-block or on its experts) and returns nothing. ``kwargs`` are the keys written next to ``_target_`` in
+shared branch) is dense. The factory makes ``module`` EP-ready in place and returns nothing; it moves
+only the expert work (the experts' forward, or the block's expert loop spliced out of its own
+forward): routing, jitter, scaling, shared branches and the return structure stay the model's own code.
+A recipe module may define ``validate(module, **kwargs)``; ``resolve_plan`` calls it for explicit
+``_target_``s so a recipe that does not fit a module is an error at resolve time, naming the module. ``kwargs`` are the keys written next to ``_target_`` in
 the config (for auto decisions: the row's kwargs plus ``structure``, every MoeStructure field).
 """
 
@@ -40,9 +43,9 @@ MODULE_LIST_BLOCK = Archetype(target=f"{RECIPES}.module_list.ep_module_list_bloc
 
 # (router, expert_storage) -> recipe. The remaining MoeStructure fields are passed to the factory as
 # its ``structure`` kwarg, so the decision's full lookup key is every field (jitter included).
-# batched_parameters rows keep the block's own forward (router, shared branch, jitter run as
-# written) and replace only the experts' token exchange and compute, honouring the layout facts.
-# module_list rows replace the whole block forward (routing, dispatch, experts, shared, jitter).
+# batched_parameters rows keep the block's own forward and replace only the experts' forward by the
+# token exchange + grouped compute, honouring the proven layout facts. module_list rows run the block's
+# own forward recompiled with only its proven expert loop replaced by the exchange.
 TABLE: dict[tuple[str, str], Archetype] = {
     ("topk_router_module", "batched_parameters"): BATCHED,
     ("softmax_topk", "batched_parameters"): BATCHED,

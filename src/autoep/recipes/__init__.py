@@ -11,7 +11,8 @@ written next to ``_target_`` in the resolved config (for auto decisions ``struct
 ``MoeStructure`` as a dict).
 
 - ``batched.ep_batched_experts``: v5-style blocks; keeps the block forward, replaces the experts'.
-- ``module_list.ep_module_list_block``: v4-style blocks; replaces the whole block forward.
+- ``module_list.ep_module_list_block``: v4-style blocks; runs the block's own forward with only its
+  proven expert loop spliced out and replaced by the exchange.
 """
 
 from __future__ import annotations

@@ -229,6 +229,7 @@ def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK:
                    *, ep_group) -> None:
     """What the block's own expert loop did: ``acc[t] += sum_k w[t, k] * expert_{idx[t, k]}(x[t])`` for
     every id in [0, E) (others, e.g. padding, add nothing), with the experts spread over ``ep_group``."""
+    _check_no_alias(module, acc, x_TD, top_k_index_TK, top_k_weights_TK)
     out_TD = ep_experts_forward(
         x_TD,
         top_k_index_TK,
@@ -240,6 +241,17 @@ def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK:
     )
     rows_T = torch.arange(top_k_index_TK.shape[0], device=acc.device)
     acc.index_add_(0, rows_T, out_TD.to(acc.dtype))
+
+
+def _check_no_alias(module: nn.Module, acc: Tensor, *read: Tensor) -> None:
+    """The loop added into ``acc`` while reading x, ids and weights; if ``acc`` shared their memory, later
+    experts would have read earlier experts' sums, which one exchange cannot reproduce: fail loudly."""
+    if acc.device.type == "meta":
+        return
+    base = acc.untyped_storage().data_ptr()
+    if any(t.device.type != "meta" and t.untyped_storage().data_ptr() == base for t in read):
+        raise RuntimeError(f"{type(module).__name__}: the expert loop's accumulator shares memory with what the loop "
+                           "reads (x, expert ids or weights); autoep cannot run that loop as an exchange")
 
 
 def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructure) -> None:

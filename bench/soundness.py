@@ -1,0 +1,70 @@
+"""The soundness fuzzer, every mutant: accepted ⇒ exact, or the detector is unsound (issue 8).
+
+    python bench/soundness.py                 # every mutant in one process (ep_mesh=None)
+    python bench/soundness.py --ranks 2       # and accepted-exact ones again on 2 gloo ranks (CPU)
+    python bench/soundness.py --limit 200     # the first 200 mutants of the fixed enumeration
+    python bench/soundness.py --every 10      # the CI sample's selection: every 10th mutant of each target
+
+Prints one line per accepted-wrong, crash or invalid mutant, then per target and in total
+``mutants=… refused=… accepted_exact=… accepted_wrong=… crashes=… invalid=…``. Exits 1 when any mutant
+is accepted and wrong or crashes the detector. The engine is ``tests/mutation.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import mutation  # noqa: E402 - after the tests dir is on the path
+
+LISTED = ("accepted_wrong", "crash", "invalid")
+
+
+def summary(label: str, outcomes) -> str:
+    c = mutation.counts(outcomes)
+    return (f"{label}: mutants={c['mutants']} refused={c['refused']} accepted_exact={c['accepted_exact']} "
+            f"accepted_wrong={c['accepted_wrong']} crashes={c['crash']} invalid={c['invalid']}")
+
+
+def print_listed(outcomes) -> None:
+    for o in outcomes:
+        if o.verdict in LISTED:
+            print(f"{o.verdict:15s} {o.name}: {o.detail}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=1, help="also recheck accepted-exact mutants on this many gloo ranks")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N mutants of the enumeration")
+    parser.add_argument("--every", type=int, default=1, help="every N-th mutant of each target (the CI sample uses 10)")
+    parser.add_argument("--rank-every", type=int, default=1,
+                        help="on several ranks: every run-time and rank-sensitive mutant, every N-th of the others")
+    args = parser.parse_args(argv)
+
+    t0 = time.perf_counter()
+    mutants = mutation.sample(mutation.all_mutants(), args.every)[: args.limit]
+    outcomes = mutation.evaluate_all(mutants)
+    t1 = time.perf_counter()
+    if args.ranks > 1:
+        names = mutation.rank_sample(outcomes, args.rank_every)
+        print(f"rechecking {len(names)} accepted-exact mutants on {args.ranks} gloo ranks", flush=True)
+        mutation.apply_rank_results(outcomes, mutation.gloo_check(names, args.ranks), args.ranks)
+    t2 = time.perf_counter()
+
+    print_listed(outcomes)
+    for target, group in itertools.groupby(outcomes, key=lambda o: o.target):
+        print(summary(target, list(group)))
+    print(summary("total", outcomes))
+    print(f"operators={len(mutation.OPERATORS)} in-process {t1 - t0:.1f} s, ranks {t2 - t1:.1f} s")
+    c = mutation.counts(outcomes)
+    return 1 if c["accepted_wrong"] or c["crash"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

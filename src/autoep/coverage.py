@@ -153,6 +153,13 @@ def markdown(rows: list[Row]) -> str:
         "an accepted class: its `conf/model/` config where one ships, else its own causal LM (or text model)",
         "class built by `autoep.tiny.build_tiny_model`. Refused classes run nothing.",
         "",
+        "What runs under EP: the block's own forward. Only the region autoep replaces (the experts'",
+        "forward for batched experts, the block's expert loop for ModuleList experts) is proven, by a",
+        "whitelist over every statement and call in it with call targets resolved to the objects they",
+        "denote; run-time state (instance forwards, hooks, tied or frozen experts) is checked too. The",
+        "router and shared columns are vocabulary: routing and shared branches are never re-implemented.",
+        "`python bench/soundness.py` mutates accepted classes and checks every accepted mutant is exact.",
+        "",
         "| family | class | decision (router, shared, storage, jitter) | layout facts | parity | reason refused |",
         "|---|---|---|---|---|---|",
     ]

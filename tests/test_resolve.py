@@ -241,3 +241,27 @@ def test_auto_on_a_non_moe_module_is_also_an_unsupported_structure():
     with pytest.raises(UnsupportedModuleStructure) as info:
         resolve_plan(plan(match="model.layers.*.self_attn"), meta_model())
     assert info.value.cls_name == "Qwen3MoeAttention" and "gate" in info.value.reason
+
+
+def _structure_of(name):
+    model = meta_model(name)
+    return structure.detect_moe_structure(model.get_submodule("model.layers.0.mlp")).as_dict()
+
+
+@pytest.mark.parametrize("name, target, edit, message", [
+    # the module_list recipe on batched experts: caught here, not as a traceback at run time
+    ("qwen3_moe", "autoep.recipes.module_list.ep_module_list_block", {}, "needs a ModuleList of experts"),
+    # layout facts that differ from what the experts compute
+    ("gpt_oss", "autoep.recipes.batched.ep_batched_experts", {"expert_transposed": False}, "structure says"),
+    ("qwen3_moe", "autoep.recipes.batched.ep_batched_experts", {"activation": "clamped_glu"}, "structure says"),
+])
+def test_an_explicit_recipe_that_does_not_fit_is_refused_at_resolve_time(name, target, edit, message):
+    fn = {"_target_": target, "structure": {**_structure_of(name), **edit}}
+    with pytest.raises(PlanError, match=rf"parallel.plan.0.local_compute_fn._target_='{target}' does not fit "
+                                        rf"model.layers.0.mlp \(.*\): .*{message}"):
+        resolve_plan(plan(fn=fn), meta_model(name))
+
+
+def test_an_explicit_recipe_that_fits_resolves():
+    fn = {"_target_": "autoep.recipes.batched.ep_batched_experts", "structure": _structure_of("gpt_oss")}
+    assert plain(resolve_plan(plan(fn=fn), meta_model("gpt_oss")))["plan"][0]["decision"]["source"] == "explicit"

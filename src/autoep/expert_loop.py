@@ -649,6 +649,8 @@ class Prover:
         acc = self.eval(func.value)
         if not isinstance(acc, Opaque) or (self.batched and acc is not self.zeros_of_x):
             self.refuse(call, "does not add into a zero-initialised accumulator")
+        if any(acc is getattr(self.facts, role) for role in ("x", "idx", "w")):
+            self.refuse(call, "adds into the tensor the loop reads its tokens, ids or weights from")
         self._bind_role("acc", acc, call)
         if len(call.args) != 3 or call.keywords:
             self.refuse(call, "is not index_add_(0, tok, rows) (no alpha, no other arguments)")
@@ -711,6 +713,10 @@ def plain_method(cls: type, name: str, owner: nn.Module):
         raise Refusal(f"{cls.__name__}.{name} is not a plain function")
     if hasattr(fn, "__wrapped__"):
         raise Refusal(f"{cls.__name__}.{name} is wrapped by a decorator")
+    from autoep.source import function_tree
+
+    if function_tree(fn).decorator_list:
+        raise Refusal(f"{cls.__name__}.{name} is decorated; autoep does not know what the decorator does")
     return fn
 
 

@@ -352,7 +352,11 @@ _FUNCTION_MODULES = {F.silu: nn.SiLU, F.relu: nn.ReLU, torch.relu: nn.ReLU, F.si
 @functools.lru_cache(maxsize=None)
 def _swiglu_shape(forward) -> tuple[str, str, str, object]:
     """(gate, up, down attribute names, activation: "act_fn" or a function) of ``down(act(gate(x)) * up(x))``."""
+    if hasattr(forward, "__wrapped__"):
+        raise Refusal(f"expert {forward.__qualname__} is wrapped by a decorator")
     tree = function_tree(forward)
+    if tree.decorator_list:
+        raise Refusal(f"expert {forward.__qualname__} is decorated; autoep does not know what the decorator does")
     a = tree.args
     if len(a.args) != 2 or a.vararg or a.kwarg or a.kwonlyargs:
         raise Refusal(f"expert {forward.__qualname__} does not take one input")
@@ -403,6 +407,8 @@ def _swiglu_shape(forward) -> tuple[str, str, str, object]:
 def module_list_facts(experts: nn.ModuleList) -> dict:
     """Every expert: same class and forward, bias-free exact ``nn.Linear`` projections of equal shapes,
     dtype and device, the same element-wise activation, nothing tied, nothing hooked, uniformly trainable."""
+    if type(experts) is not nn.ModuleList:
+        raise Refusal(f"experts is a {type(experts).__name__}, not a plain nn.ModuleList")
     if len(experts) == 0:
         raise Refusal("experts ModuleList is empty")
     classes = {type(e) for e in experts}

@@ -148,7 +148,9 @@ class ExpertLoad:
     def _hook(self, module, args, kwargs):
         top_k_index = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
         if isinstance(top_k_index, Tensor):
-            self.counts_E += torch.bincount(top_k_index.detach().reshape(-1).cpu(), minlength=self.num_experts)
+            ids = top_k_index.detach().reshape(-1).cpu()
+            ids = ids[(ids >= 0) & (ids < self.num_experts)]  # padding ids (e.g. E) route nowhere
+            self.counts_E += torch.bincount(ids, minlength=self.num_experts)
 
     def collect(self, world_group) -> dict:
         """Tokens per expert summed over layers and ranks since the last call, and max/mean imbalance."""

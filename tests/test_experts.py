@@ -82,3 +82,60 @@ def test_zero_rows():
     assert y.shape == (0, 8)
     y.sum().backward()
     assert w.grad is not None and w.grad.abs().sum() == 0
+
+
+# Hidden and intermediate sizes around the 16-byte alignment the grouped-mm kernels need (fp32: 4
+# elements): odd, even-unaligned and aligned, so both paths and every mix of them run.
+SWEEP_D = (1, 3, 4, 5, 6, 7, 8, 12, 13, 20)
+SWEEP_F = (1, 2, 3, 4, 5, 6, 8, 10)
+# Rows per expert: none at all, a single row (a size-1 dim, whose stride the kernels read), empty experts
+# at either end and in the middle, and an uneven spread.
+SWEEP_COUNTS = ([0, 0, 0], [1, 0, 0], [0, 0, 1], [0, 2, 0], [1, 1, 1], [3, 0, 5])
+
+
+def _odd_strided(t):
+    """``t`` (one row or one expert) with an odd stride on its size-1 leading dim: ``contiguous()``
+    keeps such a tensor as it is, the grouped-mm kernels refuse it."""
+    if t.shape[0] != 1:
+        return t
+    base = torch.empty(t.numel() + 8, dtype=t.dtype)[4:]  # 16-byte aligned offset, odd stride below
+    out = base.as_strided(t.shape, (t[0].numel() + 1, *t.stride()[1:]))
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_swiglu_any_size_and_token_count(transposed):
+    """Every (D, F) of the sweep and every row pattern, forward and backward, equal the per-expert loop,
+    also when a single row or a single expert arrives with an odd stride on its size-1 dim."""
+    g = torch.Generator().manual_seed(1)
+    for D in SWEEP_D:
+        for Fi in SWEEP_F:
+            for counts_list in SWEEP_COUNTS:
+                counts = torch.tensor(counts_list)
+                L, S = len(counts_list), int(counts.sum())
+                gu_shape, dn_shape = ((L, D, 2 * Fi), (L, Fi, D)) if transposed else ((L, 2 * Fi, D), (L, D, Fi))
+                params = [torch.randn(gu_shape, generator=g), torch.randn(dn_shape, generator=g)]
+                x, grad = torch.randn(S, D, generator=g), torch.randn(S, D, generator=g)
+                results = []
+                for fn in ("grouped", "reference"):
+                    xs = _odd_strided(x.clone()).requires_grad_()
+                    ps = [p.clone().requires_grad_() for p in params]
+                    if fn == "grouped":
+                        y = grouped_swiglu(xs, counts, ps[0], ps[1], transposed=transposed, apply_gate=GATE)
+                    else:
+                        y = _reference(xs, counts, ps[0], ps[1], None, None, transposed, GATE)
+                    y.backward(_odd_strided(grad.clone()))
+                    results.append([y, xs.grad, ps[0].grad, ps[1].grad])
+                for got, want in zip(*results):
+                    torch.testing.assert_close(got, want, msg=lambda m: f"D={D} F={Fi} counts={counts_list}: {m}")
+
+
+def test_grouped_linear_single_expert_with_odd_stride():
+    """One local expert (ep_size == num_experts): its weight's size-1 expert dim may carry any stride."""
+    x = torch.randn(5, 8, requires_grad=True)
+    w = _odd_strided(torch.randn(1, 8, 4)).requires_grad_()
+    y = grouped_linear(x, torch.tensor([5]), w)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(y, x.detach() @ w.detach()[0])
+    torch.testing.assert_close(w.grad[0], x.detach().T @ torch.ones(5, 4))

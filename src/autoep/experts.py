@@ -20,9 +20,10 @@ _grouped_mm_op = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm",
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous.
+    """Identity whose backward hands the grouped-mm backward a row-major gradient.
 
-    The grouped-mm backward rejects expanded gradients (e.g. the stride-0 grad of ``y.sum()``).
+    The grouped-mm backward rejects expanded gradients (e.g. the stride-0 grad of ``y.sum()``) and
+    a size-1 dim with an odd stride (see ``_row_major``).
     """
 
     @staticmethod
@@ -31,9 +32,24 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
-        if grad.numel() == 0:  # an empty expanded grad counts as contiguous but keeps its 0 strides
-            return grad.new_zeros(grad.shape)
-        return grad.contiguous()
+        return _row_major(grad)
+
+
+def _row_major(t: Tensor) -> Tensor:
+    """``t`` with exactly row-major strides and a 16-byte aligned base, copied only when it lacks them.
+
+    ``Tensor.contiguous()`` is not enough: it ignores the stride of a size-1 dim (a single row, or an
+    expert with one token), but the grouped-mm kernels read that stride to tell a transposed operand
+    from a plain one, and refuse it ("strides should be multiple of 16 bytes") when it is odd.
+    """
+    strides, step = [], 1
+    for n in reversed(t.shape):
+        strides.insert(0, step)
+        step *= n
+    # An empty tensor is copied too: an expanded one counts as contiguous but keeps its 0 strides.
+    if t.numel() and tuple(strides) == t.stride() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)  # NOTE: a copy (differentiable), canonical and aligned
 
 
 def _aligned(t: Tensor) -> bool:
@@ -61,7 +77,7 @@ def can_use_grouped_mm(x_SD: Tensor, w_LIO: Tensor) -> bool:
 
 def grouped_linear(x_SD: Tensor, tokens_per_expert: Tensor, w_LIO: Tensor, bias_LO: Tensor | None = None) -> Tensor:
     """``y[s] = x[s] @ w[e(s)] (+ bias[e(s)])`` for rows grouped by expert (``w`` as (L, in, out))."""
-    x_SD = x_SD.contiguous()
+    x_SD = _row_major(x_SD)
     if can_use_grouped_mm(x_SD, w_LIO):
         offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
         y = _ContiguousGrad.apply(_grouped_mm_op(x_SD, w_LIO, offs=offs))

@@ -12,6 +12,7 @@ causal LMs (loss and every parameter grad). One spawned gloo group per world siz
 from __future__ import annotations
 
 import copy
+import inspect
 import pathlib
 
 import pytest
@@ -183,17 +184,32 @@ def _block_parity(rank: int, world_size: int, ref: nn.Module, D: int) -> None:
     holder.mlp = ep_block
     apply_plan(holder, ep_plan(holder, ["mlp"]), mesh)
 
-    x_ref = x.clone().requires_grad_()
-    out_ref = _first(ref(x_ref)).reshape(x_ref.shape)  # some blocks return flattened outputs
-    (out_ref * grad_out).sum().backward()
+    # A block that routes by token id (DeepSeek-V4's hash layers) takes the ids too; both sides get the same.
+    takes_ids = "input_ids" in inspect.signature(ref.forward).parameters
+    ids = torch.randint(0, 64, (1, sum(counts)), generator=g) if takes_ids else None
+    extra = (lambda a, b: {"input_ids": ids[:, a:b]}) if takes_ids else (lambda a, b: {})
+
+    # The reference runs each rank's slice on its own, seeded as that rank is (a block that samples while
+    # routing, e.g. PhiMoE's sparsemixer, draws the same noise), and sums the gradients over slices: the
+    # same batch shapes and draws on both sides, so only EP can differ.
+    ref_outs, ref_x_grads = [], []
+    for r in range(world_size):
+        a, b = sum(counts[:r]), sum(counts[: r + 1])
+        x_ref = x[:, a:b].clone().requires_grad_()
+        torch.manual_seed(100 + r)
+        out_ref = _first(ref(x_ref, **extra(a, b))).reshape(x_ref.shape)  # some blocks return flattened outputs
+        (out_ref * grad_out[:, a:b]).sum().backward()
+        ref_outs.append(out_ref.detach())
+        ref_x_grads.append(x_ref.grad)
 
     x_r = x[:, lo:hi].clone().requires_grad_()
-    out_r = _first(ep_block(x_r)).reshape(x_r.shape)
+    torch.manual_seed(100 + rank)
+    out_r = _first(ep_block(x_r, **extra(lo, hi))).reshape(x_r.shape)
     (out_r * grad_out[:, lo:hi]).sum().backward()
     grads = gathered_grads(ep_block)
 
-    torch.testing.assert_close(out_r, out_ref[:, lo:hi])
-    torch.testing.assert_close(x_r.grad, x_ref.grad[:, lo:hi])
+    torch.testing.assert_close(out_r, ref_outs[rank])
+    torch.testing.assert_close(x_r.grad, ref_x_grads[rank])
     assert_grads_equal(grads, ref)
 
 
@@ -392,3 +408,13 @@ def test_whole_model_parity_covers_every_shipped_model_config():
 
     assert sorted(FAMILIES) == shipped_model_families()  # docs/coverage.md claims model parity for these
 
+
+
+def parity_cases_subset(rank: int, world_size: int, hf_classes: list, hf_families: list) -> dict:
+    """A subset of ``parity_cases`` (debugging one family): its classes' blocks and its whole model."""
+    results = {}
+    for family in hf_families:
+        guarded(results, f"hf_model/{family}", hf_model_case, rank, world_size, family)
+    for family, module_name, cls_name, config_paths in hf_classes:
+        guarded(results, f"hf_block/{family}/{cls_name}", hf_class_case, rank, world_size, module_name, cls_name, config_paths)
+    return results

@@ -86,10 +86,10 @@ def refusal(module) -> str:
     return msg
 
 
-def test_gate_or_router_is_required():
+def test_no_gate_or_router_is_router_kind_other():
     m = Block(top_k=2)
     del m.gate
-    assert "no `gate` or `router`" in refusal(m)
+    assert detect_router_kind(m) == "other"  # vocabulary only: routing runs as the block writes it
 
 
 def test_router_attribute_is_used_when_there_is_no_gate():
@@ -111,7 +111,7 @@ def test_bare_linear_gate_kind_is_read_from_data_flow():
             w, idx = torch.topk(self.gate(x), self.top_k, dim=-1)
             return x
 
-    assert "neither" in str(pytest.raises(UnsupportedModuleStructure, detect_router_kind, NoScores(top_k=2)).value)
+    assert detect_router_kind(NoScores(top_k=2)) == "other"
 
 
 def test_linear_subclass_is_not_a_bare_gate():
@@ -119,13 +119,11 @@ def test_linear_subclass_is_not_a_bare_gate():
         pass
 
     m = Block(top_k=2, gate=MyLinear(8, 4, bias=False))
-    with pytest.raises(UnsupportedModuleStructure, match="MyLinear.forward does not return the indices of a topk"):
-        detect_router_kind(m)
+    assert detect_router_kind(m) == "softmax_topk"  # read from the block's data flow, not the gate's type
 
 
 def test_router_module_proven_from_source_without_calling_it():
-    with pytest.raises(UnsupportedModuleStructure, match="ExplodingRouter.forward does not return the indices"):
-        detect_router_kind(Block(gate=ExplodingRouter()))
+    assert detect_router_kind(Block(gate=ExplodingRouter())) == "softmax_topk"  # the block's softmax -> topk
     assert detect_router_kind(Block(gate=GoodRouter())) == "topk_router_module"
     assert detect_router_kind(Block(gate=ScoresLastRouter())) == "topk_router_module"  # indices in any position
 
@@ -134,8 +132,7 @@ def test_router_module_proven_from_source_without_calling_it():
             scores, indices = torch.topk(F.linear(x, self.weight).softmax(-1), self.top_k, dim=-1)
             return scores, scores
 
-    with pytest.raises(UnsupportedModuleStructure, match="does not return the indices of a topk"):
-        detect_router_kind(Block(gate=ScoresOnly()))
+    assert detect_router_kind(Block(gate=ScoresOnly())) == "softmax_topk"
 
 
 def test_experts_must_be_swiglu_module_list_or_batched():
@@ -161,7 +158,7 @@ def test_shared_branch(attrs, expected):
     assert detect_moe_structure(m).shared_experts == expected
 
 
-@pytest.mark.parametrize("attrs", [{"shared_expert": SwiGLU()}, {"shared_expert_gate": nn.Linear(8, 1)},
+@pytest.mark.parametrize("attrs", [{"shared_expert_gate": nn.Linear(8, 1)},
                                    {"shared_expert": SwiGLU(), "shared_experts": SwiGLU()}])
 def test_ambiguous_shared_branch_names_what_it_found(attrs):
     msg = refusal(Block(top_k=2, **attrs))

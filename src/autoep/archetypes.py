@@ -46,12 +46,11 @@ MODULE_LIST_BLOCK = Archetype(target=f"{RECIPES}.module_list.ep_module_list_bloc
 # batched_parameters rows keep the block's own forward and replace only the experts' forward by the
 # token exchange + grouped compute, honouring the proven layout facts. module_list rows run the block's
 # own forward recompiled with only its proven expert loop replaced by the exchange.
+# The router kind never changes the recipe (routing runs as the block writes it); it is in the key so
+# the table stays the one place that says which (router, storage) pairs have been proven to run.
 TABLE: dict[tuple[str, str], Archetype] = {
-    ("topk_router_module", "batched_parameters"): BATCHED,
-    ("softmax_topk", "batched_parameters"): BATCHED,
-    ("sigmoid_group", "batched_parameters"): BATCHED,
-    ("softmax_topk", "module_list"): MODULE_LIST_BLOCK,
-    ("sigmoid_group", "module_list"): MODULE_LIST_BLOCK,
+    **{(router, "batched_parameters"): BATCHED for router in ("topk_router_module", "softmax_topk", "sigmoid_group", "other")},
+    **{(router, "module_list"): MODULE_LIST_BLOCK for router in ("topk_router_module", "softmax_topk", "sigmoid_group", "other")},
 }
 
 

@@ -84,6 +84,7 @@ class MaskSum:
 @dataclass(frozen=True)
 class Hit:
     mask: Mask
+    scalar: bool = False  # ``.squeeze(-1)``: each item is a 0-d expert id, not a (1,) row
 
 
 @dataclass(frozen=True)
@@ -447,9 +448,9 @@ class Prover:
         if fn is _ZEROS_LIKE:
             args = self._args(node, ("input", "dtype", "device"), 1)
             src = self.eval(args["input"])
-            if not isinstance(src, Opaque) or set(args) - {"input"} and not self._same_dtype_device(args, src):
+            if not isinstance(src, Opaque):
                 self.refuse(node, "is not zeros_like(hidden_states)")
-            return ("zeros_like", src)
+            return ("zeros_like", src, self._zeros_dtype(node, args, src))
         if fn is _ONE_HOT:
             args = self._args(node, ("tensor", "num_classes"), 1)
             idx = self.eval(args["tensor"])
@@ -494,13 +495,21 @@ class Prover:
             return self._row_unary(node, args["input"], ("fn", fn))
         self.refuse(node, f"calls {getattr(fn, '__qualname__', type(fn).__name__)}, which the proof does not know")
 
-    def _same_dtype_device(self, args, src: Opaque) -> bool:
-        for key in ("dtype", "device"):
-            if key in args:
-                v = self.eval(args[key])
-                if not (isinstance(v, Attr) and v.of is src and v.name == key):
-                    return False
-        return True
+    def _zeros_dtype(self, node, args, src: Opaque):
+        """The accumulator's dtype: its input's (``None``), ``torch.float32``, or another tensor's (that
+        tensor); on the input's device."""
+        if "device" in args:
+            v = self.eval(args["device"])
+            if not (isinstance(v, Attr) and v.of is src and v.name == "device"):
+                self.refuse(node, "puts the accumulator on another device")
+        if "dtype" not in args:
+            return None
+        v = self.eval(args["dtype"])
+        if v == Obj(torch.float32):
+            return torch.float32
+        if isinstance(v, Attr) and v.name == "dtype":
+            return None if v.of is src else v.of
+        self.refuse(node, "accumulates in a dtype the proof does not know")
 
     def _row_unary(self, node, arg: ast.AST, op):
         v = self.eval(arg)
@@ -534,8 +543,17 @@ class Prover:
             if isinstance(dims, Obj) and base.layout in ("EKT", "ETK") and set(dims.value or ()) in ({-1, -2}, {1, 2}):
                 return MaskSum(base)
             self.refuse(node, "does not sum the mask over tokens and slots")
-        if isinstance(base, tuple) and base[0] == "hit_bool" and name == "nonzero" and not node.args and not node.keywords:
+        if isinstance(base, tuple) and base[0] == "hit_bool" and name == "nonzero" and not node.args:
+            if node.keywords and [(k.arg, ast.unparse(k.value)) for k in node.keywords] != [("as_tuple", "False")]:
+                self.refuse(node, "is not nonzero()")
             return Hit(base[1])
+        if isinstance(base, Hit) and not base.scalar and name == "squeeze":
+            (arg,) = self._args(node, ("dim",), 1).values()
+            if self.eval(arg) in (Obj(-1), Obj(1)):
+                return Hit(base.mask, scalar=True)
+        if isinstance(base, ExpertId) and name == "item" and not node.args and not node.keywords:
+            if not base.row:
+                return base
         if isinstance(base, MaskRow) and base.lead and name == "squeeze":
             (arg,) = self._args(node, ("dim",), 1).values()
             if self.eval(arg) == Obj(0):
@@ -601,7 +619,7 @@ class Prover:
         it, target = self.eval(loop.iter), loop.target
         if isinstance(it, Hit) and isinstance(target, ast.Name):
             self._bind_role("idx", it.mask.idx, loop)
-            self.env[target.id] = ExpertId(row=True)
+            self.env[target.id] = ExpertId(row=not it.scalar)
         elif it == ("range",) and isinstance(target, ast.Name):
             self.env[target.id] = ExpertId(row=False)
         elif it == ("enumerate",) and isinstance(target, ast.Tuple) and len(target.elts) == 2 \

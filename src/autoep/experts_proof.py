@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoep import elementwise
-from autoep.expert_loop import Obj, Opaque, Prover, always_reached, plain_method, self_reads
+from autoep.expert_loop import Attr, Obj, Opaque, Prover, always_reached, plain_method, self_reads
 from autoep.names import Scope
 from autoep.source import Refusal, function_tree
 
@@ -60,11 +60,13 @@ def _py310_wrappers() -> set[str]:
 
 @dataclass(frozen=True)
 class BatchedRoles:
-    """Parameter names of the experts forward by role (the replacement binds by this signature)."""
+    """Parameter names of the experts forward by role (the replacement binds by this signature), and
+    the dtype it returns: ``hidden`` (the hidden states'), ``float32``, or ``weights`` (the weights')."""
 
     hidden: str
     index: str
     weights: str
+    out_dtype: str = "hidden"
 
 
 def batched_experts_facts(experts: nn.Module) -> dict:
@@ -75,12 +77,13 @@ def batched_experts_facts(experts: nn.Module) -> dict:
 def batched_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
     cls = type(experts)
     elementwise.runtime_clean(experts, f"experts {cls.__name__}")
-    gate_up, down = experts._parameters.get("gate_up_proj"), experts._parameters.get("down_proj")
-    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3):
-        raise Refusal(f"experts {cls.__name__} has no 3-D nn.Parameters gate_up_proj and down_proj")
+    first = experts._parameters.get("gate_up_proj", experts._parameters.get("up_proj"))
+    down = experts._parameters.get("down_proj")
+    if not (isinstance(first, nn.Parameter) and isinstance(down, nn.Parameter) and first.dim() == down.dim() == 3):
+        raise Refusal(f"experts {cls.__name__} has no 3-D nn.Parameters gate_up_proj (or up_proj) and down_proj")
     fn = experts_forward(cls)
     tree = function_tree(fn)
-    prover = Prover(fn, tree, experts, int(gate_up.shape[0]), batched=True)
+    prover = Prover(fn, tree, experts, int(first.shape[0]), batched=True)
     roles = _prove_batched_forward(prover, tree)
     facts = _batched_layout(prover, experts)
     _check_batched_params(experts, facts)
@@ -94,7 +97,7 @@ def _prove_batched_forward(p: Prover, tree: ast.FunctionDef) -> BatchedRoles:
     params = [x.arg for x in a.args[1:]]
     values = {name: Opaque(name) for name in params}
     p.env.update(values)
-    p.zeros_of_x = None
+    p.zeros_of_x, p.acc_dtype = None, None
     body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     loops = [s for s in body if isinstance(s, ast.For)]
     if len(loops) != 1:
@@ -107,16 +110,17 @@ def _prove_batched_forward(p: Prover, tree: ast.FunctionDef) -> BatchedRoles:
         elif isinstance(stmt, ast.With) and stmt is not body[-1]:
             _no_grad_block(p, stmt)
         elif isinstance(stmt, ast.Return) and stmt is body[-1] and stmt.value is not None:
-            if p.eval(stmt.value) is not p.facts.acc or p.facts.acc is None:
-                p.refuse(stmt, "does not return the accumulator")
+            out_dtype = _returned_dtype(p, stmt)
         else:
             p.refuse(stmt)
     f = p.facts
     by_value = {id(v): k for k, v in values.items()}
     if f.x is None or f.idx is None or f.w is None or len({id(f.x), id(f.idx), id(f.w)}) != 3:
         raise Refusal(f"{p.where} does not read hidden states, expert ids and weights from its three arguments")
+    if out_dtype == "weights" and p.acc_dtype is not f.w:
+        raise Refusal(f"{p.where} accumulates in the dtype of a tensor other than its weights")
     try:
-        return BatchedRoles(by_value[id(f.x)], by_value[id(f.idx)], by_value[id(f.w)])
+        return BatchedRoles(by_value[id(f.x)], by_value[id(f.idx)], by_value[id(f.w)], out_dtype)
     except KeyError:
         raise Refusal(f"{p.where} reads its tokens, ids or weights from something other than its arguments") from None
 
@@ -127,10 +131,26 @@ def _assign_acc_or(p: Prover, stmt: ast.Assign) -> None:
         if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or p.zeros_of_x is not None:
             p.refuse(stmt, "is a second accumulator")
         acc = Opaque(stmt.targets[0].id)
-        p.zeros_of_x, p.zeros_src = acc, value[1]
+        p.zeros_of_x, p.zeros_src, p.acc_dtype = acc, value[1], value[2]
         p.env[stmt.targets[0].id] = acc
         return
     p.assign(stmt)
+
+
+def _returned_dtype(p: Prover, stmt: ast.Return) -> str:
+    """``return acc`` (the accumulator's dtype) or ``return acc.to(hidden_states.dtype)``."""
+    value, acc = stmt.value, p.facts.acc
+    cast = isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "to"
+    if cast and len(value.args) == 1 and not value.keywords and p.eval(value.func.value) is acc and acc is not None:
+        target = p.eval(value.args[0])
+        if isinstance(target, Attr) and target.name == "dtype" and target.of is p.facts.x:
+            return "hidden"
+        p.refuse(stmt, "casts the accumulator to a dtype the proof does not know")
+    if acc is None or p.eval(value) is not acc:
+        p.refuse(stmt, "does not return the accumulator")
+    if p.acc_dtype is None:
+        return "hidden"
+    return "float32" if p.acc_dtype is torch.float32 else "weights"
 
 
 def _no_grad_block(p: Prover, stmt: ast.With) -> None:
@@ -167,6 +187,8 @@ def _batched_layout(p: Prover, experts: nn.Module) -> dict:
     if lin[0] != "lin" or lin[2] != "down_proj":
         raise Refusal(f"{what}, not down_proj(...) last")
     gated, transposed = lin[1], lin[3]
+    if gated[0] == "act" and gated[1] == ("lin", ("x",), "up_proj", transposed):
+        return dict(expert_bias=False, expert_transposed=transposed, gate_up_layout="none", activation="plain")
     if gated[0] == "gate":
         up = gated[1]
         layout, activation = apply_gate_facts(type(experts), experts)
@@ -184,25 +206,28 @@ def _batched_layout(p: Prover, experts: nn.Module) -> dict:
 
 
 def _check_batched_params(experts: nn.Module, facts: dict) -> None:
+    """The experts hold exactly the parameters their proven forward uses, of shapes that agree."""
     name = type(experts).__name__
-    allowed = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if facts["expert_bias"] else set())
+    plain = facts["activation"] == "plain"  # up -> act -> down, no gate half
+    allowed = {"up_proj" if plain else "gate_up_proj", "down_proj"}
+    allowed |= {"gate_up_proj_bias", "down_proj_bias"} if facts["expert_bias"] else set()
     extra = sorted({n for n, _ in experts.named_parameters()} - allowed)
     if extra:
         raise Refusal(f"experts {name} hold parameters {extra} its forward does not use")
     if list(experts.buffers()):
         raise Refusal(f"experts {name} hold buffers its forward does not use")
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    E, a, b = gate_up.shape
-    ok = tuple(down.shape) == ((E, b // 2, a) if facts["expert_transposed"] else (E, b, a // 2))
-    if not ok or (b if facts["expert_transposed"] else a) % 2:
-        raise Refusal(f"experts {name} weight shapes {tuple(gate_up.shape)}, {tuple(down.shape)} do not agree")
+    first, down = (experts.up_proj if plain else experts.gate_up_proj), experts.down_proj
+    E, a, b = first.shape
+    halve = 1 if plain else 2
+    ok = tuple(down.shape) == ((E, b // halve, a) if facts["expert_transposed"] else (E, b, a // halve))
+    if not ok or (b if facts["expert_transposed"] else a) % halve:
+        raise Refusal(f"experts {name} weight shapes {tuple(first.shape)}, {tuple(down.shape)} do not agree")
     if facts["expert_bias"]:
         gb, db = experts.gate_up_proj_bias, experts.down_proj_bias
         two_f, d = (b, a) if facts["expert_transposed"] else (a, b)
         if tuple(gb.shape) != (E, two_f) or tuple(db.shape) != (E, d):
             raise Refusal(f"experts {name} bias shapes {tuple(gb.shape)}, {tuple(db.shape)} do not fit the weights")
-    params = [p for p in experts.parameters()]
-    if len({p.requires_grad for p in params}) > 1:
+    if len({p.requires_grad for p in experts.parameters()}) > 1:
         raise Refusal(f"experts {name}: some expert parameters are frozen and some are not")
 
 

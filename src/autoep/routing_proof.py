@@ -8,7 +8,8 @@ never re-implemented and a fact recorded here cannot make a result wrong.
   output, ``sigmoid_group`` if it reads a sigmoid of it (followed through the block's forward and the
   helper methods it calls);
 - any other gate/router module: ``topk_router_module`` if its forward returns the index half of a
-  ``topk`` among its returned items.
+  ``topk`` among its returned items, else classified by the block's data flow as above;
+- ``other`` for routing none of these names (a hash router, a sparse mixer, no router submodule).
 """
 from __future__ import annotations
 
@@ -37,11 +38,24 @@ def _find_router(module: nn.Module) -> tuple[str, nn.Module]:
 
 
 def router_kind(module: nn.Module) -> str:
-    name, gate = _find_router(module)
-    if type(gate) is nn.Linear:  # exact type: a subclass may override forward
+    """The router's kind, named honestly: ``topk_router_module`` if the gate/router module returns top-k
+    indices; else ``softmax_topk``/``sigmoid_group`` if the block's top-k reads a softmax/sigmoid of its
+    output; else ``other`` (the block routes some other way). Never a reason to refuse: routing runs as
+    the block writes it."""
+    try:
+        name, gate = _find_router(module)
+    except Refusal:
+        return "other"
+    if type(gate) is not nn.Linear:  # exact type: a Linear subclass may override forward
+        try:
+            _router_module_proof(type(gate).forward, type(gate).__name__)
+            return "topk_router_module"
+        except Refusal:
+            pass
+    try:
         return _bare_gate_kind(type(module), name)
-    _router_module_proof(type(gate).forward, type(gate).__name__)
-    return "topk_router_module"
+    except Refusal:
+        return "other"
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,7 +212,8 @@ def _block_functions(cls: type) -> list[tuple[object, ast.FunctionDef]]:
 
 def shared_kind(module: nn.Module) -> str:
     found = tuple(a for a in SHARED_ATTRS if getattr(module, a, None) is not None)
-    kinds = {(): "none", ("shared_expert", "shared_expert_gate"): "gated", ("shared_experts",): "additive"}
+    kinds = {(): "none", ("shared_expert", "shared_expert_gate"): "gated", ("shared_experts",): "additive",
+             ("shared_expert",): "additive"}
     if found not in kinds:
         raise Refusal(f"ambiguous shared branch: found attributes {list(found)}")
     return kinds[found]

@@ -16,7 +16,7 @@ from autoep.source import Refusal
 
 DETECTOR_VERSION = "2"
 
-ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module")
+ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")
 STORAGE_KINDS = ("module_list", "batched_parameters")
 
@@ -25,7 +25,7 @@ STORAGE_KINDS = ("module_list", "batched_parameters")
 class MoeStructure:
     """What a recipe needs to know about an MoE block, every field proven from source and attributes."""
 
-    router: str  # softmax_topk | sigmoid_group | topk_router_module (vocabulary: routing always runs as written)
+    router: str  # softmax_topk | sigmoid_group | topk_router_module | other (vocabulary: routing runs as written)
     shared_experts: str  # none | gated | additive (vocabulary: the shared branch always runs as written)
     expert_storage: str  # module_list | batched_parameters
     jitter: bool  # the block has ``jitter_noise`` (vocabulary: jitter always runs as written)
@@ -34,7 +34,8 @@ class MoeStructure:
     expert_transposed: bool = False  # weights stored (E, in, out) and applied as x @ w
     gate_up_layout: str = "concatenated"  # concatenated [gate | up] | interleaved [g0, u0, g1, u1, ...]
     # glu: the experts' forward computes act_fn(gate) * up itself | clamped_glu, own_gate: it calls its
-    # own proven-row-local ``_apply_gate`` (with a clamp / without), which the recipe then calls.
+    # own proven-row-local ``_apply_gate`` (with a clamp / without), which the recipe then calls |
+    # plain: no gate half, down(act_fn(up(x))) with an ``up_proj`` (gate_up_layout "none").
     activation: str = "glu"
     # module_list experts: attribute names of the gate, up and down projections (comma-separated,
     # e.g. "gate_proj,up_proj,down_proj" or "w1,w3,w2"), and the activation: "act_fn" = the expert's
@@ -111,10 +112,10 @@ def count_experts(module: nn.Module) -> int:
     experts = getattr(module, "experts", None)
     if isinstance(experts, nn.ModuleList):
         return len(experts)
-    p = getattr(experts, "gate_up_proj", None)
+    p = getattr(experts, "down_proj", None)
     if isinstance(p, nn.Parameter) and p.dim() == 3:
         return int(p.shape[0])
-    raise UnsupportedModuleStructure(type(module).__name__, "cannot count experts: no ModuleList or 3-D gate_up_proj")
+    raise UnsupportedModuleStructure(type(module).__name__, "cannot count experts: no ModuleList or 3-D down_proj")
 
 
 def clear_caches() -> None:

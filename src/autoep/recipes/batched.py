@@ -15,6 +15,7 @@ import types
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import Tensor, nn
 
 from autoep.dispatch import ep_experts_forward
@@ -37,6 +38,7 @@ class _EpExperts:
     apply_gate: Callable[[Tensor], Tensor]
     signature: inspect.Signature  # of the experts' own forward: the replacement binds its arguments by it
     roles: BatchedRoles
+    plain: bool  # up -> act -> down experts (``up_proj``), no gate half
 
 
 def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | MoeStructure) -> None:
@@ -45,14 +47,16 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
     experts = module.experts
     roles = validate(module, structure=facts)
     own_forward = experts_forward(type(experts))
+    plain = facts.activation == "plain"
     experts._autoep_ep = _EpExperts(
-        num_experts=int(experts.gate_up_proj.shape[0]),  # global count: a DTensor reports the global shape
+        num_experts=int(experts.down_proj.shape[0]),  # global count: a DTensor reports the global shape
         ep_group=ep_group_of(ep_mesh),
         transposed=facts.expert_transposed,
         bias=facts.expert_bias,
         apply_gate=_gate_of(experts, facts),
         signature=inspect.signature(own_forward),
         roles=roles,
+        plain=plain,
     )
     experts.forward = types.MethodType(_ep_forward, experts)
 
@@ -80,6 +84,8 @@ def _gate_of(experts: nn.Module, facts: MoeStructure) -> Callable[[Tensor], Tens
     ``act_fn(gate) * up`` on the concatenated halves, as it writes it."""
     if facts.activation in ("own_gate", "clamped_glu"):
         return experts._apply_gate
+    if facts.activation == "plain":
+        return experts.act_fn
     return glu_gate(experts.act_fn)
 
 
@@ -96,7 +102,7 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
         return grouped_swiglu(
             x_SD,
             tokens_per_local_expert,
-            local_tensor(self.gate_up_proj),
+            local_tensor(self.up_proj if spec.plain else self.gate_up_proj),
             local_tensor(self.down_proj),
             gate_up_bias=local_tensor(self.gate_up_proj_bias) if spec.bias else None,
             down_bias=local_tensor(self.down_proj_bias) if spec.bias else None,
@@ -104,6 +110,13 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
             apply_gate=spec.apply_gate,
         )
 
+    out_dtype = {"hidden": hidden_states.dtype, "float32": torch.float32, "weights": top_k_weights.dtype}
     return ep_experts_forward(
-        hidden_states, top_k_index, top_k_weights, num_experts=spec.num_experts, ep_group=spec.ep_group, expert_fn=expert_fn
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        num_experts=spec.num_experts,
+        ep_group=spec.ep_group,
+        expert_fn=expert_fn,
+        out_dtype=out_dtype[spec.roles.out_dtype],
     )

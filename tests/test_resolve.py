@@ -240,7 +240,7 @@ def test_auto_on_a_non_moe_module_is_also_an_unsupported_structure():
 
     with pytest.raises(UnsupportedModuleStructure) as info:
         resolve_plan(plan(match="model.layers.*.self_attn"), meta_model())
-    assert info.value.cls_name == "Qwen3MoeAttention" and "gate" in info.value.reason
+    assert info.value.cls_name == "Qwen3MoeAttention" and "no `experts` submodule" in info.value.reason
 
 
 def _structure_of(name):
@@ -265,3 +265,20 @@ def test_an_explicit_recipe_that_does_not_fit_is_refused_at_resolve_time(name, t
 def test_an_explicit_recipe_that_fits_resolves():
     fn = {"_target_": "autoep.recipes.batched.ep_batched_experts", "structure": _structure_of("gpt_oss")}
     assert plain(resolve_plan(plan(fn=fn), meta_model("gpt_oss")))["plan"][0]["decision"]["source"] == "explicit"
+
+
+def test_moe_only_takes_the_moe_blocks_of_a_model_that_mixes_dense_layers():
+    """DeepSeek-V3's first layers are dense: the shipped default (moe_only) takes the MoE blocks and lists
+    the dense ones; without moe_only the same glob stops on the dense module, naming it."""
+    model = meta_model("deepseek_v3", first_k_dense_replace=1)
+    entry = {"match": MLP, "local_compute_fn": "auto", "moe_only": True}
+    resolved = plain(resolve_plan({"ep_size": 2, "plan": [entry]}, model))
+    decision = resolved["plan"][0]["decision"]
+    assert decision["modules"] == ["model.layers.1.mlp"] and decision["skipped"] == ["model.layers.0.mlp"]
+    assert plain(resolve_plan(resolved, model)) == resolved  # replay keeps it
+    from autoep import UnsupportedModuleStructure
+
+    with pytest.raises(UnsupportedModuleStructure, match="model.layers.0.mlp"):
+        resolve_plan(plan(ep_size=2), model)
+    with pytest.raises(PlanError, match=r"moe_only=true matches .* none has an `experts` submodule"):
+        resolve_plan({"plan": [{"match": "model.layers.*.self_attn", "moe_only": True}]}, model)

@@ -45,16 +45,24 @@ def structure_label(decision) -> str:
 
 
 def plan_rows(model: nn.Module, parallel: DictConfig) -> list[tuple]:
-    """One row per matched module; bytes are of the parameters under ``block.experts`` (dtype as built)."""
-    rows = []
+    """One row per matched module (skipped dense ones say so), then the per-rank totals; bytes are of the
+    parameters as built (dtype as built): expert ones split over ep, every other one replicated."""
+    rows, expert_ids = [], set()
     for entry in parallel.plan:
         decision, n = entry.decision, entry.decision.num_experts
         for name in decision.modules:
             experts = getattr(model.get_submodule(name), "experts", None)
-            total = sum(p.numel() * p.element_size() for p in experts.parameters()) if experts is not None else 0
+            params = list(experts.parameters()) if experts is not None else []
+            expert_ids |= {id(p) for p in params}
+            total = sum(p.numel() * p.element_size() for p in params)
             per_rank = n // parallel.ep_size if n else "?"
             rows.append((name, structure_label(decision), entry.local_compute_fn._target_, per_rank,
                          total // parallel.ep_size))
+        rows += [(name, "skipped: no experts (dense, moe_only)", "-", "-", "-") for name in decision.get("skipped") or []]
+    expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in expert_ids)
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_ids)
+    rows.append(("total per rank", f"dense bytes {dense_bytes} (replicated)", "-", "-",
+                 expert_bytes // parallel.ep_size))
     return rows
 
 

@@ -90,9 +90,26 @@ def _plain(node, where: str = "plan entry") -> dict:
 
 def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str, nn.Module]) -> dict:
     matched = match_modules(key, entry["match"], modules)
+    skipped: list[str] = []
+    if entry.get("moe_only"):
+        matched, skipped = split_moe(key, entry["match"], matched, modules)
     if entry.get("decision") is not None:
-        return replay_entry(key, entry, parallel, modules, matched)
-    return decide_entry(key, entry, parallel, modules, matched)
+        resolved = replay_entry(key, entry, parallel, modules, matched)
+        if resolved is entry and list(entry["decision"].get("skipped") or []) != skipped:
+            raise DriftError(f"{key}: the dense modules its match skips changed "
+                             f"({entry['decision'].get('skipped')} -> {skipped}); resolve the plan afresh")
+        return resolved
+    resolved = decide_entry(key, entry, parallel, modules, matched, skipped)
+    return resolved
+
+
+def split_moe(key: str, pattern: str, matched: list[str], modules: dict) -> tuple[list[str], list[str]]:
+    """(modules with an ``experts`` submodule, the others): what a ``moe_only`` entry takes and skips."""
+    moe = [n for n in matched if isinstance(getattr(modules[n], "experts", None), nn.Module)]
+    if not moe:
+        raise PlanError(f"{key}.match={pattern!r} with moe_only=true matches {len(matched)} modules and none has an "
+                        f"`experts` submodule; point the match at the MoE blocks (e.g. 'model.layers.*.mlp')")
+    return moe, [n for n in matched if n not in moe]
 
 
 def match_modules(key: str, pattern: str, modules: dict[str, nn.Module]) -> list[str]:
@@ -107,7 +124,8 @@ def match_modules(key: str, pattern: str, modules: dict[str, nn.Module]) -> list
                     f"Fix the pattern (fnmatch over model.named_modules(), e.g. 'model.layers.*.mlp')")
 
 
-def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, matched: list[str]) -> dict:
+def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, matched: list[str],
+                 skipped: list[str] | None = None) -> dict:
     fn = entry.get("local_compute_fn", AUTO)
     if fn == AUTO:
         if not parallel.detect:
@@ -130,13 +148,18 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
         "num_experts": num_experts,
         "classes": class_hashes([modules[n] for n in matched]),
         "detector_version": structure.DETECTOR_VERSION,
+        "skipped": list(skipped or []),
     }
     decision["fingerprint"] = seal_entry(entry["match"], fn, decision)
-    return {"match": entry["match"], "local_compute_fn": fn, "decision": decision}
+    out = {"match": entry["match"], "local_compute_fn": fn, "decision": decision}
+    return out | ({"moe_only": True} if entry.get("moe_only") else {})
 
 
 def seal_entry(match: str, fn, decision: Mapping) -> str:
-    return seal({"match": match, "local_compute_fn": fn, **{k: decision.get(k) for k in SEALED_FIELDS}})
+    sealed = {"match": match, "local_compute_fn": fn, **{k: decision.get(k) for k in SEALED_FIELDS}}
+    if decision.get("skipped"):  # sealed only when present, so plans resolved before it replay unchanged
+        sealed["skipped"] = list(decision["skipped"])
+    return seal(sealed)
 
 
 def _detect_group(key: str, pattern: str, modules: dict, matched: list[str]) -> tuple[dict, int]:
@@ -255,8 +278,10 @@ def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
             raise DriftError(f"{where}: the model's code changed since this plan was resolved: {'; '.join(drift)}. "
                              f"Run the code it was resolved against, or set parallel.on_drift=redetect to decide afresh")
         log.warning("%s: drift (%s); parallel.on_drift=redetect, deciding afresh", where, "; ".join(drift))
-        fresh = {"match": entry["match"], "local_compute_fn": AUTO if decision["source"] == "auto" else fn}
-        return decide_entry(key, fresh, parallel, modules, matched)
+        fresh = {"match": entry["match"], "local_compute_fn": AUTO if decision["source"] == "auto" else fn,
+                 "moe_only": entry.get("moe_only", False)}
+        skipped = [n for n in match_modules(key, entry["match"], modules) if n not in matched]
+        return decide_entry(key, fresh, parallel, modules, matched, skipped)
     check_compute_fn(key, fn, parallel.allowed_targets)
     check_ep_size(parallel.ep_size, decision["num_experts"], matched)
     return entry

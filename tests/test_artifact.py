@@ -77,11 +77,25 @@ def test_non_yaml_or_non_mapping_is_refused_naming_it(tmp_path, content):
         load_resolved(path)
 
 
-def test_edited_parallel_section_is_refused(tmp_path):
+def test_edited_parallel_section_or_hash_is_refused(tmp_path):
     path = write_resolved(train_cfg(), tmp_path)
-    path.write_text(path.read_text().replace("ep_size: 2", "ep_size: 4"))
-    with pytest.raises(PlanError, match=r"does not match artifact.plan_hash"):
+    text = path.read_text()
+    path.write_text(text.replace("ep_size: 2", "ep_size: 4"))
+    with pytest.raises(PlanError, match=r"artifact.plan_hash=sha256:\w+\.\.\. does not match its parallel section"):
         load_resolved(path)
+    written = yaml.safe_load(text)["artifact"]["plan_hash"]
+    path.write_text(text.replace(written, "sha256:" + "0" * 64))  # the hash itself edited
+    with pytest.raises(PlanError, match=r"edited or damaged after autoep wrote it"):
+        load_resolved(path)
+
+
+def test_resolved_yaml_is_readable_by_others_as_open_would_make_it(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = write_resolved(train_cfg(), tmp_path)
+    finally:
+        os.umask(old)
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644)
 
 
 def test_consistency_check_without_process_group_returns_the_hash():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from autoep.data import Loader, SyntheticBigram, make_source
+from autoep.errors import ConfigError
 
 
 def test_ranks_tile_the_single_process_batch():
@@ -39,9 +40,12 @@ def test_text_bytes_windows(tmp_path):
 
 
 def test_bad_sources_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match="data.source='csv'"):
+    with pytest.raises(ConfigError, match="data.source=csv: must be one of synthetic, text"):
         make_source("csv", vocab_size=16, seq_len=4, seed=0)
-    with pytest.raises(ValueError, match="vocab_size >= 256"):
+    with pytest.raises(ConfigError, match="vocab_size >= 256"):
         make_source("text", vocab_size=128, seq_len=4, seed=0, path=str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="data.path"):
+    with pytest.raises(ConfigError, match="data.path=.*missing.txt: not found"):
         make_source("text", vocab_size=256, seq_len=4, seed=0, path=str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_bytes(b"")  # an empty buffer is not even a tensor: refused before reading
+    with pytest.raises(ConfigError, match="data.path=.*empty.txt holds 0 bytes, not more than data.seq_len=4"):
+        make_source("text", vocab_size=256, seq_len=4, seed=0, path=str(tmp_path / "empty.txt"))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from autoep.artifact import plan_hash
 from test_config import DOC_OVERRIDES
 
 EXPLICIT, AUTO, NO_DETECT = DOC_OVERRIDES[0], DOC_OVERRIDES[1], DOC_OVERRIDES[2]
@@ -49,15 +50,21 @@ def cli(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     first = run_all(tmp, {"auto": ["parallel.ep_size=2"], "explicit": [EXPLICIT], "nodetect": [NO_DETECT]})
     ok(first["auto"]), ok(first["explicit"])
-    edited = tmp / "edited"
-    edited.mkdir()
     text = (tmp / "auto" / "resolved.yaml").read_text()
-    (edited / "resolved.yaml").write_text(text.replace("num_experts: 8", "num_experts: 16"))
+    edited_text = text.replace("num_experts: 8", "num_experts: 16")
+    (tmp / "edited").mkdir()
+    (tmp / "edited" / "resolved.yaml").write_text(edited_text)
+    # Edited and re-hashed (artifact.plan_hash made to match): the decision's own fingerprint still refuses it.
+    old_hash = yaml.safe_load(text)["artifact"]["plan_hash"]
+    (tmp / "rehashed").mkdir()
+    (tmp / "rehashed" / "resolved.yaml").write_text(
+        edited_text.replace(old_hash, plan_hash(yaml.safe_load(edited_text)["parallel"])))
     replay = ["--config-name", "resolved"]
     second = run_all(tmp, {
         "replay": ["--config-dir", str(tmp / "auto"), *replay],
         "back_to_auto": ["--config-dir", str(tmp / "explicit"), *replay, AUTO, "parallel.plan.0.decision=null"],
-        "hand_edited": ["--config-dir", str(edited), *replay],
+        "hand_edited": ["--config-dir", str(tmp / "edited"), *replay],
+        "rehashed": ["--config-dir", str(tmp / "rehashed"), *replay],
     })
     return tmp, {**first, **second}
 
@@ -103,4 +110,8 @@ def test_detect_false_refuses_auto_entries(cli):
 def test_hand_edited_resolved_yaml_is_refused(cli):
     tmp, results = cli
     rc, _, stderr = results["hand_edited"]
-    assert rc == 2 and "parallel.plan.0: match/local_compute_fn/decision were changed" in stderr
+    assert rc == 2 and "does not match its parallel section" in stderr and "artifact.plan_hash" in stderr, stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr
+    assert not (tmp / "hand_edited").exists()  # refused before Hydra made a run dir
+    rc, _, stderr = results["rehashed"]
+    assert rc == 2 and "parallel.plan.0: match/local_compute_fn/decision were changed" in stderr, stderr

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from distributed import free_port, spawn
 
 from autoep.checkpoint import CheckpointError
-from autoep.errors import PlanError
+from autoep.errors import ConfigError, PlanError
 from autoep.plan import CONF_DIR
 
 STEPS = 5
@@ -149,7 +149,7 @@ def test_fsdp2_checkpoints_resume_and_reshard(ep2, single):
 
 
 def test_unknown_dense_sharding_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"trainer.dense_sharding='ddp' is not one of \['replicate', 'fsdp2'\]"):
+    with pytest.raises(ConfigError, match=r"trainer.dense_sharding=ddp: must be one of replicate, fsdp2"):
         run("trainer.dense_sharding=ddp", f"run_dir={tmp_path}")
 
 

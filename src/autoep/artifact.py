@@ -47,8 +47,16 @@ def artifact_text(cfg: DictConfig) -> str:
     return yaml.safe_dump(body, sort_keys=False)
 
 
+def file_mode(executable: bool = False) -> int:
+    """The mode ``open()`` would give a new file (0644 under the usual umask 022), or a directory's."""
+    mask = os.umask(0)  # NOTE: the only way to read the umask is to set it; restored at once
+    os.umask(mask)
+    return (0o777 if executable else 0o666) & ~mask
+
+
 def write_resolved(cfg: DictConfig, run_dir) -> Path:
-    """Write ``<run_dir>/resolved.yaml`` on rank 0 (write-then-rename); every rank gets the path back."""
+    """Write ``<run_dir>/resolved.yaml`` on rank 0 (write-then-rename, mode as ``open()`` would give it,
+    e.g. 0644); every rank gets the path back."""
     path = Path(run_dir) / RESOLVED_NAME
     if _rank() != 0:
         return path
@@ -56,6 +64,7 @@ def write_resolved(cfg: DictConfig, run_dir) -> Path:
     text = HEADER.format(run_dir=path.parent) + artifact_text(cfg)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".resolved.", suffix=".yaml.tmp")
     try:
+        os.fchmod(fd, file_mode())  # mkstemp creates 0600: readable by its owner only
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -104,8 +113,9 @@ def load_resolved(path) -> DictConfig:
                         f"autoep-plan") from None
     check_complete(cfg, str(path))
     if cfg.artifact.plan_hash != written_hash:
-        raise PlanError(f"{path}: parallel section does not match artifact.plan_hash, so it was edited or "
-                        f"damaged after autoep wrote it; regenerate it with autoep-plan")
+        raise PlanError(f"{path}: artifact.plan_hash={cfg.artifact.plan_hash[:19]}... does not match its parallel "
+                        f"section ({written_hash[:19]}...), so the file was edited or damaged after autoep wrote it; "
+                        f"restore it, or regenerate it with autoep-plan (overrides on the command line are fine)")
     return cfg
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,6 +41,16 @@ def _barrier() -> None:
         dist.barrier()  # NOTE: collective; orders the rename after every rank's writes
 
 
+@contextmanager
+def _single_process_quiet():
+    """DCP warns on every save and load without a process group that it assumes one process: that is
+    exactly the single-process case, so the warning is dropped there (and only that warning)."""
+    with warnings.catch_warnings():
+        if not _dist():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def model_signature(model: nn.Module) -> dict[str, list[int]]:
     """Global shape of every parameter (DTensors report the global shape): what a resume must match."""
     return {name: list(p.shape) for name, p in model.named_parameters()}
@@ -64,7 +76,8 @@ def save(root, step: int, model: nn.Module, optimizer, trainer_state: dict) -> P
         tmp.mkdir(parents=True)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    with _single_process_quiet():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     state = {**trainer_state, "rng": torch.get_rng_state(), "signature": model_signature(model)}
     torch.save(state, tmp / f"trainer_rank{_rank()}.pt")
     _barrier()
@@ -82,16 +95,7 @@ def load(path, model: nn.Module, optimizer) -> dict:
     ``CheckpointError`` for a missing, incomplete or corrupt checkpoint or one of another model.
     """
     path = Path(path)
-    fix = "pass trainer.resume=<a complete step_* checkpoint dir>, trainer.resume=latest, or trainer.resume=null"
-    if not path.is_dir():
-        raise CheckpointError(f"trainer.resume={str(path)!r}: no such checkpoint directory; {fix}")
-    if not (path / ".metadata").is_file() or not (path / "trainer_rank0.pt").is_file():
-        raise CheckpointError(f"trainer.resume={str(path)!r} is incomplete (no DCP .metadata or trainer_rank0.pt); {fix}")
-    own = path / f"trainer_rank{_rank()}.pt"
-    try:
-        state = torch.load(own if own.is_file() else path / "trainer_rank0.pt", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged
-        raise CheckpointError(f"trainer.resume={str(path)!r}: trainer state unreadable ({e}); {fix}") from None
+    state = read_state(path)
     mine, saved = model_signature(model), state.get("signature") or {}
     if saved != mine:
         diff = [f"{k}: {saved.get(k)} -> {mine.get(k)}" for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
@@ -99,9 +103,32 @@ def load(path, model: nn.Module, optimizer) -> dict:
                               f"differ, e.g. {diff[:2]}); resume with the model config it was trained with, or start fresh")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        with _single_process_quiet():
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own error is a BaseException
         raise CheckpointError(f"trainer.resume={str(path)!r}: DCP load failed, the checkpoint is damaged "
-                              f"({type(e).__name__}); {fix}") from None
+                              f"({type(e).__name__}); {FIX}") from None
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return state
+
+
+FIX = "pass trainer.resume=<a complete step_* checkpoint dir>, trainer.resume=latest, or trainer.resume=null"
+
+
+def read_state(path) -> dict:
+    """This rank's trainer state of checkpoint ``path`` (rank 0's when it had fewer ranks), without loading
+    any weights; a ``CheckpointError`` for a missing, incomplete or unreadable checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"trainer.resume={str(path)!r}: no such checkpoint directory; {FIX}")
+    if not (path / ".metadata").is_file() or not (path / "trainer_rank0.pt").is_file():
+        raise CheckpointError(f"trainer.resume={str(path)!r} is incomplete (no DCP .metadata or trainer_rank0.pt); {FIX}")
+    own = path / f"trainer_rank{_rank()}.pt"
+    try:
+        state = torch.load(own if own.is_file() else path / "trainer_rank0.pt", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged
+        raise CheckpointError(f"trainer.resume={str(path)!r}: trainer state unreadable ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); {FIX}") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"trainer.resume={str(path)!r}: trainer state holds no step; {FIX}")
     return state

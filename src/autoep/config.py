@@ -190,16 +190,55 @@ def check_config(cfg, schema: type = None) -> DictConfig:
     if schema is None:
         typed = isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is ResolvedConfig
         schema = ResolvedConfig if typed else TrainConfig
-    _refuse_unknown_keys(cfg, schema, "")
     try:
+        _refuse_unknown_keys(cfg, schema, "")
         cfg = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-    except OmegaConfBaseException as e:
-        key = e.full_key or "config"
-        raise ConfigError(f"{key}={_shown(getattr(e, 'value', '?'))}: {str(e).splitlines()[0]}; give the type "
-                          f"autoep.config declares for {key}") from None
-    _check_rules(cfg, schema, "")
+        _check_rules(cfg, schema, "")
+    except OmegaConfBaseException as e:  # a wrong type, or an interpolation that does not resolve
+        raise ConfigError(value_error_message(e)) from None
     _check_across(cfg)
     return cfg
+
+
+def value_error_message(e: OmegaConfBaseException) -> str:
+    """One line for OmegaConf's refusal of a value: the key, the problem, the type the schema declares."""
+    key = (e.full_key or "config").replace("[", ".").replace("]", "")
+    problem = str(e).strip().splitlines()[0]
+    declared = declared_type(key)
+    return f"{key}: {problem}; give {key} a value of type {declared}" if declared else f"{key}: {problem}"
+
+
+def declared_type(key: str) -> str | None:
+    """The type ``TrainConfig`` declares for ``key`` (``trainer.steps`` -> ``int``), or None."""
+    schema, hint = TrainConfig, None
+    for part in key.replace("[", ".").replace("]", "").split("."):
+        if schema is None:
+            return None
+        if part.isdigit():
+            continue
+        hint = typing.get_type_hints(schema).get(part)
+        if hint is None:
+            return None
+        schema = _field_schema(hint)
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def schema_keys(where: str) -> list[str] | None:
+    """The keys the schema declares under ``where`` (``""``: the top level), or None where it is free-form."""
+    schema = TrainConfig
+    for part in [p for p in where.split(".") if p and not p.isdigit()]:
+        hint = typing.get_type_hints(schema).get(part) if schema is not None else None
+        schema = _field_schema(hint) if hint is not None else None
+    return list(typing.get_type_hints(schema)) if schema is not None else None
+
+
+def unknown_key_message(key: str, known: list[str]) -> str:
+    """``key`` is not declared: name it, what its parent has, the closest key."""
+    parent, _, name = key.rpartition(".")
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else \
+        f"{parent or 'the config'} has {', '.join(known)}"
+    return f"{key}: no such key; {hint} (adding it with + is refused too: nothing would read it)"
 
 
 def _shown(value) -> str:
@@ -233,10 +272,7 @@ def _refuse_unknown_keys(node, schema: type, where: str) -> None:
     for key in node.keys():
         path = f"{where}.{key}" if where else str(key)
         if key not in hints:
-            close = difflib.get_close_matches(str(key), list(hints), n=1)
-            hint = f"did you mean {where + '.' if where else ''}{close[0]}? " if close else ""
-            raise ConfigError(f"{path}: no such key; {where or 'the config'} has {', '.join(hints)}. {hint}"
-                              f"(A key added with + is refused too: nothing would read it)")
+            raise ConfigError(unknown_key_message(path, list(hints)))
         sub = _field_schema(hints[key])
         value = node[key] if not _is_missing(node, key) else None
         if sub is None or value is None:
@@ -299,10 +335,21 @@ def check_text_file(path, seq_len: int) -> None:
 
 def hydra_run_dir(run_dir) -> str:
     """Hydra's run dir: ``run_dir`` when given (so a run keeps all its files in one place), else
-    ``outputs/<date>/<time>`` as Hydra's default."""
-    import datetime
+    ``outputs/<date>/<time>`` as Hydra's default.
 
-    return str(run_dir) if run_dir else datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
+    Hydra creates its run dir before the app runs, so a ``run_dir`` that cannot be created would end in
+    Hydra's traceback; Hydra then gets the temp dir instead (it writes nothing there: ``output_subdir``
+    and job logging are off) and autoep's own check reports ``run_dir`` in one line."""
+    import datetime
+    import tempfile
+
+    if not run_dir:
+        return datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
+    try:
+        Path(str(run_dir)).expanduser().mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return tempfile.gettempdir()
+    return str(run_dir)
 
 
 def register() -> None:

@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from autoep.config import DATA_SOURCES, check_text_file
+from autoep.errors import ConfigError
+
 BYTE_VOCAB = 256
 
 
@@ -43,15 +46,10 @@ class TextBytes:
 
     def __init__(self, path: str, seq_len: int, seed: int, vocab_size: int):
         if vocab_size < BYTE_VOCAB:
-            raise ValueError(f"data.source=text needs a model vocab_size >= {BYTE_VOCAB} (bytes), the model has "
-                             f"{vocab_size}; use a model config with vocab_size={BYTE_VOCAB} or data.source=synthetic")
-        file = Path(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"data.path={path!r} is not a file; give a local text file")
-        self.tokens = torch.frombuffer(bytearray(file.read_bytes()), dtype=torch.uint8).long()
-        if self.tokens.numel() <= seq_len:
-            raise ValueError(f"data.path={path!r} holds {self.tokens.numel()} bytes, fewer than "
-                             f"data.seq_len={seq_len} + 1; use a longer file or a shorter seq_len")
+            raise ConfigError(f"data.source=text needs a model vocab_size >= {BYTE_VOCAB} (bytes), the model has "
+                              f"{vocab_size}; use a model with model.vocab_size={BYTE_VOCAB} or data.source=synthetic")
+        check_text_file(path, seq_len)  # before reading: an empty buffer is not even a tensor
+        self.tokens = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).long()
         self.seq_len, self.seed = seq_len, seed
 
     def global_batch(self, index: int, rows: int) -> Tensor:
@@ -65,10 +63,8 @@ def make_source(source: str, *, vocab_size: int, seq_len: int, seed: int, path: 
     if source == "synthetic":
         return SyntheticBigram(vocab_size, seq_len, seed)
     if source == "text":
-        if not path:
-            raise ValueError("data.source=text needs data.path=<local text file>")
         return TextBytes(path, seq_len, seed, vocab_size)
-    raise ValueError(f"data.source={source!r} is not one of ['synthetic', 'text']")
+    raise ConfigError(f"data.source={source}: must be one of {', '.join(DATA_SOURCES)}; e.g. data.source=synthetic")
 
 
 class Loader:

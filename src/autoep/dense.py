@@ -20,18 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-DENSE_SHARDING = ("replicate", "fsdp2")
-
-
 def is_expert(p: torch.Tensor) -> bool:
     """An expert parameter: a DTensor on a mesh with an ``ep`` dim (``apply_plan``'s sharding)."""
     return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
-
-
-def check_dense_sharding(mode: str) -> None:
-    if mode not in DENSE_SHARDING:
-        raise ValueError(f"trainer.dense_sharding={mode!r} is not one of {list(DENSE_SHARDING)}; "
-                         f"pick trainer.dense_sharding=replicate (all-reduce) or fsdp2 (fully_shard)")
 
 
 def shard_dense(model: nn.Module, block_names: list[str], world: int, device: torch.device) -> nn.Module:

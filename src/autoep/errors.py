@@ -28,3 +28,20 @@ class UnsupportedPlanEntry(PlanError, UnsupportedModuleStructure):
         self.cls_name = cls_name
         self.reason = reason
         ValueError.__init__(self, message)
+
+
+class ConfigError(ValueError):
+    """A config value (YAML, command line or Python) is wrong, or the run directory cannot take this run;
+    found before any work and before anything is written. The message names the key, the value and the fix."""
+
+
+class LaunchError(RuntimeError):
+    """The ranks of a multi-process launch did not all join (a missing peer, no rendezvous address)."""
+
+
+class PeerFailure(RuntimeError):
+    """A multi-rank step failed in a collective (a peer died or hung); the message says how to resume."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step's loss or gradient norm was not finite; the step was not applied and nothing of it saved."""

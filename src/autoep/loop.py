@@ -23,6 +23,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from autoep.dense import is_expert
+from autoep.errors import ConfigError
 from autoep.pretrained import expert_rows
 from autoep.recipes import local_tensor
 from autoep.recipes.module_list import StackedSwiGLUExperts
@@ -38,8 +39,8 @@ def causal_lm_loss(model: nn.Module, input_ids_BL: Tensor, aux_loss_coef: float 
     if aux_loss_coef:
         aux = getattr(out, "aux_loss", None)
         if aux is None:
-            raise ValueError(f"optim.aux_loss_coef={aux_loss_coef} but {type(model).__name__} returns no aux_loss "
-                             f"with output_router_logits=True; set optim.aux_loss_coef=0")
+            raise ConfigError(f"optim.aux_loss_coef={aux_loss_coef} but {type(model).__name__} returns no aux_loss "
+                              f"with output_router_logits=True; set optim.aux_loss_coef=0")
         loss = loss + aux_loss_coef * aux
     return loss
 

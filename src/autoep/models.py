@@ -7,8 +7,14 @@ transformers causal LM from its own config class. Under ``with torch.device("met
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import inspect
+
+from autoep.errors import ConfigError
+
+# Config attributes transformers MoE configs use for the routed experts per token.
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_selected_experts")
 
 
 def import_object(path: str):
@@ -29,9 +35,99 @@ def config_kwarg_names(config_cls) -> set[str]:
 
 def check_config_kwargs(config_class: str, config_kwargs: dict) -> None:
     """Raise ``TypeError`` naming every key ``config_class`` does not define (a typo would be ignored)."""
-    unknown = sorted(set(config_kwargs) - config_kwarg_names(import_object(config_class)))
+    known = config_kwarg_names(import_object(config_class))
+    unknown = sorted(set(config_kwargs) - known)
     if unknown:
-        raise TypeError(f"{config_class} has no field(s) {unknown}; check the spelling in the model config")
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"; did you mean model.{close[0]}?" if close else "; check the spelling in the model config"
+        raise TypeError(f"{config_class} has no field(s) {unknown}{hint}")
+
+
+def check_model_config(cfg) -> dict:
+    """``cfg.model`` checked without building anything: set, a ``_target_`` that imports, every key binding
+    to it (and, for ``build_hf_causal_lm``, known to its transformers config class), no ``???`` left.
+    Returns the keyword arguments; raises ``ConfigError`` naming the key, the value and the fix."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if OmegaConf.is_missing(cfg, "model") or cfg.model is None:
+        raise ConfigError("model is not set; pick a model config, e.g. model=qwen3_moe (conf/model/*.yaml)")
+    model_cfg = cfg.model
+    if not isinstance(model_cfg, (DictConfig, dict)) or "_target_" not in model_cfg:
+        raise ConfigError(f"model={model_cfg!r} needs a _target_: the function or class that builds the "
+                          f"nn.Module, e.g. model._target_=autoep.models.build_hf_causal_lm")
+    for key in model_cfg.keys():
+        if isinstance(model_cfg, DictConfig) and OmegaConf.is_missing(model_cfg, key):
+            raise ConfigError(f"model.{key} is required by this model config (it is ???); pass model.{key}=<value>")
+    plain = OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    target = plain.pop("_target_")
+    kwargs = {k: v for k, v in plain.items() if not (k.startswith("_") and k.endswith("_"))}
+    try:
+        builder = import_object(target)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"model._target_={target}: cannot be imported ({e}); check the spelling and that its "
+                          f"package is installed") from None
+    _check_binds(builder, target, kwargs)
+    if builder is build_hf_causal_lm:
+        config_kwargs = {k: v for k, v in kwargs.items() if k not in ("config_class", "dtype")}
+        try:
+            check_config_kwargs(kwargs.get("config_class", ""), config_kwargs)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"model.config_class={kwargs.get('config_class')}: cannot be imported ({e}); name a "
+                              f"transformers config class, e.g. transformers.Qwen3MoeConfig") from None
+        except TypeError as e:
+            raise ConfigError(f"model: {e}") from None
+    return kwargs
+
+
+def _check_binds(builder, target: str, kwargs: dict) -> None:
+    try:
+        params = inspect.signature(builder).parameters
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: its own call will say what it takes
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(params), n=1)
+        hint = f"did you mean model.{close[0]}?" if close else f"it takes {', '.join(params)}"
+        raise ConfigError(f"model.{unknown[0]}: {target} takes no argument {unknown[0]}; {hint}")
+    missing = [n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and n not in kwargs]
+    if missing:
+        raise ConfigError(f"model.{missing[0]} is required by {target}; pass model.{missing[0]}=<value>")
+
+
+def instantiate_model(model_cfg):
+    """``hydra.utils.instantiate(model_cfg)`` (under the caller's device context); a builder that refuses its
+    values (ValueError, TypeError, OSError, KeyError) is a ``ConfigError`` naming the target, anything else
+    propagates as the builder raised it."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(model_cfg)
+    except InstantiationException as e:
+        cause = e.__cause__ or e
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        if isinstance(cause, (ValueError, TypeError, OSError, KeyError)):
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+            raise ConfigError(f"model (_target_={model_cfg.get('_target_')}) refused its config: "
+                              f"{type(cause).__name__}: {first}; fix the model.* values") from None
+        raise cause from None
+
+
+def check_top_k(model, plan) -> None:
+    """Routed experts per token (``model.num_experts_per_tok`` and its spellings) fit the expert count of
+    every planned block; else top-k would fail inside the first forward."""
+    config = getattr(model, "config", None)
+    for entry in plan:
+        n = entry.decision.num_experts
+        for key in TOP_K_KEYS if n else ():
+            k = getattr(config, key, None)
+            if isinstance(k, int) and not isinstance(k, bool) and k > n:
+                raise ConfigError(f"model.{key}={k} exceeds the {n} experts of {entry.decision.modules[0]}; "
+                                  f"pick model.{key} <= {n}")
 
 
 def build_hf_causal_lm(config_class: str, dtype: str | None = None, **config_kwargs):
@@ -52,6 +148,19 @@ def build_hf_pretrained(pretrained_path: str, dtype: str | None = None, **config
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(pretrained_path, **config_overrides)
+    from autoep.pretrained import PretrainedError, local_checkpoint_dir
+
+    path = local_checkpoint_dir(pretrained_path)
+    try:  # NOTE: local_files_only: a directory that exists is read, nothing is ever looked up on the Hub
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True, **config_overrides)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PretrainedError(f"model.pretrained_path={pretrained_path}: its config.json cannot be read as a "
+                              f"transformers config ({first}); give a directory written by save_pretrained") from None
     extra = {"dtype": dtype} if dtype is not None else {}
-    return AutoModelForCausalLM.from_config(config, **extra)
+    try:
+        return AutoModelForCausalLM.from_config(config, **extra)
+    except ValueError as e:
+        first = str(e).strip().splitlines()[0]
+        raise PretrainedError(f"model.pretrained_path={pretrained_path}: {type(config).__name__} has no causal LM "
+                              f"class ({first}); autoep trains causal LMs") from None

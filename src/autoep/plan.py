@@ -9,24 +9,29 @@ no process group. Commands (any Hydra override works; see docs/overrides.md)::
     autoep-plan model=deepseek_v3 parallel.ep_size=4 run_dir=runs/dsv3
     autoep-plan --config-dir runs/dsv3 --config-name resolved   # replay: no detection, drift check
 
-Exit status 2 with ``autoep-plan: error: ...`` on a plan error (the message names key, value, fix).
+Exit status 2 with ``autoep-plan: error: ...`` on a config or plan error (the message names key, value,
+fix); the other codes as ``autoep.cli`` documents. It refuses a run_dir holding a training run (its
+resolved.yaml is that run's record) and changes nothing before the plan is resolved.
 """
 from __future__ import annotations
 
-import sys
+import copy
+import logging
 from pathlib import Path
 
 import hydra
 import torch
 import torch.nn as nn
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 import autoep.config  # noqa: F401  (registers train_schema / resolved_schema before Hydra composes)
-from autoep.artifact import check_complete, read_yaml, write_resolved
-from autoep.errors import PlanError
-from autoep.resolve import resolve_plan
+from autoep.artifact import check_complete, write_resolved
+from autoep.config import check_config
+from autoep.errors import ConfigError
+
+PROG = "autoep-plan"
+log = logging.getLogger(__name__)
 
 # Absolute, so the console script, ``python -m`` and an installed wheel all find the packaged tree.
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
@@ -73,60 +78,49 @@ def format_table(rows: list[tuple]) -> str:
 
 
 def plan(cfg: DictConfig, run_dir: str, source: str = "the composed config") -> DictConfig:
-    """Resolve ``cfg`` on a meta model, print the table, write ``<run_dir>/resolved.yaml``; returns cfg."""
+    """Resolve ``cfg`` on a meta model, print the table, write ``<run_dir>/resolved.yaml``; returns cfg.
+
+    Every value is checked first (``check_config``), and a run_dir that holds a training run is refused:
+    nothing is written unless the plan resolves."""
+    from autoep import rundir
+    from autoep.models import check_model_config, check_top_k, instantiate_model
+    from autoep.resolve import resolve_plan
+
+    composed = copy.deepcopy(cfg)
     check_complete(cfg, source)
-    if OmegaConf.is_missing(cfg, "model"):
-        raise PlanError("model is not set; pick a model config, e.g. model=qwen3_moe")
+    cfg = check_config(cfg)
+    check_model_config(cfg)
+    out = rundir.prepare(run_dir)
+    run = rundir.describe_run(out)
+    if run:
+        raise ConfigError(f"run_dir={out} holds a training run ({run}); its resolved.yaml is that run's record, "
+                          f"so autoep-plan does not replace it: plan into another run_dir")
     with torch.device("meta"):  # NOTE: parameters get shapes and dtypes only; nothing is allocated
-        model = instantiate(cfg.model)
+        model = instantiate_model(cfg.model)
     cfg.parallel = resolve_plan(cfg.parallel, model)
-    print(format_table(plan_rows(model, cfg.parallel)))
-    path = write_resolved(cfg, run_dir)
-    print(f"wrote {path}")
+    check_top_k(model, cfg.parallel.plan)
+    log.info("%s", format_table(plan_rows(model, cfg.parallel)))
+    path = write_resolved(cfg, out)
+    rundir.write_hydra_record(out, composed)
+    log.info("wrote %s", path)
     return cfg
-
-
-def _fail(e: PlanError) -> None:
-    print(f"autoep-plan: error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _flag(argv: list[str], names: tuple[str, ...]) -> str | None:
-    for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                return argv[i + 1]
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return None
-
-
-def primary_file(argv: list[str]) -> Path | None:
-    """The file ``--config-dir D --config-name N`` names, when it exists."""
-    config_dir, name = _flag(argv, ("--config-dir", "-cd")), _flag(argv, ("--config-name", "-cn"))
-    if config_dir and name:
-        path = Path(config_dir) / (name if name.endswith(".yaml") else name + ".yaml")
-        return path if path.is_file() else None
-    return None
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
-    try:
-        source = primary_file(sys.argv[1:]) or "the composed config"
-        plan(cfg, cfg.run_dir or HydraConfig.get().runtime.output_dir, str(source))
-    except PlanError as e:
-        _fail(e)
+    import sys
+
+    from autoep import cli
+
+    source = cli.primary_file(sys.argv[1:]) or "the composed config"
+    cli.task(PROG, lambda: plan(cfg, cfg.run_dir or HydraConfig.get().runtime.output_dir, str(source)))
 
 
 def main() -> None:
-    try:
-        path = primary_file(sys.argv[1:])
-        if path is not None:
-            read_yaml(path)  # a file that is not YAML gets our error, not Hydra's parser traceback
-    except PlanError as e:
-        _fail(e)
-    _hydra_main()
+    """``autoep-plan [overrides]``: one-line errors and exit codes as ``autoep.cli`` documents."""
+    from autoep import cli
+
+    cli.main(PROG, _hydra_main)
 
 
 if __name__ == "__main__":

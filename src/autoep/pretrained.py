@@ -28,6 +28,7 @@ Shape legend: E experts (global), F expert intermediate size, D hidden.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,11 +38,36 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from autoep.errors import ConfigError
 from autoep.recipes import local_tensor
 
+log = logging.getLogger(__name__)
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
-class PretrainedError(ValueError):
+
+class PretrainedError(ConfigError):
     """The checkpoint directory cannot fill the model; the message names the key and the fix."""
+
+
+def local_checkpoint_dir(path) -> Path:
+    """``model.pretrained_path`` as an absolute local directory holding ``config.json`` (a relative path is
+    taken from the working directory). Never a Hub lookup: a path that does not exist is an error."""
+    if not isinstance(path, (str, Path)) or not str(path).strip():
+        raise PretrainedError(f"model.pretrained_path={path!r} is not a path; give a local directory written by "
+                              f"save_pretrained, e.g. model.pretrained_path=/ckpt/my-moe")
+    given = Path(path).expanduser()
+    local = given if given.is_absolute() else Path.cwd() / given
+    if not local.is_dir():
+        hub = ""
+        if not given.is_absolute() and HUB_ID.fullmatch(str(path)):
+            hub = (f"; it looks like a Hub repo id, and autoep reads local directories only (no download): fetch "
+                   f"it first (huggingface-cli download {path} --local-dir /ckpt/{given.name}) and pass that directory")
+        what = "is a file, not a directory" if local.exists() else "does not exist"
+        raise PretrainedError(f"model.pretrained_path={path}: {local} {what}{hub or '; give a directory written by save_pretrained'}")
+    if not (local / "config.json").is_file():
+        raise PretrainedError(f"model.pretrained_path={path}: {local} holds no config.json; give a directory "
+                              f"written by save_pretrained (config.json + *.safetensors)")
+    return local.resolve()
 
 
 @contextmanager
@@ -97,14 +123,32 @@ class SafetensorsDir:
             raise PretrainedError(f"model.pretrained_path={str(path)!r} is not a directory; {fix}")
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise PretrainedError(f"model.pretrained_path={str(path)}: model.safetensors.index.json is damaged "
+                                      f"({type(e).__name__}: {e}); re-download or re-save the checkpoint") from None
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not files:
             raise PretrainedError(f"model.pretrained_path={str(path)!r} holds no *.safetensors files; {fix}")
         # NOTE: safe_open maps the file; nothing is read until get_tensor/get_slice.
-        self.files = {f: safe_open(str(self.path / f), framework="pt") for f in files}
+        self.files = {f: self._open(safe_open, f) for f in files}
         self.file_of = {k: f for f, h in self.files.items() for k in h.keys()}
+        self.tensors_read, self.bytes_read = 0, 0
+
+    def _open(self, safe_open, name: str):
+        file = self.path / name
+        if not file.is_file():
+            raise PretrainedError(f"model.pretrained_path={self.path}: {name} is listed in "
+                                  f"model.safetensors.index.json but missing; re-download or re-save the checkpoint")
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PretrainedError(f"model.pretrained_path={self.path}: {name} is not a readable safetensors file "
+                                  f"({first}): truncated or damaged; re-download or re-save the checkpoint") from None
+        return handle  # NOTE: safe_open checks that the header's offsets cover the file: a cut file fails here
 
     def keys(self) -> list[str]:
         return list(self.file_of)
@@ -112,7 +156,10 @@ class SafetensorsDir:
     def read(self, key: str, rows: slice | None = None) -> Tensor:
         """The tensor ``key``, or only its rows ``rows`` along dim 0 (the rest is never read)."""
         handle = self.files[self.file_of[key]]
-        return handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows.start:rows.stop]
+        tensor = handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows.start:rows.stop]
+        self.tensors_read += 1
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +192,7 @@ class PerExpert:
             for e in range(rows.start, rows.stop):
                 expert = ckpt.read(part[e])
                 if list(expert.shape) != part_shape:
-                    raise PretrainedError(f"{name}: checkpoint key {part[e]} has shape {tuple(expert.shape)}, the model "
+                    raise PretrainedError(f"model.pretrained_path={ckpt.path}: {name}: checkpoint key {part[e]} has shape {tuple(expert.shape)}, the model "
                                           f"expects {tuple(part_shape)}; build the model from the checkpoint's config.json "
                                           f"(model=hf_pretrained)")
                 target_ELD[e - rows.start].narrow(self.concat_dim - 1, offset, part_shape[self.concat_dim - 1]).copy_(expert)
@@ -259,24 +306,29 @@ def _state_tensors(model: nn.Module):
 @torch.no_grad()
 def load_pretrained(model: nn.Module, path, device) -> dict:
     """Allocate ``model``'s meta parameters on ``device`` and fill them from the safetensors in ``path``,
-    each expert DTensor with only this rank's experts. Returns ``{"loaded", "unused"}`` (key counts)."""
+    each expert DTensor with only this rank's experts, and log what was read. Returns ``{"loaded", "unused"}``
+    (model tensors filled, checkpoint entries left unused), ``tensors_read``/``bytes_read`` (what this rank
+    read from disk) and ``experts`` (this rank's expert rows ``(start, stop)`` of ``num_experts``, or None)."""
     ckpt = SafetensorsDir(path)
     sources = source_map(model, ckpt.keys())
     materialise(model, device)
-    missing, used = [], 0
+    missing, used, own, num_experts = [], 0, set(), None
     for name, tensor in _state_tensors(model):
         source = sources.get(name)
         if source is None:
             missing.append(name)
             continue
         rows, target = expert_rows(tensor), local_tensor(tensor)
+        if rows is not None:
+            own.add((rows.start, rows.stop))
+            num_experts = tensor.shape[0]
         if isinstance(source, PerExpert):
             source.read_into(ckpt, rows or slice(0, tensor.shape[0]), target, name)
             used += 1
             continue
         value = ckpt.read(source, rows)
         if tuple(value.shape) != tuple(target.shape):
-            raise PretrainedError(f"{name}: the checkpoint holds shape {tuple(value.shape)} for this rank, the model "
+            raise PretrainedError(f"model.pretrained_path={path}: {name}: the checkpoint holds shape {tuple(value.shape)} for this rank, the model "
                                   f"expects {tuple(target.shape)}; build the model from the checkpoint's config.json "
                                   f"(model=hf_pretrained)")
         target.copy_(value)
@@ -284,4 +336,9 @@ def load_pretrained(model: nn.Module, path, device) -> dict:
     if missing:
         raise PretrainedError(f"model.pretrained_path={str(path)!r} lacks {len(missing)} tensors the model has, "
                               f"e.g. {missing[:3]}; it was saved from another model, point it at a matching checkpoint")
-    return {"loaded": used, "unused": len(sources) - used}
+    experts = sorted(own)[0] if len(own) == 1 else None
+    log.info("loaded %d model tensors from %s: read %d checkpoint tensors, %.2f MiB%s", used, path, ckpt.tensors_read,
+             ckpt.bytes_read / 2**20, f"; experts {experts[0]}-{experts[1] - 1} of {num_experts} (this rank's own)"
+             if experts else "; every expert (no EP)")
+    return {"loaded": used, "unused": len(sources) - used, "tensors_read": ckpt.tensors_read,
+            "bytes_read": ckpt.bytes_read, "experts": experts}

@@ -386,3 +386,35 @@ def make_closure_moe_class(bias_scale: float):
             return acc.view(shape)
 
     return ClosureMoE
+
+
+# ---------------------------------------------------------------------------------------------
+# mistral-inference style: k in a nested args object, softmax over the top-k logits, and the
+# accumulation written as ``results[batch_idx] += w * expert(x)``
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MoeArgs:
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+
+
+class MistralInferenceMoeLayer(nn.Module):
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.experts = nn.ModuleList([FeedForward(hidden, ffn) for _ in range(num_experts)])
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.args = MoeArgs(num_experts, top_k)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        shape = inputs.shape  # mistral-inference feeds (tokens, dim); flattened here for (batch, seq, dim)
+        inputs = inputs.reshape(-1, shape[-1])
+        gate_logits = self.gate(inputs)
+        weights, selected_experts = torch.topk(gate_logits, self.args.num_experts_per_tok)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).to(inputs.dtype)
+        results = torch.zeros_like(inputs)
+        for i, expert in enumerate(self.experts):
+            batch_idx, nth_expert = torch.where(selected_experts == i)
+            results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(inputs[batch_idx])
+        return results.view(shape)

@@ -33,6 +33,7 @@ from autoep.structure import detect_moe_structure
 from blocks import (
     CappedRouterMoE,
     DeepseekV3StyleMoE,
+    MistralInferenceMoeLayer,
     MixtralStyleSparseMoeBlock,
     MoE,
     Qwen2MoeStyleSparseMoeBlock,
@@ -66,6 +67,7 @@ BLOCKS = {
     "capped_router_padding": lambda: CappedRouterMoE(hidden=D, num_experts=4, top_k=2),
     "closure_super": lambda: make_closure_moe_class(0.05)(hidden=D, num_experts=4, top_k=2),
     "block_hook": lambda: _hooked(MoE(hidden=D, num_experts=4, top_k=2)),
+    "mistral_inference": lambda: MistralInferenceMoeLayer(hidden=D, num_experts=4, top_k=2),
 }
 
 

@@ -177,6 +177,7 @@ class LoopFacts:
     expert: tuple | None = None  # the per-expert computation over ("x",)
     uses_apply_gate: bool = False
     adds: int = 0
+    add_at_rows: bool = False  # ``acc[tok] += ...`` rather than ``acc.index_add_(0, tok, ...)``
 
 
 # The torch functions a region may call, by identity.
@@ -645,6 +646,8 @@ class Prover:
                 self._guard(stmt)
             elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
                 self._accumulate(stmt.value)
+            elif isinstance(stmt, ast.AugAssign) and not self.batched:
+                self._add_at_rows(stmt)
             else:
                 self.refuse(stmt)
 
@@ -658,6 +661,32 @@ class Prover:
         if cond.kind == "nonempty":
             return self.body(stmt.body)
         self.refuse(stmt, "skips an expert that has tokens")
+
+    def _add_at_rows(self, stmt: ast.AugAssign) -> None:
+        """``acc[tok] += rows`` (mistral-inference): the same as ``index_add_`` while a token meets an
+        expert at most once, which the exchange checks at run time (``LoopFacts.add_at_rows``)."""
+        target = stmt.target
+        if not (isinstance(stmt.op, ast.Add) and isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)):
+            self.refuse(stmt, "is an in-place update the proof does not know")
+        acc = self.eval(target.value)
+        if not isinstance(acc, Opaque) or any(acc is getattr(self.facts, r) for r in ("x", "idx", "w")):
+            self.refuse(stmt, "does not add into an accumulator of its own")
+        if self.eval(target.slice) != Index("tok"):
+            self.refuse(stmt, "does not add at the expert's token rows")
+        self._bind_role("acc", acc, stmt)
+        self._contribution(stmt, self.eval(stmt.value))
+        self.facts.add_at_rows = True
+
+    def _contribution(self, node, rows) -> None:
+        if not isinstance(rows, Row):
+            self.refuse(node, "does not add expert output × routing weight")
+        expr = rows.expr
+        while expr[0] == "cast":
+            expr = expr[1]
+        if expr[0] != "weighted":
+            self.refuse(node, "does not add expert output × routing weight")
+        self.facts.expert = expr[1]
+        self.facts.adds += 1
 
     def _accumulate(self, call: ast.Call) -> None:
         """``acc.index_add_(0, tok, rows)``: the one side effect of the loop."""
@@ -673,15 +702,9 @@ class Prover:
         if len(call.args) != 3 or call.keywords:
             self.refuse(call, "is not index_add_(0, tok, rows) (no alpha, no other arguments)")
         dim, tok, rows = (self.eval(a) for a in call.args)
-        if dim != Obj(0) or tok != Index("tok") or not isinstance(rows, Row):
+        if dim != Obj(0) or tok != Index("tok"):
             self.refuse(call, "does not add rows at the expert's token positions")
-        expr = rows.expr
-        while expr[0] == "cast":
-            expr = expr[1]
-        if expr[0] != "weighted":
-            self.refuse(call, "does not add expert output × routing weight")
-        self.facts.expert = expr[1]
-        self.facts.adds += 1
+        self._contribution(call, rows)
 
 
 def _unwrap_cast(expr: tuple) -> tuple:

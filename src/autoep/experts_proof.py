@@ -504,6 +504,7 @@ class SplicePlan:
     x: str
     idx: str
     w: str
+    add_at_rows: bool = False  # the loop wrote ``acc[tok] += ...``: exact only if no token meets an expert twice
 
 
 def module_list_plan(block: nn.Module) -> SplicePlan:
@@ -571,7 +572,7 @@ def _plan(block, fn, tree: ast.FunctionDef, method: str, index: int, loop: ast.F
         if not holders:
             raise Refusal(f"{p.where}: the loop's {role} is not held by a name at the loop")
         names[role] = holders[0]
-    return SplicePlan(method, fn, index, names["acc"], names["x"], names["idx"], names["w"])
+    return SplicePlan(method, fn, index, names["acc"], names["x"], names["idx"], names["w"], p.facts.add_at_rows)
 
 
 def _strip(expr: tuple) -> tuple:

@@ -226,10 +226,12 @@ def shard_stacked_experts(module: nn.Module, ep_mesh) -> None:
 
 
 def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK: Tensor, top_k_weights_TK: Tensor,
-                   *, ep_group) -> None:
+                   *, ep_group, add_at_rows: bool = False) -> None:
     """What the block's own expert loop did: ``acc[t] += sum_k w[t, k] * expert_{idx[t, k]}(x[t])`` for
     every id in [0, E) (others, e.g. padding, add nothing), with the experts spread over ``ep_group``."""
     _check_no_alias(module, acc, x_TD, top_k_index_TK, top_k_weights_TK)
+    if add_at_rows:
+        _check_each_expert_once(module, top_k_index_TK)
     out_TD = ep_experts_forward(
         x_TD,
         top_k_index_TK,
@@ -241,6 +243,16 @@ def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK:
     )
     rows_T = torch.arange(top_k_index_TK.shape[0], device=acc.device)
     acc.index_add_(0, rows_T, out_TD.to(acc.dtype))
+
+
+def _check_each_expert_once(module: nn.Module, top_k_index_TK: Tensor) -> None:
+    """``acc[tok] += v`` writes a row once even if ``tok`` repeats it; the exchange adds every pair. They
+    agree while no token routes to one expert twice (always so for a top-k); otherwise fail loudly."""
+    ids_TK = top_k_index_TK.sort(dim=-1).values
+    # NOTE: .item() syncs the host once per layer (only for blocks written with ``acc[tok] += ...``).
+    if ids_TK.shape[-1] > 1 and bool((ids_TK[:, 1:] == ids_TK[:, :-1]).any().item()):
+        raise RuntimeError(f"{type(module).__name__}: a token is routed to the same expert twice; its loop "
+                           "(`acc[tok] += ...`) counts such a pair once, which the exchange cannot reproduce")
 
 
 def _check_no_alias(module: nn.Module, acc: Tensor, *read: Tensor) -> None:
@@ -266,7 +278,7 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     plan = validate(module, structure=structure)
     stack_module_list_experts(module, structure=structure)
     shard_stacked_experts(module, ep_mesh)
-    loop = functools.partial(ep_expert_loop, ep_group=ep_group_of(ep_mesh))
+    loop = functools.partial(ep_expert_loop, ep_group=ep_group_of(ep_mesh), add_at_rows=plan.add_at_rows)
     # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run.
     setattr(module, plan.method, types.MethodType(compile_spliced(plan, loop), module))
 

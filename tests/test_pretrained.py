@@ -6,6 +6,9 @@ Checkpoints are written by transformers' own ``save_pretrained`` (safetensors, p
 """
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -54,15 +57,21 @@ def load_worker(rank: int, world_size: int, paths: dict, tmp: str) -> dict:
         return real_read(self, key, rows)
 
     pretrained.SafetensorsDir.read = recording_read
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("autoep.pretrained").addHandler(handler)
+    logging.getLogger("autoep.pretrained").setLevel(logging.INFO)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("edp", "ep"))
     out = {}
     for name, path in paths.items():
         reads.clear()
+        logged.clear()
         model, _ = build_model(compose_cfg("model=hf_pretrained", f"model.pretrained_path={path}", "parallel.ep_size=2"),
                                mesh, torch.device("cpu"))
         model.eval()
         with torch.no_grad():
-            out[name] = {"logits": model(input_ids=tokens()).logits, "reads": list(reads),
+            out[name] = {"logits": model(input_ids=tokens()).logits, "reads": list(reads), "logged": list(logged),
                          "tied": model.lm_head.weight is model.get_input_embeddings().weight}
     pretrained.SafetensorsDir.read = real_read
     result = train(compose_cfg(*TRAIN, f"model.pretrained_path={paths['qwen3_moe_tied']}", "parallel.ep_size=2",
@@ -100,10 +109,14 @@ def test_ep2_load_computes_what_from_pretrained_computes(checkpoints, ep2, name)
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_each_rank_reads_only_its_own_experts(checkpoints, ep2, name):
+def test_each_rank_reads_only_its_own_experts_and_logs_what_it_read(checkpoints, ep2, name):
     num_experts = CHECKPOINTS[name]().num_local_experts if name == "mixtral" else CHECKPOINTS[name]().num_experts
     half = num_experts // 2
     for rank in (0, 1):
+        reads = ep2[rank][name]["reads"]
+        [line] = ep2[rank][name]["logged"]
+        assert f"read {len(reads)} checkpoint tensors" in line and "MiB" in line
+        assert f"experts {rank * half}-{(rank + 1) * half - 1} of {num_experts} (this rank's own)" in line
         read_experts = {int(key.split(".experts.")[1].split(".")[0]) for key, _ in ep2[rank][name]["reads"]
                         if ".experts." in key}
         assert read_experts == set(range(rank * half, (rank + 1) * half))
@@ -156,8 +169,51 @@ def test_bad_directories_are_refused_by_name(checkpoints, tmp_path):
         pretrained.SafetensorsDir(tmp_path)
     with pytest.raises(PretrainedError, match="not a directory"):
         pretrained.SafetensorsDir(tmp_path / "nope")
+    with pytest.raises(PretrainedError, match=r"model.pretrained_path=/no/such/ckpt: /no/such/ckpt does not exist"):
+        build_model(compose_cfg("model=hf_pretrained", "model.pretrained_path=/no/such/ckpt"), None, torch.device("cpu"))
     # An architecture override the checkpoint does not fit: refused naming the tensor and both shapes.
     cfg = compose_cfg("model=hf_pretrained", f"model.pretrained_path={paths['qwen3_moe_tied']}",
                       "+model.moe_intermediate_size=8")
     with pytest.raises(PretrainedError, match=r"gate_proj.weight has shape \(16, 32\), the model expects \(8, 32\)"):
         build_model(cfg, None, torch.device("cpu"))
+
+
+def test_pretrained_path_is_local_only(checkpoints, tmp_path, monkeypatch):
+    """A Hub-like id is refused before transformers is asked; an existing relative path is read from the working
+    directory, and transformers only ever gets an absolute local directory with local_files_only=True."""
+    import transformers
+
+    from autoep.models import build_hf_pretrained
+
+    root, paths = checkpoints
+    asked = []
+    real = transformers.AutoConfig.from_pretrained
+
+    def recording(path, **kwargs):
+        asked.append((path, kwargs.get("local_files_only")))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", recording)
+    with pytest.raises(PretrainedError, match=r"model.pretrained_path=Qwen/Qwen3-30B-A3B: .* does not exist; it looks "
+                                              r"like a Hub repo id, and autoep reads local directories only"):
+        build_hf_pretrained("Qwen/Qwen3-30B-A3B")
+    monkeypatch.chdir(root)
+    model = build_hf_pretrained("mixtral")  # relative to the working directory
+    assert type(model).__name__ == "MixtralForCausalLM" and asked == [(str(root / "mixtral"), True)]
+    with pytest.raises(PretrainedError, match="holds no config.json"):
+        build_hf_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("keep", [lambda n: 10, lambda n: n // 2, lambda n: n - 4], ids=["header", "half", "last-bytes"])
+def test_truncated_safetensors_is_one_line_error(checkpoints, tmp_path, keep):
+    import shutil
+
+    _, paths = checkpoints
+    damaged = Path(shutil.copytree(paths["mixtral"], tmp_path / "ckpt"))
+    file = damaged / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: keep(len(data))])
+    with pytest.raises(PretrainedError, match=r"model.safetensors is not a readable safetensors file .*truncated or "
+                                              r"damaged; re-download or re-save the checkpoint") as info:
+        pretrained.SafetensorsDir(damaged)
+    assert "\n" not in str(info.value)

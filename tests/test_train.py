@@ -40,12 +40,20 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
+# A fixed batch whose logits an exported run must reproduce through from_pretrained.
+IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
 def run(*overrides: str) -> dict:
     from autoep.dense import is_expert
     from autoep.train import train
 
     result = train(compose_cfg(*overrides))
     model = result.pop("model")
+    if "trainer.export_hf=true" in overrides:
+        model.eval()
+        with torch.no_grad():  # NOTE: an EP forward is a collective: every rank runs the same batch
+            result["logits"] = model(input_ids=IDS).logits
     result["dense_meshes"] = {p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None
                               for p in model.parameters() if not is_expert(p)}
     result["weights"] = full_weights(model)
@@ -57,7 +65,8 @@ def run(*overrides: str) -> dict:
 
 def ep2_worker(rank: int, world_size: int, tmp: str) -> dict:
     torch.set_num_threads(1)
-    out = {"full": run("parallel.ep_size=2", "data.batch_size=2", "trainer.ckpt_every=2", f"run_dir={tmp}/ep2")}
+    out = {"full": run("parallel.ep_size=2", "data.batch_size=2", "trainer.ckpt_every=2", f"run_dir={tmp}/ep2",
+                       "trainer.export_hf=true")}
     out["resumed"] = run("parallel.ep_size=2", "data.batch_size=2", f"run_dir={tmp}/ep2",
                          f"trainer.resume={tmp}/ep2/checkpoints/step_00000002")
     out["accum"] = run("parallel.ep_size=2", "data.batch_size=2", "trainer.grad_accum=2", "trainer.steps=3",
@@ -84,7 +93,7 @@ def ep2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(ep2):
     tmp, _ = ep2
-    return run("data.batch_size=4", "trainer.ckpt_every=2", f"run_dir={tmp}/ep1")
+    return run("data.batch_size=4", "trainer.ckpt_every=2", f"run_dir={tmp}/ep1", "trainer.export_hf=true")
 
 
 def assert_weights_equal(a: dict, b: dict) -> None:
@@ -148,6 +157,21 @@ def test_fsdp2_checkpoints_resume_and_reshard(ep2, single):
         assert_weights_equal(resumed["weights"], single["weights"])
 
 
+def test_export_hf_loads_with_from_pretrained_to_the_same_logits(ep2, single):
+    """trainer.export_hf=true, after EP over 2 ranks and in one process: from_pretrained gives the trained
+    weights and the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    _, r = ep2
+    for result in (r["full"], single):
+        hf_dir = Path(result["run_dir"]) / "hf"
+        assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "model.safetensors"]
+        loaded = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+        assert_weights_equal({n: p.detach() for n, p in loaded.named_parameters()}, result["weights"])
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=IDS).logits, result["logits"])
+
+
 def test_unknown_dense_sharding_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.dense_sharding=ddp: must be one of replicate, fsdp2"):
         run("trainer.dense_sharding=ddp", f"run_dir={tmp_path}")
@@ -186,10 +210,12 @@ def test_resume_with_another_model_is_refused(ep2, tmp_path):
 
 
 def test_cli_default_command(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "autoep.train", "trainer.steps=3", f"run_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "autoep.train", "trainer.steps=3", "trainer.ckpt_every=2",
+                           f"run_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # no warnings in a normal run (DCP's single-process one included)
     assert "step     1/3 | loss" in proc.stdout and "tok/s" in proc.stdout
+    assert "step     3/3 | loss" in (tmp_path / "train.log").read_text()  # the run's log, through logging
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
     bad = subprocess.run([sys.executable, "-m", "autoep.train", "parallel.ep_size=2", f"run_dir={tmp_path}/bad"],
                          capture_output=True, text=True, timeout=300)

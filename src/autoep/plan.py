@@ -31,7 +31,7 @@ from autoep.config import check_config
 from autoep.errors import ConfigError
 
 PROG = "autoep-plan"
-log = logging.getLogger(__name__)
+log = logging.getLogger("autoep.plan")  # not __name__: under `python -m` that is __main__
 
 # Absolute, so the console script, ``python -m`` and an installed wheel all find the packaged tree.
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")

@@ -52,7 +52,7 @@ from autoep.pretrained import PretrainedError, load_pretrained, local_checkpoint
 from autoep.resolve import resolve_plan
 
 PROG = "autoep-train"
-log = logging.getLogger(__name__)
+log = logging.getLogger("autoep.train")  # not __name__: under `python -m` that is __main__
 
 
 def build_model(cfg: DictConfig, mesh, device: torch.device):

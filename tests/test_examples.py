@@ -51,3 +51,14 @@ def test_disallowed_user_target_is_refused(tmp_path):
     out = subprocess.run([sys.executable, str(EXAMPLE), f"run_dir={tmp_path}", EXPLICIT, "parallel.allowed_targets=[]"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode != 0 and "my_ep.replicated_experts" in out.stderr and "allowed_targets" in out.stderr
+
+
+def test_readme_shows_the_commands_the_entry_point_documents():
+    """examples/research_moe/README.md and train.py's docstring show the same commands (the slow test above
+    runs them: auto, explicit, torchrun on 2 ranks)."""
+    readme = (EXAMPLE.parent / "README.md").read_text()
+    doc = EXAMPLE.read_text().split('"""')[1]
+    def commands(text):
+        return [" ".join(line.replace("\\", " ").split()) for line in re.findall(
+            r"^\s*((?:python|torchrun) .*?(?:\\\n.*?)?)\s*(?:#.*)?$", text, flags=re.M)]
+    assert commands(readme) and sorted(commands(readme)) == sorted(commands(doc))

@@ -124,17 +124,17 @@ def gathered_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     ModuleList experts the module_list recipe stacked are written back in the model's own layout."""
     from autoep.recipes.module_list import StackedSwiGLUExperts, unstack_module_list_experts
 
-    out = {}
+    out, stacked = {}, set()
     for name, sub in model.named_modules():
         if isinstance(sub, StackedSwiGLUExperts):
             block = name.rpartition(".")[0]
             prefix = f"{block}." if block else ""
             grads = unstack_module_list_experts(model.get_submodule(block), grad=True)  # NOTE: collective
             out.update({prefix + k: v for k, v in grads.items()})
+            stacked |= {f"{name}.{p}" for p, _ in sub.named_parameters()}
     for name, p in model.named_parameters():
-        if ".experts.gate_up_proj" in f".{name}" or ".experts.down_proj" in f".{name}":
-            if any(k.startswith(name.rpartition("experts.")[0] + "experts.") for k in out):
-                continue  # stacked ModuleList experts: already written back above
+        if name in stacked:
+            continue  # stacked ModuleList experts: written back in the model's own layout above
         g = p.grad
         if isinstance(p, DTensor):
             assert g is not None, f"{name}: expert param has no grad (a rank without tokens must still get zeros)"

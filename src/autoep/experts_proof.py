@@ -246,11 +246,7 @@ def apply_gate_facts(cls: type, experts: nn.Module) -> tuple[str, str]:
     if len(tree.args.args) != 2 or tree.args.vararg or tree.args.kwarg or tree.args.kwonlyargs:
         raise Refusal("_apply_gate is not `(self, gate_up) -> ...`")
     gate = _RowLocal(fn, tree, experts)
-    body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    for stmt in body[:-1]:
-        gate.assign(stmt)
-    if not isinstance(body[-1], ast.Return) or gate.eval(body[-1].value) != "row":
-        raise Refusal(f"_apply_gate line {body[-1].lineno} does not return a row-local value")
+    gate.run()
     if len(gate.splits) != 1:
         raise Refusal(f"_apply_gate splits gate/up as {sorted(gate.splits) or 'nothing'}, not one layout")
     layout = "concatenated" if gate.splits == {"chunk"} else "interleaved"
@@ -258,16 +254,26 @@ def apply_gate_facts(cls: type, experts: nn.Module) -> tuple[str, str]:
 
 
 class _RowLocal:
-    """Values: "row" (row-local tensor), ("chunks",) or a scalar ``Obj``."""
+    """Values: "row" (row-local tensor), ("chunks",), ("module", m) or a scalar ``Obj``. ``entry="input"``
+    (``_apply_gate``): the one argument is the gate_up rows, whose last-dim split is recorded; ``entry="row"``
+    (a submodule's forward): every argument is row-local."""
 
-    def __init__(self, fn, tree: ast.FunctionDef, experts: nn.Module):
-        self.scope, self.experts = Scope(fn), experts
-        self.env = {tree.args.args[1].arg: "input"}
+    def __init__(self, fn, tree: ast.FunctionDef, experts: nn.Module, entry: str = "input"):
+        self.scope, self.experts, self.tree, self.what = Scope(fn), experts, tree, fn.__qualname__
+        self.env = {a.arg: entry for a in tree.args.args[1:]}
         self.splits: set[str] = set()
         self.clamped = False
 
     def refuse(self, node, why="is not proven row-local"):
-        raise Refusal(f"_apply_gate line {getattr(node, 'lineno', '?')}: `{ast.unparse(node)[:80]}` {why}")
+        raise Refusal(f"{self.what} line {getattr(node, 'lineno', '?')}: `{ast.unparse(node)[:80]}` {why}")
+
+    def run(self) -> None:
+        """Prove the body returns a row-local value."""
+        body = [s for s in self.tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        for stmt in body[:-1]:
+            self.assign(stmt)
+        if not isinstance(body[-1], ast.Return) or body[-1].value is None or self.eval(body[-1].value) != "row":
+            raise Refusal(f"{self.what} line {body[-1].lineno} does not return a row-local value")
 
     def assign(self, stmt):
         if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
@@ -296,8 +302,16 @@ class _RowLocal:
             return self.env[node.id] if node.id in self.env else Obj(self.scope.lookup(node.id))
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
             value = getattr(self.experts, node.attr, None)
+            what = f"{type(self.experts).__name__}.{node.attr}"
+            if isinstance(value, nn.Module) and node.attr in self.experts._modules:
+                try:
+                    elementwise.check_activation_module(value, what)
+                    return "act"
+                except Refusal:
+                    _submodule_row_local(value, what)  # its own forward, proven row-local
+                    return ("module", value)
             if node.attr == "act_fn":
-                elementwise.check_activation_module(value, f"{type(self.experts).__name__}.act_fn")
+                elementwise.check_activation_module(value, what)
                 return "act"
             if type(value) in (int, float):
                 return Obj(value)
@@ -358,11 +372,37 @@ class _RowLocal:
             if not isinstance(base, Obj):
                 self.refuse(node)
         target = self.eval(func)
-        if target == "act" or (isinstance(target, Obj) and target.value in elementwise.ELEMENTWISE_FUNCTIONS):
+        if isinstance(target, tuple) and target[0] == "module":
+            if node.keywords or not node.args or any(self.eval(a) != "row" for a in node.args):
+                self.refuse(node, "passes a submodule something that is not row-local")
+            return "row"
+        if target == "act" or (isinstance(target, Obj) and _known_function(target.value)):
             if len(node.args) != 1 or node.keywords or self.eval(node.args[0]) != "row":
                 self.refuse(node, "is not an element-wise function of one row-local value")
             return "row"
         self.refuse(node, "calls something not known to be element-wise")
+
+
+def _known_function(fn) -> bool:
+    try:
+        return fn in elementwise.ELEMENTWISE_FUNCTIONS
+    except TypeError:
+        return False
+
+
+def _submodule_row_local(module: nn.Module, what: str, depth: int = 0) -> None:
+    """A stateless submodule (no parameters or buffers) whose own forward is proven row-local in all its
+    inputs, recursively (e.g. a soft-capped SwiGLU built from soft-cap modules)."""
+    if depth > 4:
+        raise Refusal(f"{what}: submodules nest too deep to follow")
+    elementwise.runtime_clean(module, what)
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        raise Refusal(f"{what} ({type(module).__name__}) holds parameters or buffers")
+    fn = plain_method(type(module), "forward", module)
+    tree = function_tree(fn)
+    if tree.args.vararg or tree.args.kwarg or tree.args.kwonlyargs or len(tree.args.args) < 2:
+        raise Refusal(f"{what}: {type(module).__name__}.forward does not take plain tensor arguments")
+    _RowLocal(fn, tree, module, entry="row").run()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -396,3 +396,42 @@ def test_an_edit_outside_the_expert_loop_runs_as_written(variant, block, old, ne
 @pytest.mark.parametrize("block, old, new, message", LOOP_EDITS)
 def test_an_edit_inside_the_expert_loop_is_refused(variant, block, old, new, message):
     assert message in refusal(_variant_of(variant, block, old, new)())
+
+
+class Float32Experts(Experts):
+    """Every operand of the expert upcast to float32 (OpenAI-privacy-filter style): accepted, computed in fp32."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states, dtype=torch.float32)
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in hit:
+            expert_idx = expert_idx[0]
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(mask[expert_idx])
+            current = self._apply_gate(F.linear(hidden_states[token_idx].float(), self.gate_up_proj[expert_idx].float()))
+            current = F.linear(current, self.down_proj[expert_idx].float()) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, current.to(final.dtype))
+        return final.to(hidden_states.dtype)
+
+
+class HalfUpcastExperts(Float32Experts):
+    """Only the weights upcast: in bf16 the original would fail; the recipe would compute another thing."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            top_k_pos, token_idx = torch.where(mask[expert_idx])
+            current = self._apply_gate(F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx].float()))
+            current = F.linear(current, self.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, current)
+        return final
+
+
+def test_float32_experts_are_all_or_nothing():
+    assert detect_moe_structure(V5Block(Float32Experts())).expert_dtype == "float32"
+    assert detect_moe_structure(V5Block()).expert_dtype == "param"
+    assert "upcasts some operands to float32" in refusal(V5Block(HalfUpcastExperts()))

@@ -327,9 +327,9 @@ class Prover:
         if isinstance(node.op, ast.Mult):
             return self._mult(node, left, right)
         if isinstance(node.op, ast.MatMult) and isinstance(left, Row) and isinstance(right, tuple) and right[0] == "param":
-            return Row(("lin", left.expr, right[1], True))
+            return Row(("lin", left.expr, right[1], True) + right[2:])
         if isinstance(node.op, ast.Add) and isinstance(left, Row) and isinstance(right, tuple) and right[0] == "param":
-            return Row(("bias", left.expr, right[1]))
+            return Row(("bias", left.expr, right[1]) + right[2:])
         self.refuse(node)
 
     def _mult(self, node, left, right):
@@ -470,7 +470,7 @@ class Prover:
             args = self._args(node, ("input", "weight"), 2)
             x, w = self.eval(args["input"]), self.eval(args["weight"])
             if isinstance(x, Row) and isinstance(w, tuple) and w[0] == "param":
-                return Row(("lin", x.expr, w[1], False))
+                return Row(("lin", x.expr, w[1], False) + w[2:])
             self.refuse(node, "is not linear(rows, expert weight[e])")
         if fn is range:
             (arg,) = self._args(node, ("stop",), 1).values()
@@ -567,6 +567,10 @@ class Prover:
             (arg,) = self._args(node, ("dim",), 1).values()
             if self.eval(arg) in (Obj(-1), Obj(1)):
                 return Weight(col=True)
+        if isinstance(base, tuple) and base[:1] == ("param",) and len(base) == 2 and name == "float" and not node.args:
+            return base + ("f32",)  # this expert's weight, upcast to float32
+        if isinstance(base, Weight) and name == "float" and not node.args and not node.keywords:
+            return base  # the product is formed in float32 either way (the exchange combines in fp32)
         if isinstance(base, Weight) and name == "to":
             return Weight(base.col) if self._is_dtype_cast(node) else self.refuse(node, "is a cast the proof does not know")
         self.refuse(node)
@@ -593,6 +597,8 @@ class Prover:
             if self._is_dtype_cast(node):
                 return Row(("cast", base.expr))
             self.refuse(node, "is a cast the proof does not know")
+        if name == "float" and not node.args and not node.keywords:
+            return Row(("f32", base.expr))
         self.refuse(node)
 
     # -- statements -------------------------------------------------------------------------------

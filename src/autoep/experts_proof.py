@@ -179,9 +179,50 @@ def _peel_bias(expr: tuple, bias: str) -> tuple[tuple, bool]:
     return expr, False
 
 
+def _strip_f32(expr, marks: list) -> tuple:
+    """``expr`` without its float32 upcasts; each upcast's site is appended to ``marks``."""
+    if not isinstance(expr, tuple) or not expr:
+        return expr
+    if expr[0] == "f32":
+        marks.append(("value", _strip_f32(expr[1], [])))
+        return _strip_f32(expr[1], marks)
+    if expr[0] in ("lin", "bias") and expr[-1] == "f32":
+        marks.append(("weight", expr[2]))
+        expr = expr[:-1]
+    return tuple(_strip_f32(e, marks) for e in expr)
+
+
+def _params_read(expr) -> list[str]:
+    """Expert parameters a computation reads (its ``lin`` and ``bias`` nodes)."""
+    if not isinstance(expr, tuple) or not expr:
+        return []
+    own = [expr[2]] if expr[0] in ("lin", "bias") else []
+    return own + [n for e in expr[1:] for n in _params_read(e)]
+
+
+def _compute_dtype(p: Prover, expr: tuple) -> tuple[tuple, str]:
+    """(the computation without upcasts, "param" or "float32"): either nothing is upcast, or the routed rows
+    and every expert weight and bias are, so the whole expert runs in float32 whatever the weights' dtype."""
+    marks: list = []
+    stripped = _strip_f32(expr, marks)
+    if not marks:
+        return stripped, "param"
+    weights = {m[1] for m in marks if m[0] == "weight"}
+    needed = set(_params_read(stripped))
+    if ("value", ("x",)) not in marks or weights != needed:
+        raise Refusal(f"{p.where}: the expert upcasts some operands to float32 ({sorted(weights)}) but not "
+                      f"the routed rows and all of {sorted(needed)}")
+    return stripped, "float32"
+
+
 def _batched_layout(p: Prover, experts: nn.Module) -> dict:
     """Read the proven per-expert computation as ``down(gate(gate_up(x) (+b)) (+b))``."""
-    expr = p.facts.expert
+    expr, dtype = _compute_dtype(p, p.facts.expert)
+    facts = _layout_of(p, experts, expr)
+    return facts | ({"expert_dtype": dtype} if dtype != "param" else {})
+
+
+def _layout_of(p: Prover, experts: nn.Module, expr: tuple) -> dict:
     what = f"{p.where}: the expert computes {expr}"
     lin, down_bias = _peel_bias(expr, "down_proj_bias")
     if lin[0] != "lin" or lin[2] != "down_proj":

@@ -42,6 +42,9 @@ class MoeStructure:
     # own ``act_fn`` module, else the name of the torch function written in its forward (e.g. "silu").
     expert_projs: str = ""
     expert_act: str = ""
+    # param: the experts compute in their weights' dtype | float32: their forward upcasts the routed rows
+    # and every expert weight to float32 (the recipe does the same).
+    expert_dtype: str = "param"
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -39,6 +39,7 @@ class _EpExperts:
     signature: inspect.Signature  # of the experts' own forward: the replacement binds its arguments by it
     roles: BatchedRoles
     plain: bool  # up -> act -> down experts (``up_proj``), no gate half
+    fp32: bool  # the experts compute in float32 whatever their weights' dtype
 
 
 def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | MoeStructure) -> None:
@@ -57,6 +58,7 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
         signature=inspect.signature(own_forward),
         roles=roles,
         plain=plain,
+        fp32=facts.expert_dtype == "float32",
     )
     experts.forward = types.MethodType(_ep_forward, experts)
 
@@ -99,13 +101,15 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
     top_k_weights = bound.arguments[spec.roles.weights]
 
     def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
+        # float32 experts (their forward upcasts rows and weights): the same upcasts, before the grouped GEMMs.
+        cast = (lambda t: t.float()) if spec.fp32 else (lambda t: t)
         return grouped_swiglu(
-            x_SD,
+            cast(x_SD),
             tokens_per_local_expert,
-            local_tensor(self.up_proj if spec.plain else self.gate_up_proj),
-            local_tensor(self.down_proj),
-            gate_up_bias=local_tensor(self.gate_up_proj_bias) if spec.bias else None,
-            down_bias=local_tensor(self.down_proj_bias) if spec.bias else None,
+            cast(local_tensor(self.up_proj if spec.plain else self.gate_up_proj)),
+            cast(local_tensor(self.down_proj)),
+            gate_up_bias=cast(local_tensor(self.gate_up_proj_bias)) if spec.bias else None,
+            down_bias=cast(local_tensor(self.down_proj_bias)) if spec.bias else None,
             transposed=spec.transposed,
             apply_gate=spec.apply_gate,
         )

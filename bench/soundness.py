@@ -3,11 +3,12 @@
     python bench/soundness.py                 # every mutant in one process (ep_mesh=None)
     python bench/soundness.py --ranks 2       # and accepted-exact ones again on 2 gloo ranks (CPU)
     python bench/soundness.py --limit 200     # the first 200 mutants of the fixed enumeration
-    python bench/soundness.py --every 10      # the CI sample's selection: every 10th mutant of each target
+    python bench/soundness.py --every 10      # every 10th mutant of each target (a quick look)
 
 Prints one line per accepted-wrong, crash or invalid mutant, then per target and in total
 ``mutants=… refused=… accepted_exact=… accepted_wrong=… crashes=… invalid=…``. Exits 1 when any mutant
-is accepted and wrong or crashes the detector. The engine is ``tests/mutation.py``.
+is accepted and wrong or crashes the detector, or (``--ranks``) a target as written fails on the ranks.
+The engine is ``tests/mutation.py`` (several ranks: ``tests/mutation_ranks.py``).
 """
 
 from __future__ import annotations
@@ -22,14 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import mutation  # noqa: E402 - after the tests dir is on the path
+import mutation_ranks  # noqa: E402
 
 LISTED = ("accepted_wrong", "crash", "invalid")
-
-
-def summary(label: str, outcomes) -> str:
-    c = mutation.counts(outcomes)
-    return (f"{label}: mutants={c['mutants']} refused={c['refused']} accepted_exact={c['accepted_exact']} "
-            f"accepted_wrong={c['accepted_wrong']} crashes={c['crash']} invalid={c['invalid']}")
 
 
 def print_listed(outcomes) -> None:
@@ -38,32 +34,51 @@ def print_listed(outcomes) -> None:
             print(f"{o.verdict:15s} {o.name}: {o.detail}")
 
 
+def print_rank_controls(ranks: dict, world_size: int) -> int:
+    """Print unmodified targets that fail on several ranks, and how many mutants were left unchecked;
+    return the number of failing controls."""
+    failed = 0
+    for name, (verdict, detail) in ranks.items():
+        if name.endswith("/unmodified") and verdict != "accepted_exact":
+            failed += 1
+            print(f"control fails on {world_size} ranks: {name}: {detail}")
+    unchecked = sum(verdict == "unchecked" for verdict, _ in ranks.values())
+    print(f"ranks: {len(ranks) - unchecked} compared on {world_size} ranks, {unchecked} unchecked")
+    return failed
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=1, help="also recheck accepted-exact mutants on this many gloo ranks")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="also recheck accepted-exact mutants on this many gloo ranks")
     parser.add_argument("--limit", type=int, default=None, help="only the first N mutants of the enumeration")
-    parser.add_argument("--every", type=int, default=1, help="every N-th mutant of each target (the CI sample uses 10)")
+    parser.add_argument("--every", type=int, default=1, help="every N-th mutant of each target ")
     parser.add_argument("--rank-every", type=int, default=1,
                         help="on several ranks: every run-time and rank-sensitive mutant, every N-th of the others")
+    parser.add_argument("--breaks-per-target", type=int, default=1,
+                        help="process groups a target's mutants may break before the rest of it is left unchecked")
     args = parser.parse_args(argv)
 
+    failed_controls = 0
     t0 = time.perf_counter()
     mutants = mutation.sample(mutation.all_mutants(), args.every)[: args.limit]
     outcomes = mutation.evaluate_all(mutants)
     t1 = time.perf_counter()
     if args.ranks > 1:
-        names = mutation.rank_sample(outcomes, args.rank_every)
-        print(f"rechecking {len(names)} accepted-exact mutants on {args.ranks} gloo ranks", flush=True)
-        mutation.apply_rank_results(outcomes, mutation.gloo_check(names, args.ranks), args.ranks)
+        names = mutation_ranks.rank_sample(outcomes, args.rank_every)
+        print(f"rechecking {len(names)} controls and accepted-exact mutants on {args.ranks} gloo ranks", flush=True)
+        ranks = mutation_ranks.gloo_check(names, args.ranks, breaks_per_target=args.breaks_per_target)
+        mutation_ranks.apply_rank_results(outcomes, ranks, args.ranks)
+        failed_controls = print_rank_controls(ranks, args.ranks)
     t2 = time.perf_counter()
 
     print_listed(outcomes)
     for target, group in itertools.groupby(outcomes, key=lambda o: o.target):
-        print(summary(target, list(group)))
-    print(summary("total", outcomes))
+        print(mutation.summary_line(target, list(group)))
+    print(mutation.summary_line("total", outcomes))
     print(f"operators={len(mutation.OPERATORS)} in-process {t1 - t0:.1f} s, ranks {t2 - t1:.1f} s")
     c = mutation.counts(outcomes)
-    return 1 if c["accepted_wrong"] or c["crash"] else 0
+    return 1 if c["accepted_wrong"] or c["crash"] or failed_controls else 0
 
 
 if __name__ == "__main__":

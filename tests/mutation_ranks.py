@@ -1,0 +1,159 @@
+"""The soundness fuzzer on several gloo ranks: each rank its own slice of the batch.
+
+Reference = the mutant's own forward/backward on each slice (every rank computes every slice, so ranks
+agree on what is invalid); the EP copy runs this rank's slice. Outputs and the input grad compare per
+rank, dense grads summed over ranks, expert grads gathered. Splits [1, 1] then [2, 0] (a rank without
+tokens must still join every exchange). The ep group times out after ``HANG_S``: a rank that skips a
+collective fails its mutant instead of hanging the run, and fresh processes take the remaining mutants.
+
+    from mutation_ranks import gloo_check; gloo_check(["hf/qwen3_moe/block.forward/scale#0"], 2)
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import itertools
+import re
+
+import torch
+
+import mutation
+from mutation import Outcome, Run, detect, differences, forward_backward, inputs, param_grads, short_error
+from mutation_runtime import RUNTIME_OPERATORS
+
+# Mutants whose failure shows only on several ranks (a rank without tokens skips a collective).
+RANK_SENSITIVE = {"conditional_experts_call", "early_return_empty", "padding_index"}
+SPLITS = ([1, 1], [2, 0])  # sequences per rank: even, then one rank without tokens
+HANG_S = 10  # a collective the peer never joins fails after this (the ep group's timeout)
+# A failed collective leaves the ep group out of step: the processes are replaced after it.
+COMMUNICATION_ERROR = re.compile(r"gloo|[Tt]imed out|timeout|[Cc]onnection closed|pair closure|process group")
+
+
+def _slices(x: torch.Tensor, split: list[int]) -> list[torch.Tensor]:
+    bounds = list(itertools.accumulate([0] + split))
+    return [x[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _ranks_round(block, structure, x, split, rank, group, mesh) -> str | None:
+    """One split: reference grads summed over every slice (each rank computes all), EP on this rank's
+    slice; outputs and input grad per rank, dense grads summed, expert grads gathered. None = equal."""
+    import torch.distributed as dist
+
+    ref = copy.deepcopy(block)
+    runs = [forward_backward(ref, s, seed=100 + r) for r, s in enumerate(_slices(x, split))]
+    ref_run = Run(runs[rank].outputs, runs[rank].x_grad, param_grads(ref))  # grads accumulated over slices
+    ep = mutation.make_ep(block, structure, mesh)  # looked up at call time (tests replace it)
+    got = forward_backward(ep, _slices(x, split)[rank], seed=100 + rank)
+    reduced = set()
+    for name, p in ep.named_parameters(remove_duplicate=False):
+        if hasattr(p, "full_tensor") or name not in got.grads:
+            continue  # expert shards: gathered by param_grads
+        if got.grads[name] is None:  # every rank joins every all-reduce, with or without a grad
+            got.grads[name] = torch.zeros_like(p)
+        if id(got.grads[name]) not in reduced:  # a tied parameter's grad is one tensor: reduce it once
+            reduced.add(id(got.grads[name]))
+            dist.all_reduce(got.grads[name], group=group)  # NOTE: collective; dense grads sum over ranks
+    diffs = differences(ref_run, got)
+    return "; ".join(diffs[:3]) if diffs else None
+
+
+def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str, str, bool]:
+    """``(verdict, detail, broken)`` of one mutant on this rank; ``broken``: the EP path raised on some rank,
+    so ``group`` may be out of step (the caller starts fresh processes for the next mutant)."""
+    import torch.distributed as dist
+
+    block = mutant.build()
+    structure, why = detect(block)
+    if why:
+        return why.split(":")[0], why, False
+    x = inputs(block)
+    try:
+        for split in SPLITS:
+            for r, s in enumerate(_slices(x, split)):
+                forward_backward(copy.deepcopy(block), s, seed=100 + r)
+    except Exception as exc:  # noqa: BLE001 - the same on every rank: every rank computes every slice
+        return "invalid", "own forward on a slice: " + short_error(exc), False
+    dist.barrier()  # NOTE: default group: the ep group's short timeout counts from a common start
+    for split in SPLITS:
+        try:
+            why, raised = _ranks_round(block, structure, x, split, rank, group, mesh), False
+        except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails (or a peer hung)
+            why, raised = "EP path raised " + short_error(exc), bool(COMMUNICATION_ERROR.search(str(exc)))
+        state = torch.tensor([2.0 if raised else float(why is not None)])
+        # NOTE: collective on the default group: the ranks agree on the outcome and resync after a hang.
+        dist.all_reduce(state, op=dist.ReduceOp.MAX)
+        if state.item():
+            detail = f"split {split}, rank {rank}: {why}" if why else f"split {split}: failed on another rank"
+            return "accepted_wrong", detail, state.item() >= 2
+    return "accepted_exact", "", False
+
+
+def gloo_cases(rank: int, world_size: int, names: list[str]) -> dict[str, tuple[str, str]]:
+    """Worker (``distributed.spawn``): ``{mutant name: (verdict, detail)}`` on this rank, in order, up to
+    and including the first mutant whose EP path raised (the group may be out of step after it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch.set_num_threads(1)
+    # The ep group times out fast: an accepted mutant whose rank skips a collective fails, not hangs.
+    group = dist.new_group(list(range(world_size)), backend="gloo", timeout=datetime.timedelta(seconds=HANG_S))
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("ep",))
+    out = {}
+    for m in mutation.mutants_by_name(names):
+        verdict, detail, broken = check_on_ranks(m, rank, group, mesh)
+        out[m.name] = (verdict, detail)
+        if broken:
+            break
+    return out
+
+
+def target_of(name: str) -> str:
+    return name.rsplit("/", 1 if name.endswith("/unmodified") else 2)[0]
+
+
+def gloo_check(names: list[str], world_size: int = 2, breaks_per_target: int = 1) -> dict[str, tuple[str, str]]:
+    """Run ``names`` on ``world_size`` gloo ranks; ``{name: (verdict, detail)}`` merged over ranks (a
+    failing rank's detail first). Fresh processes continue after a failed collective; a target whose
+    mutants broke ``breaks_per_target`` process groups is not run further (when its control breaks, its
+    EP path, not a mutation, is what breaks): its mutants left are ``unchecked``."""
+    from distributed import spawn
+
+    def rank(result):  # a rank's own failure, then "failed on another rank", then the rest
+        return (result[0] == "accepted_wrong") + (", rank " in result[1])
+
+    merged: dict[str, tuple[str, str]] = {}
+    breaks: dict[str, int] = {}
+    while True:
+        todo = [n for n in names if n not in merged and breaks.get(target_of(n), 0) < breaks_per_target]
+        if not todo:
+            break
+        done = {}
+        for per_rank in spawn(world_size, "mutation_ranks:gloo_cases", todo):
+            for name, result in per_rank.items():
+                done[name] = max(done.get(name, result), result, key=rank)
+        merged |= done
+        if len(done) < len(todo):  # the last one run broke the group
+            breaker = [n for n in todo if n in done][-1]
+            breaks[target_of(breaker)] = breaks.get(target_of(breaker), 0) + 1
+    why = f"not run: its target broke {breaks_per_target} process group(s) first"
+    return merged | {n: ("unchecked", why) for n in names if n not in merged}
+
+
+def apply_rank_results(outcomes: list[Outcome], ranks: dict[str, tuple[str, str]], world_size: int) -> None:
+    """A mutant exact in one process and wrong on several ranks becomes accepted_wrong."""
+    for o in outcomes:
+        verdict, detail = ranks.get(o.name, (None, ""))
+        if o.verdict == "accepted_exact" and verdict == "accepted_wrong":
+            o.verdict, o.detail = "accepted_wrong", f"on {world_size} ranks: {detail}"
+
+
+def rank_sample(outcomes: list[Outcome], every: int) -> list[str]:
+    """What to run on several ranks: each target's unmodified control first, then the accepted-exact
+    mutants: every run-time and rank-sensitive one, then those at every ``every``-th position of
+    ``outcomes`` (fixed positions: the sample does not shift when verdicts elsewhere change)."""
+    exact = [(i, o) for i, o in enumerate(outcomes) if o.verdict == "accepted_exact"]
+    special = [o.name for _, o in exact if o.operator in RUNTIME_OPERATORS or o.operator in RANK_SENSITIVE]
+    sampled = [o.name for i, o in exact if i % every == 0 and o.name not in set(special)]
+    controls = [f"{t}/unmodified" for t in dict.fromkeys(o.target for o in outcomes)]
+    return controls + special + sampled

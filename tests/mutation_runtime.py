@@ -1,0 +1,212 @@
+"""Run-time-state operators of the soundness fuzzer (no source change), and the roles they touch.
+
+``op(block, role) -> mutate(block) | None`` (None where the operator does not apply to that role):
+an instance ``forward``, forward and pre hooks, a ``__call__`` override, a ``functools.wraps``ed
+forward set at run time, tied / frozen / differently sized experts, another or a non-element-wise
+``act_fn``, an instance ``_apply_gate``. Roles: ``block``, ``router`` (the gate or router module),
+``experts`` (batched experts: the container is called), ``expert`` (ModuleList experts).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Callable
+
+import torch
+from torch import nn
+
+from mutation_source import SCALE, exec_subclass
+
+# ---------------------------------------------------------------------------------------------
+# Roles: the block, its router, its experts container, one expert
+# ---------------------------------------------------------------------------------------------
+
+
+def router_of(block: nn.Module) -> nn.Module | None:
+    gate = getattr(block, "gate", None)
+    return gate if isinstance(gate, nn.Module) else getattr(block, "router", None)
+
+
+def is_module_list(block: nn.Module) -> bool:
+    return isinstance(getattr(block, "experts", None), nn.ModuleList)
+
+
+def role_objects(block: nn.Module, role: str) -> list[nn.Module]:
+    """The modules a mutation of ``role`` re-classes: ``expert`` = every expert (a class edit is global)."""
+    if role == "block":
+        return [block]
+    if role == "router":
+        return [router_of(block)]
+    if role == "experts":
+        return [block.experts]
+    return list(block.experts)
+
+
+def roles_of(block: nn.Module) -> list[str]:
+    """Roles a run-time mutation can target: the experts container only where it is called (batched)."""
+    return ["block", "router", "expert" if is_module_list(block) else "experts"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Operators
+# ---------------------------------------------------------------------------------------------
+
+
+def scaled(out):
+    """The output scaled by SCALE (a tuple's first element)."""
+    return (out[0] * SCALE, *out[1:]) if isinstance(out, tuple) else out * SCALE
+
+
+def _one(block: nn.Module, role: str) -> nn.Module:
+    """The single object a run-time mutation of ``role`` touches (``expert``: expert 1)."""
+    return block.experts[1] if role == "expert" else role_objects(block, role)[0]
+
+
+def rt_instance_forward(block, role):
+    """An instance-level ``forward`` that scales what the class forward returns."""
+    def apply(b):
+        obj = _one(b, role)
+        obj.forward = types.MethodType(lambda self, *a, **k: scaled(type(self).forward(self, *a, **k)), obj)
+
+    return apply
+
+
+def rt_forward_hook(block, role):
+    """A forward hook that scales the output."""
+    return lambda b: _one(b, role).register_forward_hook(lambda mod, args, out: scaled(out))
+
+
+def rt_forward_pre_hook(block, role):
+    """A forward pre-hook that scales the first input."""
+    return lambda b: _one(b, role).register_forward_pre_hook(lambda mod, args: (args[0] * SCALE, *args[1:]))
+
+
+CALL_OVERRIDE = f"""    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)
+        return (out[0] * {SCALE}, *out[1:]) if isinstance(out, tuple) else out * {SCALE}
+"""
+
+
+def rt_call_override(block, role):
+    """A subclass (with source) whose ``__call__`` scales what ``nn.Module.__call__`` returns."""
+    cache = {}
+
+    def apply(b):
+        obj = _one(b, role)
+        if "cls" not in cache:
+            cache["cls"] = exec_subclass(type(obj), CALL_OVERRIDE, check="__call__")
+        obj.__class__ = cache["cls"]
+
+    return apply
+
+
+def rt_wrapped_forward(block, role):
+    """A subclass whose ``forward`` is set at run time to a ``functools.wraps`` wrapper of the original."""
+    cache = {}
+
+    def apply(b):
+        obj = _one(b, role)
+        if "cls" not in cache:
+            orig = type(obj).forward
+
+            @functools.wraps(orig)
+            def forward(self, *args, **kwargs):
+                return scaled(orig(self, *args, **kwargs))
+
+            cache["cls"] = type(type(obj).__name__, (type(obj),), {"forward": forward})
+        obj.__class__ = cache["cls"]
+
+    return apply
+
+
+def _projections(expert: nn.Module) -> list[str]:
+    return [n for n, m in expert.named_children() if isinstance(m, nn.Linear)]
+
+
+def rt_tied_experts(block, role):
+    """Expert 1's projections are expert 0's Parameters."""
+    if role != "expert":
+        return None
+
+    def apply(b):
+        for n in _projections(b.experts[0]):
+            getattr(b.experts[1], n).weight = getattr(b.experts[0], n).weight
+
+    return apply
+
+
+def rt_frozen_expert(block, role):
+    """Expert 1 (batched: the ``down_proj`` of all) with ``requires_grad=False``."""
+    if role == "expert":
+        return lambda b: b.experts[1].requires_grad_(False)
+    if role == "experts":
+        return lambda b: b.experts.down_proj.requires_grad_(False)
+    return None
+
+
+def _set_act(role: str, make: Callable[[], nn.Module], every: bool) -> Callable:
+    def apply(b):
+        objs = [b.experts] if role == "experts" else list(b.experts) if every else [b.experts[1]]
+        for obj in objs:
+            obj.act_fn = make()
+
+    return apply
+
+
+def rt_expert_activation(block, role):
+    """One expert (or the batched experts) with GELU instead of the configured activation."""
+    if role not in ("expert", "experts") or not hasattr(_one(block, role), "act_fn"):
+        return None
+    return _set_act(role, nn.GELU, every=False)
+
+
+def rt_act_not_elementwise(block, role):
+    """Every expert's ``act_fn`` a softmax over the last dim."""
+    if role not in ("expert", "experts") or not hasattr(_one(block, role), "act_fn"):
+        return None
+    return _set_act(role, lambda: nn.Softmax(dim=-1), every=True)
+
+
+def rt_expert_sizes(block, role):
+    """Expert 1 with half the intermediate size of the others."""
+    if role != "expert":
+        return None
+
+    def apply(b):
+        expert, hidden = b.experts[1], router_of(b).weight.shape[-1]
+        torch.manual_seed(5)
+        for n in _projections(expert):
+            lin = getattr(expert, n)
+            shrink_out, shrink_in = lin.out_features != hidden, lin.in_features != hidden
+            setattr(expert, n, nn.Linear(lin.in_features // (1 + shrink_in), lin.out_features // (1 + shrink_out),
+                                         bias=lin.bias is not None))
+
+    return apply
+
+
+def rt_instance_apply_gate(block, role):
+    """An instance-level ``_apply_gate`` on batched experts that scales the class's."""
+    if role != "experts" or not hasattr(block.experts, "_apply_gate"):
+        return None
+
+    def apply(b):
+        experts = b.experts
+        experts._apply_gate = types.MethodType(lambda self, gu: type(self)._apply_gate(self, gu) * SCALE, experts)
+
+    return apply
+
+
+RUNTIME_OPERATORS: dict[str, Callable] = {
+    "instance_forward": rt_instance_forward,
+    "forward_hook": rt_forward_hook,
+    "forward_pre_hook": rt_forward_pre_hook,
+    "call_override": rt_call_override,
+    "wrapped_forward": rt_wrapped_forward,
+    "tied_experts": rt_tied_experts,
+    "frozen_expert": rt_frozen_expert,
+    "expert_activation": rt_expert_activation,
+    "act_not_elementwise": rt_act_not_elementwise,
+    "expert_sizes": rt_expert_sizes,
+    "instance_apply_gate": rt_instance_apply_gate,
+}

@@ -1,0 +1,247 @@
+"""Defining a mutant from source text, and the AST toolkit the operators share.
+
+``exec_subclass`` defines ``class Name(Name): <edited methods>`` in a copy of the original class's module,
+as a module of its own whose file lives in ``linecache`` (``inspect.getsource`` reads the mutant, as the
+detector does; a temp ``.py`` file is the fallback). The toolkit finds statements (``slots``), the
+names they bind, loops that accumulate expert outputs, and call shapes by dotted name.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+import itertools
+import linecache
+import os
+import re
+import sys
+import tempfile
+import textwrap
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+SCALE = 1.5  # what scaling operators multiply by: far above any rounding difference
+
+
+# ---------------------------------------------------------------------------------------------
+# Defining a subclass from source text, with retrievable source
+# ---------------------------------------------------------------------------------------------
+
+_MODULE_SEQ = itertools.count()
+_DISK_DIR = None
+
+
+def function_tree(fn) -> ast.FunctionDef:
+    return ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+
+
+def exec_subclass(orig: type, class_body: str, *, prelude: str = "", decorator: str = "", check: str = "") -> type:
+    """A subclass of ``orig`` with the same name, defined by ``class_body`` (indented method sources)
+    in a copy of ``orig``'s module globals, as a module of its own whose file is in ``linecache``
+    (``inspect.getsource`` works on the class and its methods; checked on ``check``, else written to disk)."""
+    header = ["from __future__ import annotations", prelude, decorator, f"class {orig.__name__}({orig.__name__}):"]
+    src = "\n".join(header + [class_body])
+    cls = _define(orig, src, on_disk=False)
+    if check and not _source_ok(getattr(cls, check), cls):
+        cls = _define(orig, src, on_disk=True)
+    return cls
+
+
+def with_method(cls: type, method: str, tree: ast.FunctionDef, prelude: str = "") -> type:
+    """``cls`` subclassed with ``method`` defined by ``tree``. transformers' experts-interface class
+    decorator is re-applied to a ``forward`` it wrapped, as if the model file had been edited."""
+    wrapped = method == "forward" and hasattr(cls.forward, "__wrapped__")
+    decorator = "@use_experts_implementation" if wrapped and "use_experts_implementation" in vars(
+        sys.modules[cls.__module__]) else ""
+    return exec_subclass(cls, method_source(tree), prelude=prelude, decorator=decorator, check=method)
+
+
+def _define(orig: type, src: str, *, on_disk: bool) -> type:
+    global _DISK_DIR
+    n = next(_MODULE_SEQ)
+    name = f"autoep_mutant_{n}"
+    if on_disk:
+        _DISK_DIR = _DISK_DIR or tempfile.mkdtemp(prefix="autoep-mutants-")
+        filename = os.path.join(_DISK_DIR, f"{name}.py")
+        with open(filename, "w") as f:
+            f.write(src)
+    else:
+        filename = f"/autoep-mutants/{name}.py"  # never on disk: linecache serves it (mtime None: kept)
+        linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+    module = types.ModuleType(name)
+    base = sys.modules[orig.__module__].__dict__
+    module.__dict__.update({k: v for k, v in base.items() if not k.startswith("__") or k == "__builtins__"})
+    module.__dict__.update({"__file__": filename, orig.__name__: orig})
+    sys.modules[name] = module
+    exec(compile(src, filename, "exec"), module.__dict__)
+    return module.__dict__[orig.__name__]
+
+
+def _source_ok(fn, cls: type) -> bool:
+    try:
+        return bool(inspect.getsource(fn)) and bool(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return False
+
+
+def method_source(tree: ast.FunctionDef) -> str:
+    return textwrap.indent(ast.unparse(ast.fix_missing_locations(tree)), "    ")
+
+
+# ---------------------------------------------------------------------------------------------
+# AST toolkit: statement slots, bindings, call shapes
+# ---------------------------------------------------------------------------------------------
+
+# Names that hold indices, masks, shapes or modules, not float activations (value operators skip them).
+INDEX_LIKE = re.compile(
+    r"idx|index|indices|mask|hit|selected|top_x|pos|slot|shape|size|dim|layer|residual|^expert$|^_$|"
+    r"batch|sequence|^bs$|slen|orig"
+)
+ROUTING_LIKE = re.compile(r"logit|score|prob|weight|top_value|routing")
+
+
+@dataclass
+class Slot:
+    """A statement and where it sits: ``body[index]``; ``in_loop`` when inside a ``for``/``while``."""
+
+    body: list
+    index: int
+    stmt: ast.stmt
+    in_loop: bool
+
+
+def slots(node: ast.AST, in_loop: bool = False) -> list[Slot]:
+    """Every statement under ``node``, in source order."""
+    out = []
+    for _, value in ast.iter_fields(node):
+        if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
+            for i, stmt in enumerate(value):
+                out.append(Slot(value, i, stmt, in_loop))
+                out += slots(stmt, in_loop or isinstance(stmt, (ast.For, ast.While)))
+    return out
+
+
+def bound_names(stmt: ast.stmt) -> list[str]:
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+        target = stmt.targets[0]
+    elif isinstance(stmt, (ast.AugAssign, ast.AnnAssign)):
+        target = stmt.target
+    else:
+        return []
+    elts = target.elts if isinstance(target, ast.Tuple) else [target]
+    return [e.id for e in elts if isinstance(e, ast.Name)]
+
+
+def float_names(stmt: ast.stmt) -> list[str]:
+    return [n for n in bound_names(stmt) if not INDEX_LIKE.search(n)]
+
+
+def self_attr(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+        return node.attr
+    return None
+
+
+def dotted(node: ast.AST) -> str:
+    """``torch.nn.functional.linear`` for that attribute chain; '' for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = dotted(node.value)
+        return f"{inner}.{node.attr}" if inner else ""
+    return ""
+
+
+def calls(tree: ast.AST, pred: Callable[[ast.Call], bool]) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and pred(n)]
+
+
+def named(*names: str) -> Callable[[ast.Call], bool]:
+    """A call whose callee's last name is one of ``names`` (``torch.topk`` and ``x.topk`` alike)."""
+    return lambda c: (c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")) in names
+
+
+def expr(text: str, **subst: ast.expr) -> ast.expr:
+    """Parse ``text``, replacing each name in ``subst`` by (a copy of) its node."""
+    tree = ast.parse(text, mode="eval").body
+
+    class Sub(ast.NodeTransformer):
+        def visit_Name(self, node):
+            return copy.deepcopy(subst[node.id]) if node.id in subst else node
+
+    return Sub().visit(tree)
+
+
+def stmt(text: str) -> list[ast.stmt]:
+    return ast.parse(textwrap.dedent(text)).body
+
+
+def swap(tree: ast.AST, old: ast.AST, new: ast.AST) -> None:
+    """Replace node ``old`` (by identity) with ``new`` inside ``tree``."""
+
+    class Swap(ast.NodeTransformer):
+        def visit(self, node):
+            return new if node is old else super().visit(node)
+
+    Swap().visit(tree)
+
+
+def first_param(fn: ast.FunctionDef) -> str:
+    return fn.args.args[1].arg
+
+
+def loop_vars(fn: ast.FunctionDef) -> set[str]:
+    out = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.For):
+            target = node.target.elts[0] if isinstance(node.target, ast.Tuple) else node.target
+            if isinstance(target, ast.Name):
+                out.add(target.id)
+    return out
+
+
+def expert_loops(fn: ast.FunctionDef) -> list[tuple[Slot, str, str]]:
+    """``(slot of the for, accumulator, loop variable)`` for every loop that ``acc.index_add_``s."""
+    out = []
+    for s in slots(fn):
+        if isinstance(s.stmt, ast.For):
+            adds = calls(s.stmt, lambda c: isinstance(c.func, ast.Attribute) and c.func.attr == "index_add_")
+            target = s.stmt.target.elts[0] if isinstance(s.stmt.target, ast.Tuple) else s.stmt.target
+            if adds and isinstance(adds[0].func.value, ast.Name) and isinstance(target, ast.Name):
+                out.append((s, adds[0].func.value.id, target.id))
+    return out
+
+
+def experts_call_slots(fn: ast.FunctionDef) -> list[Slot]:
+    """Top-level statements of a block method that call ``self.experts(...)`` or run the expert loop."""
+    loops = [loop.stmt for loop, _, _ in expert_loops(fn)]
+    return [s for s in slots(fn) if s.body is fn.body
+            and (calls(s.stmt, lambda c: self_attr(c.func) == "experts") or any(s.stmt is l for l in loops))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Edits: what a source operator returns
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Edit:
+    """A mutated function, module-level source it needs, and a run-time tweak of each re-classed object."""
+
+    tree: ast.FunctionDef
+    prelude: str = ""
+    tweak: Callable[[nn.Module], None] | None = None
+
+
+def each(fn: ast.FunctionDef, locate, mutate, prelude: str = "", tweak=None) -> list[Edit]:
+    """One edit per location ``locate`` finds: ``mutate(tree_copy, location_in_copy)``."""
+    edits = []
+    for k in range(len(locate(fn))):
+        tree = copy.deepcopy(fn)
+        result = mutate(tree, locate(tree)[k])
+        edits.append(Edit(tree, prelude, result if callable(result) else tweak))
+    return edits

@@ -35,6 +35,7 @@ class Row:
     configs: list[str] = field(default_factory=list)  # import paths of the family's config classes
     untested: str = ""  # accepted but not parity-tested: why
     model_untested: str = ""  # the family's whole tiny causal LM is not parity-tested: why
+    explicit: str = ""  # refused: whether an explicit shipped _target_ would run it, and why not
 
     @property
     def decision(self) -> str:
@@ -109,6 +110,26 @@ def _tiny_mismatch(cls: type, configs: list[type]) -> str:
     return ""
 
 
+def shipped_recipe_fit(module: nn.Module) -> str:
+    """Whether naming a shipped recipe as ``local_compute_fn._target_`` would run a refused block: each
+    recipe's ``validate`` (what ``resolve_plan`` runs for an explicit entry) re-proves what it needs."""
+    from autoep.archetypes import known_targets
+    from autoep.models import import_object
+
+    reasons = []
+    for target in sorted(known_targets()):
+        validate = getattr(importlib.import_module(target.rsplit(".", 1)[0]), "validate", None)
+        storage = "module_list" if "module_list" in target else "batched_parameters"
+        structure = MoeStructure(router="other", shared_experts="none", expert_storage=storage, jitter=False)
+        try:
+            import_object(target)
+            validate(module, structure=structure.as_dict())
+            return f"yes: {target}"
+        except (UnsupportedModuleStructure, TypeError, ValueError, KeyError) as exc:
+            reasons.append(f"{target.rsplit('.', 1)[1]}: {str(getattr(exc, 'reason', exc))[:80]}")
+    return "no (" + "; ".join(reasons) + ")"
+
+
 def survey(tiny: bool = True) -> list[Row]:
     """Every MoE block class, its decision on meta, and (``tiny``) whether its tiny CPU build can be parity-tested."""
     rows, model_classes = [], {}
@@ -125,6 +146,7 @@ def survey(tiny: bool = True) -> list[Row]:
             row.structure = detect_moe_structure(module)
         except UnsupportedModuleStructure as exc:
             row.reason = exc.reason
+            row.explicit = shipped_recipe_fit(module)
         if row.structure is not None and tiny:
             row.untested = _tiny_mismatch(cls, configs)
             if family not in model_classes:
@@ -170,8 +192,8 @@ def markdown(rows: list[Row]) -> str:
         "router and shared columns are vocabulary: routing and shared branches are never re-implemented.",
         "`python bench/soundness.py` mutates accepted classes and checks every accepted mutant is exact.",
         "",
-        "| family | class | decision (router, shared, storage, jitter) | layout facts | parity | reason refused |",
-        "|---|---|---|---|---|---|",
+        "| family | class | decision (router, shared, storage, jitter) | layout facts | parity | reason refused | explicit shipped `_target_` |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         facts = ""
@@ -185,7 +207,8 @@ def markdown(rows: list[Row]) -> str:
         elif r.structure is not None:
             tested = f"not tested: {r.untested}" if r.untested else "block 2+4 ranks"
             tested += f", model: not tested: {r.model_untested}" if r.model_untested else ", model 2+4 ranks"
-        lines.append(f"| {r.family} | {r.cls} | {r.decision} | {facts} | {tested} | {reason} |")
+        explicit = r.explicit.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {r.family} | {r.cls} | {r.decision} | {facts} | {tested} | {reason} | {explicit} |")
     return "\n".join(lines) + "\n"
 
 

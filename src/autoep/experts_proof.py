@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -43,19 +44,18 @@ def _defined_as(fn) -> tuple[str, str]:
 
 def experts_forward(cls: type):
     """The experts class's own forward function, through known dispatch wrappers only."""
-    fn = cls.forward
+    return unwrap_known(cls.forward, f"{cls.__name__}.forward", _KNOWN_WRAPPERS)
+
+
+def unwrap_known(fn, what: str, known: set[tuple[str, str]]):
+    """``fn`` with the wrappers in ``known`` (module, qualified name where their code is defined) peeled
+    off; any other wrapper is a refusal naming it."""
     while hasattr(fn, "__wrapped__"):
-        if _defined_as(fn) not in _KNOWN_WRAPPERS and _defined_as(fn)[0] + ".forward" not in _py310_wrappers():
-            raise Refusal(f"{cls.__name__}.forward is wrapped by {'.'.join(_defined_as(fn))}, which autoep does not know")
+        where = _defined_as(fn)
+        if where not in known and not (sys.version_info < (3, 11) and where[0] in {m for m, _ in known}):
+            raise Refusal(f"{what} is wrapped by {'.'.join(where)}, which autoep does not know")
         fn = fn.__wrapped__
     return fn
-
-
-def _py310_wrappers() -> set[str]:
-    """Python < 3.11 has no ``co_qualname``: there the wrapper is known by module and function name."""
-    import sys
-
-    return set() if sys.version_info >= (3, 11) else {f"{m}.forward" for m, _ in _KNOWN_WRAPPERS}
 
 
 @dataclass(frozen=True)

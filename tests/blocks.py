@@ -418,3 +418,139 @@ class MistralInferenceMoeLayer(nn.Module):
             batch_idx, nth_expert = torch.where(selected_experts == i)
             results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(inputs[batch_idx])
         return results.view(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Idioms autoep does not take yet (tests/test_structure.py holds them as strict xfails)
+# ---------------------------------------------------------------------------------------------
+
+
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """DeepSeek remote code: attach an aux loss to the output's graph (its grad is 1 in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        ctx.dtype = loss.dtype
+        ctx.required_aux_loss = loss.requires_grad
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_loss = None
+        if ctx.required_aux_loss:
+            grad_loss = torch.ones(1, dtype=ctx.dtype, device=grad_output.device)
+        return grad_output, grad_loss
+
+
+class MoEGate(nn.Module):
+    """DeepSeek-V2 remote-code gate: returns (topk_idx, topk_weight, aux_loss)."""
+
+    def __init__(self, hidden=16, num_experts=4, top_k=2, alpha=0.01):
+        super().__init__()
+        self.top_k, self.n_routed_experts, self.alpha = top_k, num_experts, alpha
+        self.weight = nn.Parameter(torch.randn(num_experts, hidden) / hidden**0.5)
+
+    def forward(self, hidden_states):
+        bsz, seq_len, h = hidden_states.shape
+        hidden_states = hidden_states.view(-1, h)
+        scores = F.linear(hidden_states, self.weight).softmax(dim=-1)
+        topk_weight, topk_idx = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        aux_loss = None
+        if self.training and self.alpha > 0.0:
+            mask_ce = F.one_hot(topk_idx.view(-1), num_classes=self.n_routed_experts)
+            ce = mask_ce.float().mean(0)
+            aux_loss = (ce * scores.mean(0) * self.n_routed_experts).sum() * self.alpha
+        return topk_idx, topk_weight, aux_loss
+
+
+class DeepseekRemoteMoE(nn.Module):
+    """modeling_deepseek.py's DeepseekV2MoE: per-pair outputs by masked assignment while training, an
+    argsort/split loop in a ``@torch.no_grad()`` helper otherwise."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.num_experts_per_tok = top_k
+        self.experts = nn.ModuleList([FeedForward(hidden, ffn) for _ in range(num_experts)])
+        self.gate = MoEGate(hidden, num_experts, top_k)
+
+    def forward(self, hidden_states):
+        orig_shape = hidden_states.shape
+        topk_idx, topk_weight, aux_loss = self.gate(hidden_states)
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        flat_topk_idx = topk_idx.view(-1)
+        if self.training:
+            hidden_states = hidden_states.repeat_interleave(self.num_experts_per_tok, dim=0)
+            y = torch.empty_like(hidden_states)
+            for i, expert in enumerate(self.experts):
+                y[flat_topk_idx == i] = expert(hidden_states[flat_topk_idx == i])
+            y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)
+            y = y.view(*orig_shape)
+            y = AddAuxiliaryLoss.apply(y, aux_loss)
+        else:
+            y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)
+        return y
+
+    @torch.no_grad()
+    def moe_infer(self, x, topk_ids, topk_weight):
+        cnts = topk_ids.new_zeros((topk_ids.shape[0], len(self.experts)))
+        cnts.scatter_(1, topk_ids, 1)
+        tokens_per_expert = cnts.sum(dim=0)
+        idxs = topk_ids.view(-1).argsort()
+        sorted_tokens = x[idxs // topk_ids.shape[1]]
+        outputs, start_idx = [], 0
+        for i, num_tokens in enumerate(tokens_per_expert.tolist()):
+            end_idx = start_idx + num_tokens
+            if num_tokens == 0:
+                continue
+            outputs.append(self.experts[i](sorted_tokens[start_idx:end_idx]))
+            start_idx = end_idx
+        outs = torch.cat(outputs, dim=0) if len(outputs) else sorted_tokens.new_empty(0)
+        new_x = torch.empty_like(outs)
+        new_x[idxs] = outs
+        return new_x.view(*topk_ids.shape, -1).type(topk_weight.dtype).mul_(topk_weight.unsqueeze(dim=-1)).sum(dim=1)
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's experts: ``(x sorted by expert, tokens per expert) -> y``, weights (E, ...)."""
+
+    def __init__(self, dim=16, hidden_dim=32, num_experts=4):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) / hidden_dim**0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        out = []
+        for expert_idx, x_expert in enumerate(torch.split(x, num_tokens_per_expert.tolist(), dim=0)):
+            h = F.silu(torch.matmul(x_expert, self.w1[expert_idx].transpose(-2, -1)))
+            h = h * torch.matmul(x_expert, self.w3[expert_idx].transpose(-2, -1))
+            out.append(torch.matmul(h, self.w2[expert_idx].transpose(-2, -1)))
+        return torch.cat(out, dim=0)
+
+
+class TitanMoE(nn.Module):
+    """torchtitan's MoE block: the block sorts tokens by expert and calls the grouped experts."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.top_k, self.num_experts = top_k, num_experts
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = GroupedExperts(hidden, ffn, num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = torch.sigmoid(self.router(x).float())
+        top_scores, selected = torch.topk(scores, k=self.top_k, dim=1)
+        num_tokens_per_expert = torch.histc(selected.view(-1).float(), bins=self.num_experts, min=0,
+                                            max=self.num_experts)
+        token_indices_sorted = torch.argsort(selected.view(-1), stable=True)
+        top_scores_sorted = top_scores.view(-1)[token_indices_sorted]
+        token_indices_sorted = token_indices_sorted // self.top_k
+        routed_input = x[token_indices_sorted]
+        routed_output = self.experts(routed_input, num_tokens_per_expert.long())
+        routed_output = (routed_output.float() * top_scores_sorted.reshape(-1, 1)).to(x.dtype)
+        out = torch.zeros_like(x)
+        out = out.scatter_add(0, token_indices_sorted.reshape(-1, 1).expand(-1, dim), routed_output)
+        return out.view(bs, slen, dim)

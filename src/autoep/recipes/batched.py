@@ -115,7 +115,7 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
         )
 
     out_dtype = {"hidden": hidden_states.dtype, "float32": torch.float32, "weights": top_k_weights.dtype}
-    return ep_experts_forward(
+    out_TD = ep_experts_forward(
         hidden_states,
         top_k_index,
         top_k_weights,
@@ -124,3 +124,9 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
         expert_fn=expert_fn,
         out_dtype=out_dtype[spec.roles.out_dtype],
     )
+    if out_TD.shape[0] == hidden_states.shape[0]:
+        return out_TD
+    # The experts' own loop adds into zeros shaped like the hidden states: rows the expert ids do not
+    # reach stay zero (more ids than rows fails in index_select above, as it does in their loop).
+    acc = out_TD.new_zeros((hidden_states.shape[0], out_TD.shape[1]))
+    return acc.index_add(0, torch.arange(out_TD.shape[0], device=acc.device), out_TD)

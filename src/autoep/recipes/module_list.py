@@ -258,10 +258,10 @@ def _check_each_expert_once(module: nn.Module, top_k_index_TK: Tensor) -> None:
 def _check_no_alias(module: nn.Module, acc: Tensor, *read: Tensor) -> None:
     """The loop added into ``acc`` while reading x, ids and weights; if ``acc`` shared their memory, later
     experts would have read earlier experts' sums, which one exchange cannot reproduce: fail loudly."""
-    if acc.device.type == "meta":
-        return
+    if acc.device.type == "meta" or acc.numel() == 0:
+        return  # nothing to alias (empty tensors of a rank without tokens all report address 0)
     base = acc.untyped_storage().data_ptr()
-    if any(t.device.type != "meta" and t.untyped_storage().data_ptr() == base for t in read):
+    if any(t.numel() and t.device.type != "meta" and t.untyped_storage().data_ptr() == base for t in read):
         raise RuntimeError(f"{type(module).__name__}: the expert loop's accumulator shares memory with what the loop "
                            "reads (x, expert ids or weights); autoep cannot run that loop as an exchange")
 

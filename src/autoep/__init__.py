@@ -1,7 +1,6 @@
 """autoep: expert parallelism for PyTorch MoE training, driven by Hydra YAML."""
 
 from autoep.errors import UnsupportedModuleStructure
-from autoep.structure import MoeStructure, detect_moe_structure, detect_router_kind
 
 __all__ = [
     "MoeStructure",
@@ -14,7 +13,12 @@ __all__ = [
 
 
 def __getattr__(name):
-    # resolve_plan pulls in Hydra/OmegaConf and apply_plan pulls in torch.distributed; import lazily.
+    # Imported lazily: the structure names and apply_plan pull in torch, resolve_plan Hydra/OmegaConf, and the
+    # command lines report a config error before importing torch (autoep.cli).
+    if name in ("MoeStructure", "detect_moe_structure", "detect_router_kind"):
+        from autoep import structure
+
+        return getattr(structure, name)
     if name == "resolve_plan":
         from autoep.resolve import resolve_plan
 

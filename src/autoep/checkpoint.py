@@ -21,11 +21,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from autoep.errors import CheckpointError  # noqa: F401  (raised here; importers read it from here too)
+
 PREFIX = "step_"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or from another model; the message says what to do."""
 
 
 def _dist() -> bool:

@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from autoep.errors import (ConfigError, LaunchError, NonFiniteLoss, PeerFailure, PlanError,
+from autoep.errors import (CheckpointError, ConfigError, LaunchError, NonFiniteLoss, PeerFailure, PlanError,
                            UnsupportedModuleStructure)
 
 EXIT_OK, EXIT_BUG, EXIT_CONFIG, EXIT_PEER, EXIT_LAUNCH, EXIT_NONFINITE = 0, 1, 2, 3, 4, 5
@@ -35,8 +35,6 @@ _state = {"task_started": False}
 
 def exit_code(exc: BaseException) -> int | None:
     """The exit code for an error autoep reports in one line; None for anything else (a bug)."""
-    from autoep.checkpoint import CheckpointError
-
     for kinds, code in (((NonFiniteLoss,), EXIT_NONFINITE), ((LaunchError,), EXIT_LAUNCH),
                         ((PeerFailure,), EXIT_PEER),
                         ((ConfigError, PlanError, CheckpointError, UnsupportedModuleStructure), EXIT_CONFIG)):
@@ -54,9 +52,9 @@ def _rank() -> int:
 
 def _every_rank_alike(exc: BaseException) -> bool:
     """Whether every rank of the launch raises this same error (then only rank 0 prints it)."""
-    if isinstance(exc, (PeerFailure,)):
-        return False
-    return getattr(exc, "every_rank", not isinstance(exc, LaunchError))
+    if isinstance(exc, PeerFailure):
+        return False  # each survivor saw its own collective fail
+    return getattr(exc, "every_rank", True)  # a LaunchError one rank alone saw says so
 
 
 def fail(prog: str, exc: BaseException) -> None:
@@ -90,6 +88,43 @@ def task(prog: str, fn) -> None:
     except Exception as e:  # noqa: BLE001 - known kinds are reported in one line, the rest re-raised
         if exit_code(e) is None:
             raise
+        fail(prog, e)
+
+
+def train_main() -> None:
+    """Console script ``autoep-train``; a config error is reported before torch is even imported."""
+    early_check("autoep-train", sys.argv[1:])
+    from autoep.train import main as train
+
+    train()
+
+
+def plan_main() -> None:
+    """Console script ``autoep-plan``; a config error is reported before torch is even imported."""
+    early_check("autoep-plan", sys.argv[1:])
+    from autoep.plan import main as plan
+
+    plan()
+
+
+def early_check(prog: str, argv: list[str]) -> None:
+    """Compose the command line as the app will and check every value, in a second and without torch, so
+    a typo fails at once. Skipped when Hydra flags (``--config-dir``, ``-m``, ``--help``, ...) are given:
+    the app composes those itself and checks the same values again before any work."""
+    if any(arg.startswith("-") for arg in argv):
+        return
+    from hydra import compose, initialize_config_dir
+
+    from autoep.config import CONF_DIR, check_config
+
+    try:
+        with initialize_config_dir(CONF_DIR, version_base="1.3"):
+            cfg = compose("train", overrides=argv)
+    except Exception as e:  # noqa: BLE001 - Hydra's composition errors, reported in one line
+        fail(prog, ConfigError(composition_message(e)))
+    try:
+        check_config(cfg)
+    except ConfigError as e:
         fail(prog, e)
 
 
@@ -129,8 +164,10 @@ def composition_message(exc: BaseException) -> str:
     key = getattr(cause, "full_key", None)
     key = key.replace("[", ".").replace("]", "") if key else key
     if isinstance(exc, OverrideParseException):
-        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-        return f"{' '.join(lines[:2])}; an override is key=value (docs/overrides.md)"
+        why = [ln.strip() for ln in str(exc).splitlines()
+               if ln.strip() and not ln.startswith(("Error parsing override", "See https"))]
+        return (f"cannot parse the override {getattr(exc, 'override', '')!r}: {why[0] if why else 'syntax error'}; "
+                f"an override is key=value (docs/overrides.md)")
     if isinstance(exc, MissingConfigException):
         group = Path(getattr(exc, "missing_cfg_file", "") or "").parent.name
         options = getattr(exc, "options", None) or _options(group)
@@ -161,7 +198,7 @@ def unknown_key(key: str) -> str:
         from hydra import compose, initialize_config_dir
         from omegaconf import OmegaConf
 
-        from autoep.plan import CONF_DIR
+        from autoep.config import CONF_DIR
 
         choice = [a for a in sys.argv[1:] if a.startswith("model=")]
         try:
@@ -174,7 +211,7 @@ def unknown_key(key: str) -> str:
 
 
 def _options(group: str) -> list[str]:
-    from autoep.plan import CONF_DIR
+    from autoep.config import CONF_DIR
 
     return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")) if group else []
 

@@ -25,6 +25,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from autoep.errors import ConfigError
 
+# The packaged Hydra tree. Absolute, so the console scripts, ``python -m`` and an installed wheel all find it.
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 ON_DRIFT = ("error", "redetect")
 DEVICES = ("auto", "cpu", "cuda")
 DENSE_SHARDING = ("replicate", "fsdp2")

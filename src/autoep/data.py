@@ -29,6 +29,9 @@ class SyntheticBigram:
     """
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int):
+        if vocab_size < 2:
+            raise ConfigError(f"model.vocab_size={vocab_size}: the synthetic data needs a vocabulary of at least 2 "
+                              f"tokens; give the model a larger vocab_size")
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.perm_V = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))
 

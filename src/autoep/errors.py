@@ -35,6 +35,10 @@ class ConfigError(ValueError):
     found before any work and before anything is written. The message names the key, the value and the fix."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or from another model; the message says what to do."""
+
+
 class LaunchError(RuntimeError):
     """The ranks of a multi-process launch did not all join (a missing peer, no rendezvous address)."""
 

@@ -13,6 +13,13 @@ import inspect
 
 from autoep.errors import ConfigError
 
+# What a model's constructor or first forward raises when its config values do not fit together (sizes that
+# must divide, a zero count, an unknown option): reported as a config error, in one line.
+MODEL_CONFIG_ERRORS = (ValueError, TypeError, OSError, KeyError, IndexError, ArithmeticError, AssertionError)
+# Sizes and counts of transformers MoE configs that must be positive (a 0 fails deep inside the model).
+POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "num_local_experts",
+                  "n_routed_experts", "num_experts_per_tok")
 # Config attributes transformers MoE configs use for the routed experts per token.
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_selected_experts")
 
@@ -69,6 +76,10 @@ def check_model_config(cfg) -> dict:
     _check_binds(builder, target, kwargs)
     if builder is build_hf_causal_lm:
         config_kwargs = {k: v for k, v in kwargs.items() if k not in ("config_class", "dtype")}
+        for key in POSITIVE_SIZES:
+            value = config_kwargs.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                raise ConfigError(f"model.{key}={value}: must be a positive integer; e.g. model.{key}=8")
         try:
             check_config_kwargs(kwargs.get("config_class", ""), config_kwargs)
         except (ImportError, AttributeError) as e:
@@ -99,8 +110,8 @@ def _check_binds(builder, target: str, kwargs: dict) -> None:
 
 def instantiate_model(model_cfg):
     """``hydra.utils.instantiate(model_cfg)`` (under the caller's device context); a builder that refuses its
-    values (ValueError, TypeError, OSError, KeyError) is a ``ConfigError`` naming the target, anything else
-    propagates as the builder raised it."""
+    values (``MODEL_CONFIG_ERRORS``) is a ``ConfigError`` naming the target, anything else propagates as the
+    builder raised it."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
@@ -110,7 +121,7 @@ def instantiate_model(model_cfg):
         cause = e.__cause__ or e
         if isinstance(cause, ConfigError):
             raise cause from None
-        if isinstance(cause, (ValueError, TypeError, OSError, KeyError)):
+        if isinstance(cause, MODEL_CONFIG_ERRORS):
             first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
             raise ConfigError(f"model (_target_={model_cfg.get('_target_')}) refused its config: "
                               f"{type(cause).__name__}: {first}; fix the model.* values") from None
@@ -152,11 +163,17 @@ def build_hf_pretrained(pretrained_path: str, dtype: str | None = None, **config
 
     path = local_checkpoint_dir(pretrained_path)
     try:  # NOTE: local_files_only: a directory that exists is read, nothing is ever looked up on the Hub
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True, **config_overrides)
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PretrainedError(f"model.pretrained_path={pretrained_path}: its config.json cannot be read as a "
                               f"transformers config ({first}); give a directory written by save_pretrained") from None
+    for key, value in config_overrides.items():  # from_pretrained would keep a misspelt key without a word
+        if not hasattr(config, key):
+            close = difflib.get_close_matches(key, sorted(config.to_dict()), n=1)
+            hint = f"did you mean model.{close[0]}?" if close else "check the spelling"
+            raise ConfigError(f"model.{key}: {type(config).__name__} (from {path}/config.json) has no field {key}; {hint}")
+        setattr(config, key, value)
     extra = {"dtype": dtype} if dtype is not None else {}
     try:
         return AutoModelForCausalLM.from_config(config, **extra)

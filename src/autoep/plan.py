@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from pathlib import Path
 
 import hydra
 import torch
@@ -27,14 +26,12 @@ from omegaconf import DictConfig
 
 import autoep.config  # noqa: F401  (registers train_schema / resolved_schema before Hydra composes)
 from autoep.artifact import check_complete, write_resolved
-from autoep.config import check_config
+from autoep.config import CONF_DIR, check_config  # noqa: F401  (CONF_DIR: importers read it from here too)
 from autoep.errors import ConfigError
 
 PROG = "autoep-plan"
 log = logging.getLogger("autoep.plan")  # not __name__: under `python -m` that is __main__
 
-# Absolute, so the console script, ``python -m`` and an installed wheel all find the packaged tree.
-CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 COLUMNS = ("module", "structure", "compute fn", "experts/rank", "expert bytes/rank")
 
 

@@ -154,7 +154,8 @@ def log_to_file(run_dir: Path, logger_name: str = "autoep"):
         yield
     except BaseException as e:
         handler.handle(logging.makeLogRecord({"name": logger_name, "levelno": logging.ERROR, "levelname": "ERROR",
-                                              "msg": f"run failed: {type(e).__name__}: {e}"}))
+                                              "msg": f"run failed: {type(e).__name__}: {e}",
+                                              "exc_info": (type(e), e, e.__traceback__)}))
         raise
     finally:
         logger.removeHandler(handler)

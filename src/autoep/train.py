@@ -46,7 +46,7 @@ from autoep.data import Loader, make_source
 from autoep.dense import set_grad_sync, shard_dense
 from autoep.errors import ConfigError, NonFiniteLoss, PeerFailure
 from autoep.export import check_exportable, export_hf
-from autoep.models import check_model_config, check_top_k, instantiate_model
+from autoep.models import MODEL_CONFIG_ERRORS, check_model_config, check_top_k, instantiate_model
 from autoep.plan import CONF_DIR, format_table, plan_rows
 from autoep.pretrained import PretrainedError, load_pretrained, local_checkpoint_dir, parameters_on_meta
 from autoep.resolve import resolve_plan
@@ -113,13 +113,13 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
     composed = copy.deepcopy(cfg)
     check_complete(cfg, "the composed config")
     cfg = check_config(cfg)
-    check_model_config(cfg)
-    if cfg.model.get("pretrained_path"):  # made absolute, so resolved.yaml and every rank read the same one
-        cfg.model.pretrained_path = str(local_checkpoint_dir(cfg.model.pretrained_path))
     out = rundir.prepare(run_dir or cfg.run_dir or "runs/autoep-train")
     resume_from = rundir.checkpoint_to_resume(cfg.trainer.resume, out)
     if resume_from is not None:
         check_resumable(checkpoint.read_state(resume_from), resume_from, cfg)
+    check_model_config(cfg)
+    if cfg.model.get("pretrained_path"):  # made absolute, so resolved.yaml and every rank read the same one
+        cfg.model.pretrained_path = str(local_checkpoint_dir(cfg.model.pretrained_path))
     t = cfg.trainer
     rank, world, device, created = launch.init_distributed(t.device, t.timeout_s, t.join_timeout_s)
     try:
@@ -127,6 +127,8 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
         out = launch.agree_run_dir(out)
         mesh = launch.make_mesh(world, cfg.parallel.ep_size, device)
         model, cfg.parallel = build_model(cfg, mesh, device)
+        if not cfg.parallel.plan and rank == 0:
+            log.warning("parallel.plan is empty: no module gets expert parallelism (every expert on every rank)")
         if t.export_hf:
             check_exportable(model)
         if t.dense_sharding == "fsdp2" and world > 1:  # one process: nothing to shard or reduce
@@ -193,7 +195,8 @@ class Parts:
     groups: tuple  # (world, edp, ep) process groups, None where there is one rank
 
 
-def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig) -> tuple[float, float, float, bool]:
+def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig, first: bool = False
+               ) -> tuple[float, float, float, bool]:
     """One optimiser step over ``trainer.grad_accum`` micro-batches; returns (global mean loss, grad norm, lr,
     applied). A step whose loss or grad norm is not finite is not applied (every rank agrees: both are
     reduced over the world); the schedule advances either way.
@@ -207,7 +210,11 @@ def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig) -> tuple[f
     loss_sum = torch.zeros((), dtype=torch.float64)
     for micro in range(t.grad_accum):
         set_grad_sync(parts.model, micro == t.grad_accum - 1)  # FSDP2: reduce-scatter once, after the last
-        loss = loop.causal_lm_loss(parts.model, parts.loader.next().to(run.device), o.aux_loss_coef)
+        batch = parts.loader.next().to(run.device)
+        if first and micro == 0:
+            loss = first_forward(parts.model, batch, o.aux_loss_coef)
+        else:
+            loss = loop.causal_lm_loss(parts.model, batch, o.aux_loss_coef)
         die_if_fault_injected(run.rank, step + 1)
         (loss / (run.world * t.grad_accum)).backward()
         loss_sum += loss.detach().double().cpu()
@@ -223,6 +230,21 @@ def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig) -> tuple[f
     parts.schedule.step()
     parts.optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm, lr, applied
+
+
+def first_forward(model, batch, aux_loss_coef: float):
+    """The run's first forward: where model config values that do not fit together (a hidden size the
+    heads do not divide, ...) show up. Such an error is a ``ConfigError`` naming the model; a failed
+    collective is not (a peer failed)."""
+    try:
+        return loop.causal_lm_loss(model, batch, aux_loss_coef)
+    except (*MODEL_CONFIG_ERRORS, RuntimeError) as e:
+        if isinstance(e, (dist.DistError, ConfigError)):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"model: the first forward of {type(model).__name__} failed ({type(e).__name__}: {first}); "
+                          f"its config values probably do not fit together: check the model.* values (traceback in "
+                          f"train.log)") from e
 
 
 def run_loop(cfg: DictConfig, model, mesh, run: Run) -> dict:
@@ -293,7 +315,7 @@ def run_steps(cfg: DictConfig, parts: Parts, run: Run, start: int, metrics, load
     try:
         for step in range(start, t.steps):
             t0 = time.perf_counter()
-            step_loss, grad_norm, lr, applied = train_step(parts, run=run, step=step, cfg=cfg)
+            step_loss, grad_norm, lr, applied = train_step(parts, run=run, step=step, cfg=cfg, first=step == start)
             if not applied:
                 skip_or_stop(cfg, step + 1, step_loss, grad_norm, ckpt_root)
             losses.append(step_loss)

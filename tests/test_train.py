@@ -234,3 +234,18 @@ def test_torchrun_two_ranks_ep2(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert "model.layers.0.mlp" in proc.stdout and "autoep.recipes.batched.ep_batched_experts  4" in proc.stdout
+
+
+def test_torchrun_config_error_is_printed_once_and_named_in_torchrun_summary(tmp_path):
+    """A config error under torchrun: autoep's line once (rank 0), torchrun exits 1 and its failure summary shows
+    the same line and exit code 2 (the README's exit codes) instead of an empty traceback."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "-m", "autoep.train", "parallel.ep_size=2", "trainer.steps=0",
+                           f"run_dir={tmp_path}"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = "autoep-train: error: trainer.steps=0: must be an integer >= 1"
+    assert proc.returncode == 1
+    printed = [ln for ln in proc.stderr.splitlines() if ln.startswith("autoep-train: error:")]
+    assert len(printed) == 1 and printed[0].startswith(line), proc.stderr[-3000:]
+    assert f"traceback : {line}" in proc.stderr and "exitcode  : 2" in proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -58,10 +58,24 @@ def _every_rank_alike(exc: BaseException) -> bool:
 
 
 def fail(prog: str, exc: BaseException) -> None:
-    """Print ``exc`` as one error line (once across ranks) and exit with its code."""
+    """Print ``exc`` as one error line (once across ranks) and exit with its code. Under torchrun the line
+    also goes to this rank's error file, so torchrun's failure summary shows it instead of "<N/A>"."""
     code = exit_code(exc)
+    line = f"{prog}: error: {exc}"
     if _rank() == 0 or not _every_rank_alike(exc):
-        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # NOTE: the JSON torch.distributed.elastic's ErrorHandler writes and torchrun reads back
+        import json
+        import time
+
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {
+                    "py_callstack": f"{line} (exit code {code}: see the README's exit codes)",
+                    "timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass  # the summary then says <N/A>; the line above was printed all the same
     sys.exit(code)
 
 

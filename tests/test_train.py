@@ -8,6 +8,7 @@ One spawned 2-rank group runs every distributed case; the single-process cases c
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -249,3 +250,37 @@ def test_torchrun_config_error_is_printed_once_and_named_in_torchrun_summary(tmp
     assert len(printed) == 1 and printed[0].startswith(line), proc.stderr[-3000:]
     assert f"traceback : {line}" in proc.stderr and "exitcode  : 2" in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path, monkeypatch):
+    """Step 3's loss is not finite (made nan here): step 3 is not applied, nothing of it is saved, step 2 stays
+    the newest checkpoint and the last metrics row, and resume=latest continues from it. With
+    trainer.on_nonfinite=skip the run goes on: step 3 is logged as skipped and no weight turns nan."""
+    from autoep import loop
+    from autoep.errors import NonFiniteLoss
+
+    real, calls = loop.causal_lm_loss, []
+
+    def nan_at_step_3(*args, **kwargs):
+        calls.append(1)
+        loss = real(*args, **kwargs)
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    monkeypatch.setattr(loop, "causal_lm_loss", nan_at_step_3)
+    with pytest.raises(NonFiniteLoss, match=r"step 3: loss nan and gradient norm nan, not finite; the step was not "
+                                            r"applied and nothing of it saved; the last good checkpoint, .*step_00000002, "
+                                            r"is kept\. Lower optim.lr"):
+        run("trainer.steps=4", "trainer.ckpt_every=1", f"run_dir={tmp_path}/a")
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
+    assert [json.loads(r)["step"] for r in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    calls.clear()
+    calls.extend([1] * 10)  # no more nan
+    resumed = run("trainer.steps=4", "trainer.resume=latest", f"run_dir={tmp_path}/a")
+    assert len(resumed["losses"]) == 2 and all(math.isfinite(x) for x in resumed["losses"])
+
+    calls.clear()
+    skipped = run("trainer.steps=3", "trainer.on_nonfinite=skip", f"run_dir={tmp_path}/b")
+    rows = [json.loads(r) for r in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r.get("skipped", False) for r in rows] == [False, False, True]
+    assert rows[2]["loss"] is None and math.isnan(skipped["losses"][2])
+    assert all(torch.isfinite(w).all() for w in skipped["weights"].values())  # the nan step touched no weight

@@ -24,173 +24,24 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
-import textwrap
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from autoep import elementwise
+from autoep.loop_values import (
+    Opaque, Obj, SelfRef, Attr, ShapeItem, Mask, MaskSum, Hit,
+    ExpertId, MaskRow, Pairs, Index, IdxEq, Count, Cond, ExpertMod,
+    Param, Method, Act, Row, Chunks, Weight, LoopFacts,
+)
 from autoep.names import Scope
 from autoep.source import Refusal
-
-# ---------------------------------------------------------------------------------------------
-# Abstract values
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class Opaque:
-    label: str  # for messages; identity is what counts
-
-
-@dataclass(frozen=True)
-class Obj:
-    value: object
-
-
-@dataclass(frozen=True)
-class SelfRef:
-    pass
-
-
-@dataclass(frozen=True)
-class Attr:
-    """``<tensor>.dtype`` / ``.device`` / ``.shape`` of an opaque tensor."""
-
-    of: Opaque
-    name: str
-
-
-@dataclass(frozen=True)
-class ShapeItem:
-    of: Opaque
-    axis: int
-
-
-@dataclass(frozen=True)
-class Mask:
-    idx: Opaque
-    layout: str  # axis order of the one-hot tensor: "TKE" (as made), "EKT", "ETK"
-
-
-@dataclass(frozen=True)
-class MaskSum:
-    mask: Mask
-
-
-@dataclass(frozen=True)
-class Hit:
-    mask: Mask
-    scalar: bool = False  # ``.squeeze(-1)``: each item is a 0-d expert id, not a (1,) row
-
-
-@dataclass(frozen=True)
-class ExpertId:
-    row: bool  # a (1,) tensor row of nonzero(); ``[0]`` makes it a scalar id
-
-
-@dataclass(frozen=True)
-class MaskRow:
-    mask: Mask
-    lead: bool  # still carries the leading 1-dim of a row index (needs squeeze(0))
-
-
-@dataclass(frozen=True)
-class Pairs:
-    roles: tuple[str, str]  # ("tok", "slot") or ("slot", "tok")
-
-
-@dataclass(frozen=True)
-class Index:
-    role: str  # tok | slot
-
-
-@dataclass(frozen=True)
-class IdxEq:
-    """``idx == e``: the (token, slot) pairs routed to the current expert."""
-
-
-@dataclass(frozen=True)
-class Count:
-    """``tok.numel()`` / ``tok.shape[0]`` / ``len(tok)``: rows the current expert got."""
-
-
-@dataclass(frozen=True)
-class Cond:
-    kind: str  # empty | nonempty | padding
-
-
-@dataclass(frozen=True)
-class ExpertMod:
-    """``self.experts[e]``: the current ModuleList expert."""
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str  # a 3-D expert parameter of the experts module, indexed by expert below
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str  # a bound method of the module (``_apply_gate``)
-
-
-@dataclass(frozen=True)
-class Act:
-    pass
-
-
-@dataclass(frozen=True)
-class Row:
-    """Per-row expression over the current expert's rows: a nested tuple, e.g.
-    ("lin", ("x",), "gate_up_proj", False)."""
-
-    expr: tuple
-
-
-@dataclass(frozen=True)
-class Chunks:
-    expr: tuple
-
-
-@dataclass(frozen=True)
-class Weight:
-    col: bool  # w[tok, slot] is (n,); col: (n, 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# The proof's result
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LoopFacts:
-    """What a proven loop computes, in terms of the values it reads."""
-
-    x: Opaque | None = None
-    idx: Opaque | None = None
-    w: Opaque | None = None
-    acc: Opaque | None = None
-    expert: tuple | None = None  # the per-expert computation over ("x",)
-    uses_apply_gate: bool = False
-    adds: int = 0
-    add_at_rows: bool = False  # ``acc[tok] += ...`` rather than ``acc.index_add_(0, tok, ...)``
 
 
 # The torch functions a region may call, by identity.
 _ZEROS_LIKE, _ONE_HOT, _WHERE, _GREATER, _LINEAR = torch.zeros_like, F.one_hot, torch.where, torch.greater, F.linear
-_NO_GRAD = torch.no_grad
 
-
-def _fn_tree(fn) -> ast.FunctionDef:
-    src = textwrap.dedent(inspect.getsource(fn))
-    tree = ast.parse(src).body[0]
-    if not isinstance(tree, ast.FunctionDef):
-        raise Refusal(f"{fn.__qualname__} is not a plain function")
-    return tree
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,6 +71,9 @@ class Prover:
         self.env: dict[str, object] = {}
         self.facts = LoopFacts()
         self.where = fn.__qualname__
+        # batched experts: the accumulator made by zeros_like(hidden) and its dtype (None: the hidden's)
+        self.zeros_of_x: Opaque | None = None
+        self.acc_dtype = None
 
     # -- errors -----------------------------------------------------------------------------------
 
@@ -686,9 +540,7 @@ class Prover:
     def _contribution(self, node, rows) -> None:
         if not isinstance(rows, Row):
             self.refuse(node, "does not add expert output × routing weight")
-        expr = rows.expr
-        while expr[0] == "cast":
-            expr = expr[1]
+        expr = strip_casts(rows.expr)
         if expr[0] != "weighted":
             self.refuse(node, "does not add expert output × routing weight")
         self.facts.expert = expr[1]
@@ -713,128 +565,8 @@ class Prover:
         self._contribution(call, rows)
 
 
-def _unwrap_cast(expr: tuple) -> tuple:
+def strip_casts(expr: tuple) -> tuple:
+    """A per-row computation without its ``.to(<x or acc>.dtype)`` casts."""
     while expr[0] == "cast":
         expr = expr[1]
     return expr
-
-
-# ---------------------------------------------------------------------------------------------
-# Whole-function helpers: where the region sits, and whether it always runs
-# ---------------------------------------------------------------------------------------------
-
-_BRANCHING = (ast.IfExp, ast.BoolOp, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
-
-
-def always_reached(tree: ast.FunctionDef, node: ast.AST, what: str) -> None:
-    """``node`` sits in a top-level statement of ``tree`` with no ``return`` before it and no branch
-    around it: a rank that skipped it would leave its peers waiting in the exchange."""
-    for i, stmt in enumerate(tree.body):
-        inside = {id(n) for n in ast.walk(stmt)}
-        if id(node) not in inside:
-            if any(isinstance(n, ast.Return) for n in ast.walk(stmt)):
-                raise Refusal(f"{tree.name} line {stmt.lineno} may return before {what}")
-            continue
-        if isinstance(stmt, (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.Match)) and stmt is not node:
-            raise Refusal(f"{tree.name} line {stmt.lineno}: {what} runs inside a `{type(stmt).__name__.lower()}`, "
-                          "so a rank may skip it and hang its peers")
-        if any(isinstance(n, _BRANCHING) and id(node) in {id(m) for m in ast.walk(n)} for n in ast.walk(stmt)):
-            raise Refusal(f"{tree.name} line {stmt.lineno}: {what} sits in a conditional expression")
-        return
-    raise Refusal(f"{tree.name}: {what} not found")
-
-
-@functools.lru_cache(maxsize=None)
-def self_reads(tree: ast.AST, attr: str) -> list[ast.Attribute]:
-    """Every ``self.<attr>`` read in ``tree`` (cached per parsed tree)."""
-    return [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == attr
-            and isinstance(n.value, ast.Name) and n.value.id == "self"]
-
-
-def plain_method(cls: type, name: str, owner: nn.Module):
-    """The class's own function ``name`` (refusing instance overrides and decorator wrappers)."""
-    if name in vars(owner):
-        raise Refusal(f"{cls.__name__}.{name} is overridden on the instance")
-    fn = getattr(cls, name, None)
-    if not inspect.isfunction(fn):
-        raise Refusal(f"{cls.__name__}.{name} is not a plain function")
-    if hasattr(fn, "__wrapped__"):
-        raise Refusal(f"{cls.__name__}.{name} is wrapped by a decorator")
-    from autoep.source import function_tree
-
-    if function_tree(fn).decorator_list:
-        raise Refusal(f"{cls.__name__}.{name} is decorated; autoep does not know what the decorator does")
-    return fn
-
-
-# ---------------------------------------------------------------------------------------------
-# The model's own statements before a spliced loop
-# ---------------------------------------------------------------------------------------------
-
-_TRACKED = (Mask, Hit, Opaque, Obj, Attr, ShapeItem)
-
-
-def prelude(p: Prover, stmts: list[ast.stmt]) -> None:
-    """Follow the block's own statements before its expert loop. They run as written, so they are not
-    proven; the proof only tracks what the loop reads: which tensors are which (by identity), and the
-    one-hot mask and hit list built from the expert ids. Anything not understood binds its names to
-    fresh opaque tensors, and every tensor it reads is *tainted* (it may have been changed in place):
-    masks and hits built from a tainted tensor are forgotten, so a loop using them is refused."""
-    for arg in p.tree.args.args[1:] + p.tree.args.kwonlyargs:
-        p.env.setdefault(arg.arg, Opaque(arg.arg))
-    for stmt in stmts:
-        if isinstance(stmt, ast.With) and _is_no_grad(p, stmt):
-            prelude(p, stmt.body)
-        elif isinstance(stmt, ast.Assign) and _tracked_assign(p, stmt):
-            continue
-        else:
-            _opaque_statement(p, stmt)
-
-
-def _is_no_grad(p: Prover, stmt: ast.With) -> bool:
-    ctx = stmt.items[0].context_expr if len(stmt.items) == 1 and stmt.items[0].optional_vars is None else None
-    if not (isinstance(ctx, ast.Call) and not ctx.args and not ctx.keywords):
-        return False
-    try:
-        return p.eval(ctx.func) == Obj(torch.no_grad)
-    except Refusal:
-        return False
-
-
-def _tracked_assign(p: Prover, stmt: ast.Assign) -> bool:
-    saved, p.facts = p.facts, LoopFacts()
-    try:
-        value = p.eval(stmt.value)
-    except Refusal:
-        return False
-    finally:
-        p.facts = saved
-    if isinstance(value, tuple) and value and value[0] == "zeros_like":
-        value = None  # a fresh tensor: tracked as a new opaque value below
-    elif not isinstance(value, _TRACKED):
-        return False
-    if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name):
-        return False
-    name = stmt.targets[0].id
-    p.env[name] = Opaque(name) if value is None else value
-    return True
-
-
-def _opaque_statement(p: Prover, stmt: ast.stmt) -> None:
-    for node in ast.walk(stmt):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-            value = p.env.get(node.id)
-            if isinstance(value, Opaque):
-                _taint(p, value)
-    for node in ast.walk(stmt):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            if isinstance(stmt, ast.AugAssign) and isinstance(p.env.get(node.id), Opaque):
-                continue  # an in-place update: same tensor, already tainted above
-            p.env[node.id] = Opaque(node.id)
-
-
-def _taint(p: Prover, value: Opaque) -> None:
-    for name, held in list(p.env.items()):
-        source = held.idx if isinstance(held, Mask) else held.mask.idx if isinstance(held, Hit) else None
-        if source is value:
-            p.env[name] = Opaque(name)

@@ -3,27 +3,22 @@
 - ``batched_experts_facts(experts)``: a transformers-v5-style experts module whose ``forward(hidden,
   top_k_index, top_k_weights)`` is proven to be the expert loop of ``w * down(gate(gate_up(x)))``;
   autoep replaces that forward (and nothing else).
-- ``module_list_plan(block)``: a v4-style block whose forward (or a helper it calls) holds one expert
-  loop over a ``ModuleList``; autoep splices out that loop and runs the rest of the block as written.
-- ``module_list_facts(experts)``: every ModuleList expert is the same proven ``down(act(gate(x)) *
-  up(x))`` with bias-free ``nn.Linear``s, equal shapes, untied, uniformly trainable.
+(ModuleList experts and the v4 block's loop: ``autoep.module_list_proof``.)
 
 Each returns facts or raises ``Refusal`` naming what could not be proven.
 """
 from __future__ import annotations
 
 import ast
-import functools
-import inspect
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from autoep import elementwise
-from autoep.expert_loop import Attr, Obj, Opaque, Prover, always_reached, plain_method, self_reads
+from autoep.expert_loop import Attr, Hit, Mask, Obj, Opaque, Prover
+from autoep.loop_context import plain_method
 from autoep.names import Scope
 from autoep.source import Refusal, function_tree
 
@@ -97,7 +92,6 @@ def _prove_batched_forward(p: Prover, tree: ast.FunctionDef) -> BatchedRoles:
     params = [x.arg for x in a.args[1:]]
     values = {name: Opaque(name) for name in params}
     p.env.update(values)
-    p.zeros_of_x, p.acc_dtype = None, None
     body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     loops = [s for s in body if isinstance(s, ast.For)]
     if len(loops) != 1:
@@ -131,7 +125,7 @@ def _assign_acc_or(p: Prover, stmt: ast.Assign) -> None:
         if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or p.zeros_of_x is not None:
             p.refuse(stmt, "is a second accumulator")
         acc = Opaque(stmt.targets[0].id)
-        p.zeros_of_x, p.zeros_src, p.acc_dtype = acc, value[1], value[2]
+        p.zeros_of_x, p.acc_dtype = acc, value[2]
         p.env[stmt.targets[0].id] = acc
         return
     p.assign(stmt)
@@ -164,8 +158,6 @@ def _no_grad_block(p: Prover, stmt: ast.With) -> None:
         if not isinstance(inner, ast.Assign):
             p.refuse(inner, "inside no_grad is not an assignment")
         value = p.eval(inner.value)
-        from autoep.expert_loop import Hit, Mask
-
         if not isinstance(value, (Mask, Hit)):
             p.refuse(inner, "computes something with gradients switched off")
         p.assign(inner)
@@ -444,219 +436,3 @@ def _submodule_row_local(module: nn.Module, what: str, depth: int = 0) -> None:
     if tree.args.vararg or tree.args.kwarg or tree.args.kwonlyargs or len(tree.args.args) < 2:
         raise Refusal(f"{what}: {type(module).__name__}.forward does not take plain tensor arguments")
     _RowLocal(fn, tree, module, entry="row").run()
-
-
-# ---------------------------------------------------------------------------------------------
-# ModuleList experts: every expert is the same proven SwiGLU
-# ---------------------------------------------------------------------------------------------
-
-# F.silu written in an expert forward runs as this module in the stacked compute.
-_FUNCTION_MODULES = {F.silu: nn.SiLU, F.relu: nn.ReLU, torch.relu: nn.ReLU, F.sigmoid: nn.Sigmoid,
-                     torch.sigmoid: nn.Sigmoid, F.tanh: nn.Tanh, torch.tanh: nn.Tanh}
-
-
-@functools.lru_cache(maxsize=None)
-def _swiglu_shape(forward) -> tuple[str, str, str, object]:
-    """(gate, up, down attribute names, activation: "act_fn" or a function) of ``down(act(gate(x)) * up(x))``."""
-    if hasattr(forward, "__wrapped__"):
-        raise Refusal(f"expert {forward.__qualname__} is wrapped by a decorator")
-    tree = function_tree(forward)
-    if tree.decorator_list:
-        raise Refusal(f"expert {forward.__qualname__} is decorated; autoep does not know what the decorator does")
-    a = tree.args
-    if len(a.args) != 2 or a.vararg or a.kwarg or a.kwonlyargs:
-        raise Refusal(f"expert {forward.__qualname__} does not take one input")
-    scope, x = Scope(forward), a.args[1].arg
-    env: dict[str, tuple] = {x: ("x",)}
-    body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-
-    def ev(node):
-        if isinstance(node, ast.Name) and node.id in env:
-            return env[node.id]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-            return ("mul", ev(node.left), ev(node.right))
-        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
-            f = node.func
-            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
-                return ("call", f.attr, ev(node.args[0]))
-            if isinstance(f, (ast.Name, ast.Attribute)) and not (isinstance(f, ast.Name) and f.id in env):
-                fn = scope.resolve(f)
-                if fn in _FUNCTION_MODULES:
-                    return ("fn", fn, ev(node.args[0]))
-        raise Refusal(f"expert {forward.__qualname__} line {node.lineno}: `{ast.unparse(node)[:80]}` is not understood")
-
-    for stmt in body[:-1]:
-        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
-            raise Refusal(f"expert {forward.__qualname__} line {stmt.lineno} is not an assignment to a name")
-        env[stmt.targets[0].id] = ev(stmt.value)
-    if not isinstance(body[-1], ast.Return) or body[-1].value is None:
-        raise Refusal(f"expert {forward.__qualname__} does not end in a return")
-    out = ev(body[-1].value)
-    try:
-        kind, down, prod = out
-        _, left, right = prod
-        assert kind == "call" and prod[0] == "mul"
-        for act_side, up_side in ((left, right), (right, left)):
-            if act_side[0] == "call" and act_side[1] == "act_fn" and act_side[2][0] == "call":
-                act, gate = "act_fn", act_side[2]
-            elif act_side[0] == "fn" and act_side[2][0] == "call":
-                act, gate = act_side[1], act_side[2]
-            else:
-                continue
-            if gate[2] == ("x",) and up_side[0] == "call" and up_side[2] == ("x",) and len({gate[1], up_side[1], down}) == 3:
-                return gate[1], up_side[1], down, act
-    except (AssertionError, ValueError, TypeError, IndexError):
-        pass
-    raise Refusal(f"expert {forward.__qualname__} does not return down(act(gate(x)) * up(x))")
-
-
-def module_list_facts(experts: nn.ModuleList) -> dict:
-    """Every expert: same class and forward, bias-free exact ``nn.Linear`` projections of equal shapes,
-    dtype and device, the same element-wise activation, nothing tied, nothing hooked, uniformly trainable."""
-    if type(experts) is not nn.ModuleList:
-        raise Refusal(f"experts is a {type(experts).__name__}, not a plain nn.ModuleList")
-    if len(experts) == 0:
-        raise Refusal("experts ModuleList is empty")
-    classes = {type(e) for e in experts}
-    if len(classes) != 1:
-        raise Refusal(f"experts mix classes {sorted(c.__name__ for c in classes)}")
-    cls = classes.pop()
-    gate, up, down, act = _swiglu_shape(cls.forward)
-    first = experts[0]
-    shapes = {n: tuple(getattr(first, n).weight.shape) if isinstance(getattr(first, n, None), nn.Linear) else None
-              for n in (gate, up, down)}
-    seen: set[int] = set()
-    for e, expert in enumerate(experts):
-        _check_expert(expert, e, cls, (gate, up, down), shapes, act, first, seen)
-    params = [p for expert in experts for p in expert.parameters()]
-    if len({(p.dtype, p.device, p.requires_grad) for p in params}) != 1:
-        raise Refusal("experts differ in dtype, device or requires_grad (frozen experts cannot be stacked)")
-    if global_hooks():
-        raise Refusal("global module hooks are registered; the stacked experts would not run them")
-    return dict(expert_projs=f"{gate},{up},{down}", expert_act="act_fn" if act == "act_fn" else act.__name__)
-
-
-def _check_expert(expert, e, cls, names, shapes, act, first, seen) -> None:
-    what = f"experts[{e}] ({cls.__name__})"
-    elementwise.runtime_clean(expert, what)
-    own = {n for n, _ in expert.named_parameters(remove_duplicate=False)}
-    if own != {f"{n}.weight" for n in names}:
-        raise Refusal(f"{what} holds parameters {sorted(own)}; its forward uses only {[f'{n}.weight' for n in names]}")
-    if list(expert.buffers()):
-        raise Refusal(f"{what} holds buffers its forward does not use")
-    for n in names:
-        lin = getattr(expert, n)
-        if type(lin) is not nn.Linear or lin.bias is not None:
-            raise Refusal(f"{what}.{n} is not a bias-free nn.Linear")
-        elementwise.runtime_clean(lin, f"{what}.{n}")
-        if tuple(lin.weight.shape) != shapes[n]:
-            raise Refusal(f"{what}.{n} has shape {tuple(lin.weight.shape)}, experts[0] has {shapes[n]}")
-        if id(lin.weight) in seen:
-            raise Refusal(f"{what}.{n}.weight is tied to another expert's weight")
-        seen.add(id(lin.weight))
-    if act == "act_fn":
-        elementwise.check_activation_module(expert.act_fn, f"{what}.act_fn")
-        if not elementwise.same_activation(expert.act_fn, first.act_fn):
-            raise Refusal(f"{what}.act_fn differs from experts[0].act_fn")
-
-
-def global_hooks() -> bool:
-    from torch.nn.modules import module as m
-
-    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-             "_global_backward_pre_hooks")
-    return any(getattr(m, n, None) for n in names)
-
-
-# ---------------------------------------------------------------------------------------------
-# v4-style blocks: the one expert loop to splice out
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SplicePlan:
-    """Where the expert loop sits and what it reads: the recipe replaces ``method``'s top-level
-    statement ``loop_index`` by ``acc.index_add_(rows, EP(x, idx, w))`` and runs the rest as written."""
-
-    method: str
-    fn: object
-    loop_index: int
-    acc: str
-    x: str
-    idx: str
-    w: str
-    add_at_rows: bool = False  # the loop wrote ``acc[tok] += ...``: exact only if no token meets an expert twice
-
-
-def module_list_plan(block: nn.Module) -> SplicePlan:
-    cls = type(block)
-    if "forward" in vars(block):
-        raise Refusal(f"{cls.__name__} has an instance-level forward")
-    if type(block).__call__ is not nn.Module.__call__:
-        raise Refusal(f"{cls.__name__} overrides __call__")
-    forward = plain_method(cls, "forward", block)
-    trees = {"forward": (forward, function_tree(forward))}
-    for call in ast.walk(trees["forward"][1]):
-        name = _self_method_call(call)
-        if name and name not in trees and inspect.isfunction(getattr(cls, name, None)):
-            fn = plain_method(cls, name, block)
-            trees[name] = (fn, function_tree(fn))
-    loops = [(m, i, s) for m, (_, t) in trees.items() for i, s in enumerate(t.body)
-             if isinstance(s, ast.For) and self_reads(s, "experts")]
-    if len(loops) != 1:
-        raise Refusal(f"{cls.__name__} has {len(loops)} top-level loops over self.experts, not one")
-    method, index, loop = loops[0]
-    for m, (_, t) in trees.items():
-        _experts_only_in(t, loop, f"{cls.__name__}.{m}")
-    fn, tree = trees[method]
-    always_reached(tree, loop, "the expert loop")
-    if method != "forward":
-        calls = [c for c in ast.walk(trees["forward"][1]) if _self_method_call(c) == method]
-        if len(calls) != 1:
-            raise Refusal(f"{cls.__name__}.forward calls self.{method} {len(calls)} times, not once")
-        always_reached(trees["forward"][1], calls[0], f"the call of self.{method}")
-    return _plan(block, fn, tree, method, index, loop)
-
-
-def _self_method_call(node) -> str | None:
-    ok = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-    ok = ok and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
-    return node.func.attr if ok else None
-
-
-def _experts_only_in(tree: ast.FunctionDef, loop: ast.For, where: str) -> None:
-    """Outside the loop, ``self.experts`` is read only as ``len(self.experts)``."""
-    in_loop = {id(n) for n in ast.walk(loop)}
-    in_len = {id(c.args[0]) for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
-              and c.func.id == "len" and len(c.args) == 1}
-    for node in self_reads(tree, "experts"):
-        if id(node) not in in_loop and id(node) not in in_len:
-            raise Refusal(f"{where} line {node.lineno} uses self.experts outside the expert loop")
-
-
-def _plan(block, fn, tree: ast.FunctionDef, method: str, index: int, loop: ast.For) -> SplicePlan:
-    from autoep.expert_loop import prelude
-
-    p = Prover(fn, tree, block, len(block.experts), batched=False)
-    prelude(p, tree.body[:index])
-    p.loop(loop)
-    if p.facts.expert is None or _strip(p.facts.expert) != ("expert", ("x",)):
-        raise Refusal(f"{p.where}: the loop adds {p.facts.expert}, not expert(x[tok]) × weight")
-    stored = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    later = {n.id for s in tree.body[index + 1:] for n in ast.walk(s) if isinstance(n, ast.Name)}
-    if stored & later:
-        raise Refusal(f"{p.where}: {sorted(stored & later)} from inside the expert loop are used after it")
-    names = {}
-    for role in ("acc", "x", "idx", "w"):
-        value = getattr(p.facts, role)
-        holders = [n for n, v in p.env.items() if v is value and n not in stored]
-        if not holders:
-            raise Refusal(f"{p.where}: the loop's {role} is not held by a name at the loop")
-        names[role] = holders[0]
-    return SplicePlan(method, fn, index, names["acc"], names["x"], names["idx"], names["w"], p.facts.add_at_rows)
-
-
-def _strip(expr: tuple) -> tuple:
-    while expr[0] == "cast":
-        expr = expr[1]
-    return expr

@@ -243,7 +243,7 @@ def experts_call(module: nn.Module) -> None:
 @functools.lru_cache(maxsize=None)
 def _experts_call_source(forward, cls_name: str) -> None:
     """The source half of ``experts_call``: cached per forward function (a patched class is re-proven)."""
-    from autoep.expert_loop import always_reached, self_reads
+    from autoep.loop_context import always_reached, self_reads
 
     tree = function_tree(forward)
     reads = self_reads(tree, "experts")

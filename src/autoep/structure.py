@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch.nn as nn
 
-from autoep import experts_proof, routing_proof, source
+from autoep import experts_proof, module_list_proof, routing_proof, source
 from autoep.errors import UnsupportedModuleStructure
 from autoep.source import Refusal
 
@@ -75,8 +75,8 @@ def _structure(module: nn.Module) -> MoeStructure:
     experts = getattr(module, "experts", None)
     if isinstance(experts, nn.ModuleList):
         storage = "module_list"
-        facts = experts_proof.module_list_facts(experts)
-        experts_proof.module_list_plan(module)  # the one expert loop autoep splices out
+        facts = module_list_proof.module_list_facts(experts)
+        module_list_proof.module_list_plan(module)  # the one expert loop autoep splices out
     elif isinstance(experts, nn.Module):
         storage = "batched_parameters"
         facts = experts_proof.batched_experts_facts(experts)
@@ -123,8 +123,9 @@ def count_experts(module: nn.Module) -> int:
 
 def clear_caches() -> None:
     """Forget every per-function proof (benchmarks measure a cold detection with this)."""
-    from autoep import expert_loop
+    from autoep import expert_loop, loop_context
 
     for fn in (source.function_tree, routing_proof._router_module_proof, routing_proof._experts_call_source,
-               experts_proof._swiglu_shape, expert_loop.local_names, expert_loop.stored_names, expert_loop.self_reads):
+               module_list_proof._swiglu_shape, expert_loop.local_names, expert_loop.stored_names,
+               loop_context.self_reads):
         fn.cache_clear()

@@ -35,7 +35,7 @@ from autoep.apply import shard_expert_tensor
 from autoep.dispatch import ep_experts_forward
 from autoep.errors import UnsupportedModuleStructure
 from autoep.experts import glu_gate, grouped_swiglu
-from autoep.experts_proof import module_list_facts, module_list_plan
+from autoep.module_list_proof import module_list_facts, module_list_plan
 from autoep.recipes import ep_group_of, local_tensor
 from autoep.source import Refusal
 from autoep.splice import compile_spliced

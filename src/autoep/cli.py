@@ -125,7 +125,7 @@ def early_check(prog: str, argv: list[str]) -> None:
     """Compose the command line as the app will and check every value, in a second and without torch, so
     a typo fails at once. Skipped when Hydra flags (``--config-dir``, ``-m``, ``--help``, ...) are given:
     the app composes those itself and checks the same values again before any work."""
-    if any(arg.startswith("-") for arg in argv):
+    if any(arg.startswith("-") for arg in argv) or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return
     from hydra import compose, initialize_config_dir
 
@@ -156,12 +156,14 @@ def main(prog: str, hydra_main) -> None:
     except PlanError as e:
         fail(prog, e)
     # NOTE: with HYDRA_FULL_ERROR=1 Hydra re-raises composition errors instead of printing several lines
-    # and a hint to add `+key=...` (which would be refused anyway); they are reported here in one line.
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    # and a hint to add `+key=...` (which would be refused anyway); they are reported here in one line,
+    # unless the user set HYDRA_FULL_ERROR=1 to see the whole stack.
+    user_wants_stack = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         hydra_main()
     except Exception as e:  # noqa: BLE001 - composition errors only; a task's own errors are re-raised
-        if _state["task_started"]:
+        if _state["task_started"] or user_wants_stack:
             raise
         fail(prog, ConfigError(composition_message(e)))
 

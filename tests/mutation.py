@@ -1,16 +1,22 @@
 """The soundness fuzzer's engine: mutate accepted MoE blocks, detect, and hold every accepted mutant to
 exact parity with its own forward and backward (issue 8, "How it is proven").
 
-A **target** builds a fresh tiny fp32 block in train mode, seeded (transformers 5.x classes and the
-hand-written v4-style blocks of ``tests/blocks.py``). A **mutant** is one operator applied at one place:
+A **target** builds a fresh tiny fp32 block in train mode, seeded (transformers 5.x classes, the
+hand-written v4-style blocks of ``tests/blocks.py`` and a v5-style block of ``tests/test_structure.py``).
+The first ten are the original set; ``NEW_TARGETS`` are the idioms accepted since (float32, non-gated,
+soft-capped-gate and shared-expert experts, a sampling router; ``acc[idx] += ...`` loops, a padding id the
+loop skips, a class a function builds). A **mutant** is one operator applied at one place:
 
 - source mutants (``mutation_operators``): one function's source (the block forward and the helpers it
   calls on ``self``, the router forward, the batched experts forward and its helpers, the ModuleList
-  expert forward), parsed, edited at one location, unparsed and exec'd as a method of a subclass of the
-  original class (``mutation_source.exec_subclass``: same name, the original module's globals, source
-  readable by ``inspect``); the block's objects are re-classed in place (``obj.__class__ = Mutant``).
+  expert forward, the forward of a model-defined activation module the experts call and of the
+  model-defined modules inside it), parsed, edited at one location, unparsed and exec'd as a method of a
+  subclass of the original class (``mutation_source.exec_subclass``: same name, the original module's
+  globals and, for a class a function builds, the same closure; source readable by ``inspect``); the
+  block's objects are re-classed in place (``obj.__class__ = Mutant``).
 - run-time-state mutants (``mutation_runtime``): no source change; instance ``forward``, hooks,
-  ``__call__`` overrides, tied / frozen / heterogeneous experts, instance ``_apply_gate``, ``act_fn``.
+  ``__call__`` overrides, tied / frozen / heterogeneous experts, instance ``_apply_gate``, ``act_fn``,
+  the gate's float constants doubled or made learnable.
 
 Verdicts (``evaluate``): the detector raising anything but ``UnsupportedModuleStructure`` is a **crash**;
 a mutant whose own forward/backward raises is **invalid** (listed, not counted, whatever the detector
@@ -44,7 +50,7 @@ from autoep.archetypes import compute_fn_config
 from autoep.errors import UnsupportedModuleStructure
 from autoep.structure import detect_moe_structure
 from mutation_operators import SOURCE_OPERATORS, Edit
-from mutation_runtime import RUNTIME_OPERATORS, is_module_list, role_objects, roles_of, router_of
+from mutation_runtime import RUNTIME_OPERATORS, act_roles, is_module_list, role_objects, roles_of, router_of
 from mutation_source import function_tree, self_attr, with_method
 
 BATCH, SEQ = 2, 3
@@ -60,6 +66,7 @@ OPERATORS = [*SOURCE_OPERATORS, *RUNTIME_OPERATORS]
 class Target:
     name: str
     build: Callable[[], nn.Module]
+    flat: bool = False  # the block takes (tokens, hidden), not (batch, seq, hidden)
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,9 +101,31 @@ def _hand_written_block(name: str, make: Callable[[], nn.Module]) -> Callable[[]
     return build
 
 
+@functools.lru_cache(maxsize=None)
+def _closure_moe_class() -> type:
+    """One class per process: every build of the target (and its mutants' bases) shares it."""
+    from blocks import make_closure_moe_class
+
+    return make_closure_moe_class(0.05)
+
+
+def _v5_float32_experts() -> nn.Module:
+    """``V5Block(Float32Experts())`` with a random router (its weight starts at zero: every score ties)
+    and expert weights scaled to keep activations O(1)."""
+    from test_structure import Float32Experts, V5Block
+
+    block = V5Block(Float32Experts())
+    with torch.no_grad():
+        block.gate.weight.normal_(0, 0.5)
+        for p in block.experts.parameters():
+            p.mul_(0.3)
+    return block
+
+
 def targets() -> list[Target]:
-    """Every target, in the fixed order of the enumeration."""
-    from blocks import DeepseekV3StyleMoE, MixtralStyleSparseMoeBlock, MoE, Qwen2MoeStyleSparseMoeBlock
+    """Every target, in the fixed order of the enumeration: the original ten, then ``NEW_TARGETS``."""
+    from blocks import (CappedRouterMoE, DeepseekV3StyleMoE, MistralInferenceMoeLayer, MixtralStyleSparseMoeBlock,
+                        MoE, Qwen2MoeStyleSparseMoeBlock)
 
     hf = [
         ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
@@ -112,9 +141,31 @@ def targets() -> list[Target]:
         "deepseek_v3": lambda: DeepseekV3StyleMoE(hidden=16, num_experts=8, top_k=2, n_group=4, topk_group=2),
         "research": lambda: MoE(hidden=16, num_experts=4, top_k=2),
     }
-    return [Target(f"hf/{f}", _transformers_block(f, c)) for f, c in hf] + [
-        Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in v4.items()
+    new_hf = [
+        ("nemotron_h", "NemotronHMoE"),  # non-gated up -> act -> down experts (``up_proj``)
+        ("inkling2", "Inkling2SparseMoeBlock"),  # a soft-capped SwiGLU module called from ``_apply_gate``
+        ("openai_privacy_filter", "OpenAIPrivacyFilterMLP"),  # float32 experts
+        ("flint", "FlintSparseMoeBlock"),  # a lone shared expert, added ungated
+        ("phimoe", "PhimoeSparseMoeBlock"),  # a router that samples while training (seeded on both sides)
     ]
+    new_v4 = {
+        "mistral_inference": lambda: MistralInferenceMoeLayer(hidden=16, num_experts=4, top_k=2),  # acc[i] += ...
+        "capped_router": lambda: CappedRouterMoE(hidden=16, num_experts=4, top_k=2),  # padding id num_experts
+        "closure": lambda: _closure_moe_class()(hidden=16, num_experts=4, top_k=2),  # closure + zero-arg super()
+    }
+    return [
+        *(Target(f"hf/{f}", _transformers_block(f, c)) for f, c in hf),
+        *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in v4.items()),
+        *(Target(f"hf/{f}", _transformers_block(f, c)) for f, c in new_hf),
+        *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in new_v4.items()),
+        Target("v5/float32_experts", _hand_written_block("float32_experts", _v5_float32_experts), flat=True),
+    ]
+
+
+NEW_TARGETS = frozenset({
+    "hf/nemotron_h", "hf/inkling2", "hf/openai_privacy_filter", "hf/flint", "hf/phimoe",
+    "v4/mistral_inference", "v4/capped_router", "v4/closure", "v5/float32_experts",
+})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,11 +201,12 @@ class SourceSite:
 
 def source_sites(block: nn.Module) -> list[SourceSite]:
     """The block forward and its own helpers; the router forward (a router module, not a bare Linear);
-    the batched experts forward and its helpers, or the ModuleList expert forward."""
+    the batched experts forward and its helpers, or the ModuleList expert forward; the forward (and
+    helpers) of a model-defined ``act_fn`` the experts call, then of each model-defined class inside it."""
     sites = []
     experts_forward = None if is_module_list(block) else inspect.unwrap(type(block.experts).forward)
     params = tuple(a.arg for a in function_tree(experts_forward).args.args[1:]) if experts_forward else ()
-    for role in ("block", "router", "experts" if not is_module_list(block) else "expert"):
+    for role in ("block", "router", "experts" if not is_module_list(block) else "expert", *act_roles(block)):
         obj = role_objects(block, role)[0]
         if obj is None or type(obj).__module__.startswith("torch."):
             continue  # a bare nn.Linear gate: torch's own code is not the model's
@@ -258,6 +310,7 @@ class Run:
 
 
 def inputs(block: nn.Module, batch: int = BATCH) -> torch.Tensor:
+    """(batch, SEQ, hidden), fixed; a flat target sees it as (batch * SEQ, hidden) (``forward_backward``)."""
     hidden = router_of(block).weight.shape[-1]
     return torch.randn(batch, SEQ, hidden, generator=torch.Generator().manual_seed(7))
 
@@ -268,12 +321,12 @@ def cotangent(i: int, t: torch.Tensor) -> torch.Tensor:
     return torch.randn(t.numel(), generator=g).reshape(t.shape).to(t.dtype)
 
 
-def forward_backward(block: nn.Module, x: torch.Tensor, seed: int) -> Run:
-    """The block's forward on ``x`` (RNG seeded: jitter draws match) and the backward of a loss that
-    uses every returned float tensor."""
+def forward_backward(block: nn.Module, x: torch.Tensor, seed: int, flat: bool = False) -> Run:
+    """The block's forward on ``x`` (RNG seeded: jitter and sampling draws match) and the backward of a
+    loss that uses every returned float tensor. ``flat``: the block gets ``x`` as (tokens, hidden)."""
     x = x.clone().requires_grad_()
     torch.manual_seed(seed)
-    out = block(x)
+    out = block(x.reshape(-1, x.shape[-1]) if flat else x)
     outputs = out if isinstance(out, tuple) else (out,)
     terms = [(o * cotangent(i, o)).sum() for i, o in enumerate(outputs)
              if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
@@ -397,15 +450,15 @@ def evaluate(mutant: Mutant) -> Outcome:
     structure, why = detect(block)
     if why and why.startswith("crash"):
         return verdict("crash", why)
-    x = inputs(block)
+    x, flat = inputs(block), mutant.target.flat
     try:
-        ref = forward_backward(copy.deepcopy(block), x, seed=100)
+        ref = forward_backward(copy.deepcopy(block), x, seed=100, flat=flat)
     except Exception as exc:  # noqa: BLE001 - the mutant's own code does not run
         return verdict("invalid", "own forward: " + short_error(exc))
     if why:
         return verdict("refused", why[len("refused: "):])
     try:
-        got = forward_backward(make_ep(block, structure, None), x, seed=100)
+        got = forward_backward(make_ep(block, structure, None), x, seed=100, flat=flat)
     except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails
         return verdict("accepted_wrong", "EP path raised " + short_error(exc))
     diffs = differences(ref, got)

@@ -1,9 +1,10 @@
 """Source operators on the expert loop and the experts call (see ``mutation_operators``).
 
 A statement after the loop or a guard before it, a skipped expert, an accumulator initialised from the
-input, ``index_add_(..., alpha=)``, an off-by-one expert index; in the block: the experts call made
-conditional, an early return before it, a padding expert index, the experts called by keyword or with
-one keyword more.
+input, ``index_add_(..., alpha=)``, an off-by-one expert index; the accumulation (``acc.index_add_(0, i, v)``
+or ``acc[i] += v``) made an overwrite or a subtraction, indexed by another index of the loop, or spelled
+the other way; in the block: the experts call made conditional, an early return before it, a padding
+expert index, the experts called by keyword or with one keyword more.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ from typing import Callable
 from torch import nn
 
 from mutation_source import (
+    accumulated_index,
+    accumulations,
+    accumulator,
     bound_names,
     calls,
     dotted,
     each,
+    expert_counts,
     expert_loops,
     experts_call_slots,
     expr,
@@ -88,7 +93,10 @@ def op_acc_from_input(fn, site):
         return found
 
     def mutate(tree, s):
-        arg = s.stmt.value.args[0] if s.stmt.value.args else None
+        call = s.stmt.value
+        arg = call.args[0] if call.args else None
+        if isinstance(call.func, ast.Attribute) and call.func.attr == "new_zeros":
+            arg = call.func.value  # ``x.new_zeros(x.shape)``: x
         src = arg.id if isinstance(arg, ast.Name) else first_param(tree)
         s.stmt.value = expr(f"{src}.clone()")
 
@@ -112,6 +120,89 @@ def op_off_by_one_expert(fn, site):
 
     def mutate(tree, node):
         node.slice = expr(f"{node.slice.id} - 1")
+
+    return each(fn, locate, mutate)
+
+
+def _loop_accumulations(tree) -> list[ast.AST]:
+    """Every accumulation inside an expert loop (once, however deep the loops nest)."""
+    found = {id(a): a for loop, _, _ in expert_loops(tree) for a in accumulations(loop.stmt)}
+    return sorted(found.values(), key=lambda a: (a.lineno, a.col_offset))
+
+
+def op_acc_overwrite(fn, site):
+    """The accumulation overwrites: ``acc[i] += v`` becomes ``acc[i] = v``, ``index_add_`` ``index_copy_``
+    (a token's earlier experts are lost)."""
+
+    def mutate(tree, acc):
+        if isinstance(acc, ast.Call):
+            acc.func.attr = "index_copy_"
+            return
+        s = next(s for s in slots(tree) if s.stmt is acc)
+        s.body[s.index] = ast.Assign(targets=[acc.target], value=acc.value, lineno=acc.lineno)
+
+    return each(fn, _loop_accumulations, mutate)
+
+
+def op_acc_subtract(fn, site):
+    """The accumulation subtracts: ``acc[i] -= v``, ``acc.index_add_(0, i, v, alpha=-1.0)``."""
+
+    def mutate(tree, acc):
+        if isinstance(acc, ast.Call):
+            acc.keywords.append(ast.keyword(arg="alpha", value=ast.Constant(-1.0)))
+        else:
+            acc.op = ast.Sub()
+
+    return each(fn, _loop_accumulations, mutate)
+
+
+def op_acc_other_index(fn, site):
+    """The accumulation indexed by another index the loop binds with it (``acc[nth_expert] += ...``,
+    ``index_add_(0, top_k_pos, ...)``)."""
+
+    def locate(tree):
+        found = []
+        for acc in _loop_accumulations(tree):
+            index = accumulated_index(acc)
+            if not isinstance(index, ast.Name):
+                continue
+            for s in slots(tree):
+                names = bound_names(s.stmt)
+                if index.id in names and len(names) > 1:
+                    found += [(index, other) for other in names if other != index.id]
+                    break
+        return found
+
+    def mutate(tree, loc):
+        index, other = loc
+        index.id = other
+
+    return each(fn, locate, mutate)
+
+
+def _index_add_on_rows(call: ast.Call) -> bool:
+    """``acc.index_add_(0, index, value)``: positional, along dim 0, nothing else."""
+    dim = call.args[0] if call.args else None
+    return len(call.args) == 3 and not call.keywords and isinstance(dim, ast.Constant) and dim.value == 0
+
+
+def op_acc_respelled(fn, site):
+    """The same accumulation spelled the other way (same meaning: a token meets an expert once):
+    ``acc.index_add_(0, i, v)`` as ``acc[i] += v``, and ``acc[i] += v`` as ``acc.index_add_(0, i, v)``."""
+
+    def locate(tree):
+        return [s for s in slots(tree) for acc in _loop_accumulations(tree)
+                if (s.stmt is acc or (isinstance(s.stmt, ast.Expr) and s.stmt.value is acc))
+                and (not isinstance(acc, ast.Call) or _index_add_on_rows(acc))]
+
+    def mutate(tree, s):
+        if isinstance(s.stmt, ast.AugAssign):
+            acc, index, value = s.stmt.target.value.id, s.stmt.target.slice, s.stmt.value
+            s.body[s.index] = ast.Expr(expr(f"{acc}.index_add_(0, __i__, __v__)", __i__=index, __v__=value))
+        else:
+            call = s.stmt.value
+            target = ast.Subscript(value=ast.Name(accumulator(call), ast.Store()), slice=call.args[1], ctx=ast.Store())
+            s.body[s.index] = ast.AugAssign(target=target, op=ast.Add(), value=call.args[2])
 
     return each(fn, locate, mutate)
 
@@ -157,15 +248,24 @@ op_early_return_taken = early_return("self.training")
 
 
 def op_padding_index(fn, site):
-    """Tokens that chose expert 0 get the padding index ``num_experts`` (transformers' eager experts skip it)."""
+    """Tokens that chose expert 0 get the padding index ``num_experts`` (transformers' eager experts skip
+    it), spelled as the function reads the expert count (``self.num_experts`` if it reads none; a block's
+    ``len(self.experts)`` or ``self.experts.num_experts``)."""
+    counts = expert_counts(fn)
+    if counts:
+        count = ast.unparse(counts[0])
+    elif site.role == "block":
+        count = "self.experts.num_experts" if site.experts_params else "len(self.experts)"
+    else:
+        count = "self.num_experts"
 
     def locate(tree):
         return [(s, n) for s in slots(tree) if calls(s.stmt, named("topk"))
-                for n in bound_names(s.stmt) if re.search(r"indices|selected|index", n)]
+                for n in bound_names(s.stmt) if re.search(r"indices|selected|index|chosen", n)]
 
     def mutate(tree, loc):
         s, n = loc
-        s.body.insert(s.index + 1, stmt(f"{n} = {n}.masked_fill({n} == 0, self.num_experts)")[0])
+        s.body.insert(s.index + 1, stmt(f"{n} = {n}.masked_fill({n} == 0, {count})")[0])
 
     return each(fn, locate, mutate)
 

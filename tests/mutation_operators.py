@@ -4,9 +4,11 @@
 
 Each operator is one kind of realistic edit issue 8 lists (a scale, bias, temperature or soft-cap; a
 changed constant or normalisation; ``no_grad``/``autocast`` around a statement; a statement after the
-expert loop or a guard before it; a skipped expert; a cast; a keyword; a helper named like torch's; ...).
+expert loop or a guard before it; a skipped expert; a cast, a dropped or rounding upcast; a keyword; a
+helper named like torch's; a value mixed across the expert's rows; the expert count off by one; ...).
 ``tree`` is the function's own AST (never modified: each edit works on a copy); ``site.role`` says
-whose function it is (``block``, ``router``, ``experts``, ``expert``).
+whose function it is (``block``, ``router``, ``experts``, ``expert``, ``act`` or ``act:<Class>``: the
+model-defined activation module the experts call, and the model-defined modules inside it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from typing import Callable
 
 from mutation_loop_operators import (
     op_acc_from_input,
+    op_acc_other_index,
+    op_acc_overwrite,
+    op_acc_respelled,
+    op_acc_subtract,
     op_after_loop_inplace,
     op_after_loop_scale,
     op_conditional_experts_call,
@@ -39,6 +45,7 @@ from mutation_source import (
     calls,
     dotted,
     each,
+    expert_counts,
     expr,
     float_names,
     named,
@@ -97,6 +104,75 @@ def op_expert_output_cast(fn, site):
     if site.role != "expert":
         return []
     return transform_value("{x}.to(torch.bfloat16).float()")(fn, site)
+
+
+def _expert_side(site) -> bool:
+    """The experts' own code: batched experts, a ModuleList expert, the activation module they call."""
+    return site.role in ("experts", "expert") or site.role.startswith("act")
+
+
+def op_mix_rows(fn, site):
+    """A value of the experts' code centred over its rows (``x - x.mean(0)``): no longer row-local, so an
+    expert that sees other rows (another rank's tokens) computes another thing."""
+    if not _expert_side(site):
+        return []
+    return transform_value("{x} - {x}.mean(0, keepdim=True)")(fn, site)
+
+
+FLOAT32 = ("torch.float32", "torch.float")
+
+
+def _upcasts(tree) -> list[ast.Call]:
+    """``x.float()``, ``x.to(torch.float32)``, ``x.type(torch.float32)``."""
+    return calls(tree, lambda c: isinstance(c.func, ast.Attribute) and (
+        (c.func.attr == "float" and not c.args and not c.keywords)
+        or (c.func.attr in ("to", "type") and len(c.args) == 1 and dotted(c.args[0]) in FLOAT32)))
+
+
+def op_drop_float(fn, site):
+    """One upcast of the experts' code dropped: ``x.float()`` becomes ``x``, ``dtype=torch.float32`` goes
+    (float32 experts are proven all-or-nothing)."""
+    if not _expert_side(site):
+        return []
+
+    def locate(tree):
+        keywords = [(c, k) for c in calls(tree, lambda c: True) for k in c.keywords
+                    if k.arg == "dtype" and dotted(k.value) in FLOAT32]
+        return [*_upcasts(tree), *keywords]
+
+    def mutate(tree, loc):
+        if isinstance(loc, tuple):
+            call, keyword = loc
+            call.keywords.remove(keyword)
+        else:
+            swap(tree, loc, loc.func.value)
+
+    return each(fn, locate, mutate)
+
+
+def op_upcast_through_bf16(fn, site):
+    """One upcast of the experts' code rounds through bfloat16 first: ``x.to(torch.bfloat16).float()``."""
+    if not _expert_side(site):
+        return []
+
+    def mutate(tree, call):
+        call.func.value = expr("__x__.to(torch.bfloat16)", __x__=call.func.value)
+
+    return each(fn, _upcasts, mutate)
+
+
+def op_expert_count_off_by_one(fn, site):
+    """One read of the expert count (``self.num_experts``, ``len(self.experts)``, ...) one less or one
+    more: a padding id that lands on the last expert, a loop or one-hot short of it, a skip of another id."""
+
+    def locate(tree):
+        return [(n, op) for n in expert_counts(tree) for op in ("-", "+")]
+
+    def mutate(tree, loc):
+        node, op = loc
+        swap(tree, node, expr(f"__n__ {op} 1", __n__=node))
+
+    return each(fn, locate, mutate)
 
 
 def op_constant(fn, site):
@@ -240,6 +316,7 @@ def _wrap_sites(tree):
     out = []
     for s in slots(tree):
         adds = isinstance(s.stmt, ast.Expr) and calls(s.stmt, named("index_add_", "index_add"))
+        adds = adds or (isinstance(s.stmt, ast.AugAssign) and isinstance(s.stmt.target, ast.Subscript))
         if float_names(s.stmt) or isinstance(s.stmt, (ast.For, ast.Return)) or adds:
             out.append(s)
     return out
@@ -423,9 +500,17 @@ SOURCE_OPERATORS: dict[str, Callable] = {
     "skip_expert": op_skip_expert,
     "acc_from_input": op_acc_from_input,
     "index_add_alpha": op_index_add_alpha,
+    "acc_overwrite": op_acc_overwrite,
+    "acc_subtract": op_acc_subtract,
+    "acc_other_index": op_acc_other_index,
+    "acc_respelled": op_acc_respelled,
     "lossy_cast": op_lossy_cast,
     "expert_output_cast": op_expert_output_cast,
+    "drop_float": op_drop_float,
+    "upcast_through_bf16": op_upcast_through_bf16,
+    "mix_rows": op_mix_rows,
     "off_by_one_expert": op_off_by_one_expert,
+    "expert_count_off_by_one": op_expert_count_off_by_one,
     "helper_linear": op_helper_linear,
     "helper_silu": op_helper_silu,
     "softmax_act": op_softmax_act,

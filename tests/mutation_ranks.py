@@ -23,7 +23,8 @@ from mutation import Outcome, Run, detect, differences, forward_backward, inputs
 from mutation_runtime import RUNTIME_OPERATORS
 
 # Mutants whose failure shows only on several ranks (a rank without tokens skips a collective).
-RANK_SENSITIVE = {"conditional_experts_call", "early_return_empty", "padding_index"}
+# mix_rows: an expert's rows are another set on another rank (in one process the same rows, reordered).
+RANK_SENSITIVE = {"conditional_experts_call", "early_return_empty", "padding_index", "mix_rows"}
 SPLITS = ([1, 1], [2, 0])  # sequences per rank: even, then one rank without tokens
 HANG_S = 10  # a collective the peer never joins fails after this (the ep group's timeout)
 # A failed collective leaves the ep group out of step: the processes are replaced after it.
@@ -35,16 +36,16 @@ def _slices(x: torch.Tensor, split: list[int]) -> list[torch.Tensor]:
     return [x[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
 
-def _ranks_round(block, structure, x, split, rank, group, mesh) -> str | None:
+def _ranks_round(block, structure, x, split, rank, group, mesh, flat=False) -> str | None:
     """One split: reference grads summed over every slice (each rank computes all), EP on this rank's
     slice; outputs and input grad per rank, dense grads summed, expert grads gathered. None = equal."""
     import torch.distributed as dist
 
     ref = copy.deepcopy(block)
-    runs = [forward_backward(ref, s, seed=100 + r) for r, s in enumerate(_slices(x, split))]
+    runs = [forward_backward(ref, s, seed=100 + r, flat=flat) for r, s in enumerate(_slices(x, split))]
     ref_run = Run(runs[rank].outputs, runs[rank].x_grad, param_grads(ref))  # grads accumulated over slices
     ep = mutation.make_ep(block, structure, mesh)  # looked up at call time (tests replace it)
-    got = forward_backward(ep, _slices(x, split)[rank], seed=100 + rank)
+    got = forward_backward(ep, _slices(x, split)[rank], seed=100 + rank, flat=flat)
     reduced = set()
     for name, p in ep.named_parameters(remove_duplicate=False):
         if hasattr(p, "full_tensor") or name not in got.grads:
@@ -67,17 +68,17 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
     structure, why = detect(block)
     if why:
         return why.split(":")[0], why, False
-    x = inputs(block)
+    x, flat = inputs(block), mutant.target.flat
     try:
         for split in SPLITS:
             for r, s in enumerate(_slices(x, split)):
-                forward_backward(copy.deepcopy(block), s, seed=100 + r)
+                forward_backward(copy.deepcopy(block), s, seed=100 + r, flat=flat)
     except Exception as exc:  # noqa: BLE001 - the same on every rank: every rank computes every slice
         return "invalid", "own forward on a slice: " + short_error(exc), False
     dist.barrier()  # NOTE: default group: the ep group's short timeout counts from a common start
     for split in SPLITS:
         try:
-            why, raised = _ranks_round(block, structure, x, split, rank, group, mesh), False
+            why, raised = _ranks_round(block, structure, x, split, rank, group, mesh, flat), False
         except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails (or a peer hung)
             why, raised = "EP path raised " + short_error(exc), bool(COMMUNICATION_ERROR.search(str(exc)))
         state = torch.tensor([2.0 if raised else float(why is not None)])

@@ -3,8 +3,11 @@
 ``op(block, role) -> mutate(block) | None`` (None where the operator does not apply to that role):
 an instance ``forward``, forward and pre hooks, a ``__call__`` override, a ``functools.wraps``ed
 forward set at run time, tied / frozen / differently sized experts, another or a non-element-wise
-``act_fn``, an instance ``_apply_gate``. Roles: ``block``, ``router`` (the gate or router module),
-``experts`` (batched experts: the container is called), ``expert`` (ModuleList experts).
+``act_fn``, an instance ``_apply_gate``, a doubled or learnable constant of the experts' gate. Roles:
+``block``, ``router`` (the gate or router module), ``experts`` (batched experts: the container is
+called), ``expert`` (ModuleList experts), ``act`` (the experts' ``act_fn`` where the model defines its
+class, e.g. a soft-capped SwiGLU); source sites also use ``act:<Class>`` (the model-defined modules
+inside it, every instance of that class: a class edit is global).
 """
 
 from __future__ import annotations
@@ -32,20 +35,46 @@ def is_module_list(block: nn.Module) -> bool:
     return isinstance(getattr(block, "experts", None), nn.ModuleList)
 
 
+def model_defined(obj) -> bool:
+    """A module whose class the model's own code defines (not torch's, not transformers' activations)."""
+    return isinstance(obj, nn.Module) and not type(obj).__module__.startswith(("torch.", "transformers.activations"))
+
+
+def act_modules(block: nn.Module) -> list[nn.Module]:
+    """The experts' ``act_fn`` modules whose class the model defines (every expert's, for a ModuleList)."""
+    holders = list(block.experts) if is_module_list(block) else [block.experts]
+    return [h.act_fn for h in holders if model_defined(getattr(h, "act_fn", None))]
+
+
+def act_roles(block: nn.Module) -> list[str]:
+    """``act``, then ``act:<Class>`` for each model-defined class inside it, in module order ([] without one)."""
+    acts = act_modules(block)
+    if not acts:
+        return []
+    inner = [type(m).__name__ for m in acts[0].modules() if m is not acts[0] and model_defined(m)]
+    return ["act", *(f"act:{name}" for name in dict.fromkeys(inner))]
+
+
 def role_objects(block: nn.Module, role: str) -> list[nn.Module]:
-    """The modules a mutation of ``role`` re-classes: ``expert`` = every expert (a class edit is global)."""
+    """The modules a mutation of ``role`` re-classes: ``expert`` = every expert, ``act:<Class>`` = every
+    instance of that class (a class edit is global)."""
     if role == "block":
         return [block]
     if role == "router":
         return [router_of(block)]
     if role == "experts":
         return [block.experts]
+    if role == "act":
+        return act_modules(block)
+    if role.startswith("act:"):
+        return [m for a in act_modules(block) for m in a.modules() if type(m).__name__ == role[len("act:"):]]
     return list(block.experts)
 
 
 def roles_of(block: nn.Module) -> list[str]:
-    """Roles a run-time mutation can target: the experts container only where it is called (batched)."""
-    return ["block", "router", "expert" if is_module_list(block) else "experts"]
+    """Roles a run-time mutation can target: the experts container only where it is called (batched), the
+    experts' model-defined activation module where there is one."""
+    return ["block", "router", "expert" if is_module_list(block) else "experts", *act_roles(block)[:1]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,6 +226,53 @@ def rt_instance_apply_gate(block, role):
     return apply
 
 
+def _float_constants(block: nn.Module, role: str) -> list[tuple[nn.Module, str]]:
+    """``(module, attribute)`` of each plain float the experts' gate reads: on the batched experts
+    container itself (``experts``: gpt-oss's ``alpha``, ``limit``) or anywhere inside the model-defined
+    activation module (``act``: Inkling2's soft caps)."""
+    if role == "experts":
+        owners = [block.experts]
+    elif role == "act":
+        owners = [m for a in act_modules(block)[:1] for m in a.modules()]
+    else:
+        return []
+    return [(m, k) for m in owners for k, v in vars(m).items() if type(v) is float]
+
+
+def _located(b: nn.Module, block: nn.Module, found: list[tuple[nn.Module, str]]) -> list[tuple[nn.Module, str]]:
+    """``found`` (modules of ``block``) as the same modules of the fresh build ``b``."""
+    names = {id(m): n for n, m in block.named_modules()}
+    return [(b.get_submodule(names[id(m)]), k) for m, k in found]
+
+
+def rt_gate_constant(block, role):
+    """Every float constant of the experts' gate doubled (a soft cap, a clamp limit, a sigmoid's alpha)."""
+    found = _float_constants(block, role)
+    if not found:
+        return None
+
+    def apply(b):
+        for m, k in _located(b, block, found):
+            setattr(m, k, getattr(m, k) * 2)
+
+    return apply
+
+
+def rt_gate_learnable(block, role):
+    """The first float constant of the experts' gate made a learnable 0-dim Parameter (state the gate reads)."""
+    found = _float_constants(block, role)[:1]
+    if not found:
+        return None
+
+    def apply(b):
+        for m, k in _located(b, block, found):
+            value = getattr(m, k)
+            delattr(m, k)
+            m.register_parameter(k, nn.Parameter(torch.tensor(value)))
+
+    return apply
+
+
 RUNTIME_OPERATORS: dict[str, Callable] = {
     "instance_forward": rt_instance_forward,
     "forward_hook": rt_forward_hook,
@@ -209,4 +285,6 @@ RUNTIME_OPERATORS: dict[str, Callable] = {
     "act_not_elementwise": rt_act_not_elementwise,
     "expert_sizes": rt_expert_sizes,
     "instance_apply_gate": rt_instance_apply_gate,
+    "gate_constant": rt_gate_constant,
+    "gate_learnable": rt_gate_learnable,
 }

@@ -2,7 +2,8 @@
 
 ``exec_subclass`` defines ``class Name(Name): <edited methods>`` in a copy of the original class's module,
 as a module of its own whose file lives in ``linecache`` (``inspect.getsource`` reads the mutant, as the
-detector does; a temp ``.py`` file is the fallback). The toolkit finds statements (``slots``), the
+detector does; a temp ``.py`` file is the fallback); a class a function builds is subclassed inside a
+function of the same closure variables, and an edited method's zero-arg ``super()`` skips the original. The toolkit finds statements (``slots``), the
 names they bind, loops that accumulate expert outputs, and call shapes by dotted name.
 """
 
@@ -39,28 +40,56 @@ def function_tree(fn) -> ast.FunctionDef:
     return ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
 
 
-def exec_subclass(orig: type, class_body: str, *, prelude: str = "", decorator: str = "", check: str = "") -> type:
+def exec_subclass(orig: type, class_body: str, *, prelude: str = "", decorator: str = "", check: str = "",
+                  closure: dict | None = None) -> type:
     """A subclass of ``orig`` with the same name, defined by ``class_body`` (indented method sources)
     in a copy of ``orig``'s module globals, as a module of its own whose file is in ``linecache``
-    (``inspect.getsource`` works on the class and its methods; checked on ``check``, else written to disk)."""
-    header = ["from __future__ import annotations", prelude, decorator, f"class {orig.__name__}({orig.__name__}):"]
-    src = "\n".join(header + [class_body])
-    cls = _define(orig, src, on_disk=False)
+    (``inspect.getsource`` works on the class and its methods; checked on ``check``, else written to disk).
+    ``closure``: the class is built inside a function whose parameters are these names, called with these
+    values (a class a factory function builds: its methods read them as closure variables, as the
+    original's do)."""
+    name = orig.__name__
+    lines = [decorator, f"class {name}({'_autoep_base' if closure else name}):", class_body]
+    if closure:
+        params = ", ".join([*closure, f"_autoep_base={name}"])
+        lines = [f"def _autoep_closure({params}):", *(textwrap.indent(line, "    ") for line in lines),
+                 f"    return {name}", f"{name} = _autoep_closure(**_autoep_closure_values)"]
+    src = "\n".join(["from __future__ import annotations", prelude, *lines])
+    extra = {"_autoep_closure_values": dict(closure)} if closure else {}
+    cls = _define(orig, src, on_disk=False, extra=extra)
     if check and not _source_ok(getattr(cls, check), cls):
-        cls = _define(orig, src, on_disk=True)
+        cls = _define(orig, src, on_disk=True, extra=extra)
     return cls
 
 
 def with_method(cls: type, method: str, tree: ast.FunctionDef, prelude: str = "") -> type:
-    """``cls`` subclassed with ``method`` defined by ``tree``. transformers' experts-interface class
-    decorator is re-applied to a ``forward`` it wrapped, as if the model file had been edited."""
+    """``cls`` subclassed with ``method`` defined by ``tree``, as if the model file had been edited: the
+    class decorator of transformers' experts interface is re-applied (with its own arguments) to a
+    ``forward`` it wrapped; a method that read closure variables reads the same ones."""
     wrapped = method == "forward" and hasattr(cls.forward, "__wrapped__")
-    decorator = "@use_experts_implementation" if wrapped and "use_experts_implementation" in vars(
-        sys.modules[cls.__module__]) else ""
-    return exec_subclass(cls, method_source(tree), prelude=prelude, decorator=decorator, check=method)
+    decorator = _experts_decorator(cls) if wrapped else ""
+    closure = inspect.getclosurevars(inspect.unwrap(getattr(cls, method))).nonlocals
+    closure = {k: v for k, v in closure.items() if k != "__class__"}  # zero-arg super(): see below
+    mutant = exec_subclass(cls, method_source(tree), prelude=prelude, decorator=decorator, check=method,
+                           closure=closure or None)
+    # Zero-arg super() in the edited method means what it meant in the edited file: the class after the
+    # original in the MRO (PhiMoE's router calls nn.Linear.forward), not the original method it replaces.
+    edited = inspect.unwrap(getattr(mutant, method))
+    if "__class__" in edited.__code__.co_freevars:
+        edited.__closure__[edited.__code__.co_freevars.index("__class__")].cell_contents = cls
+    return mutant
 
 
-def _define(orig: type, src: str, *, on_disk: bool) -> type:
+def _experts_decorator(cls: type) -> str:
+    """``@use_experts_implementation(...)`` as the class's own source spells it ('' when it has none)."""
+    if "use_experts_implementation" not in vars(sys.modules[cls.__module__]):
+        return ""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    spelled = [ast.unparse(d) for d in tree.decorator_list if "use_experts_implementation" in ast.unparse(d)]
+    return f"@{spelled[0]}" if spelled else "@use_experts_implementation"
+
+
+def _define(orig: type, src: str, *, on_disk: bool, extra: dict | None = None) -> type:
     global _DISK_DIR
     n = next(_MODULE_SEQ)
     name = f"autoep_mutant_{n}"
@@ -75,7 +104,7 @@ def _define(orig: type, src: str, *, on_disk: bool) -> type:
     module = types.ModuleType(name)
     base = sys.modules[orig.__module__].__dict__
     module.__dict__.update({k: v for k, v in base.items() if not k.startswith("__") or k == "__builtins__"})
-    module.__dict__.update({"__file__": filename, orig.__name__: orig})
+    module.__dict__.update({"__file__": filename, orig.__name__: orig, **(extra or {})})
     sys.modules[name] = module
     exec(compile(src, filename, "exec"), module.__dict__)
     return module.__dict__[orig.__name__]
@@ -99,7 +128,7 @@ def method_source(tree: ast.FunctionDef) -> str:
 # Names that hold indices, masks, shapes or modules, not float activations (value operators skip them).
 INDEX_LIKE = re.compile(
     r"idx|index|indices|mask|hit|selected|top_x|pos|slot|shape|size|dim|layer|residual|^expert$|^_$|"
-    r"batch|sequence|^bs$|slen|orig"
+    r"batch|sequence|^bs$|slen|orig|dtype|device|nth|chosen|^tok$"
 )
 ROUTING_LIKE = re.compile(r"logit|score|prob|weight|top_value|routing")
 
@@ -204,15 +233,48 @@ def loop_vars(fn: ast.FunctionDef) -> set[str]:
     return out
 
 
+EXPERT_COUNT = re.compile(r"^self(\.\w+)*\.(num_experts|num_local_experts|n_routed_experts)$")
+
+
+def expert_counts(tree: ast.AST) -> list[ast.expr]:
+    """Reads of the expert count: ``self.num_experts`` (``self.config.n_routed_experts``, ...),
+    ``len(self.experts)``."""
+    return [n for n in ast.walk(tree)
+            if (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) and EXPERT_COUNT.match(dotted(n)))
+            or (isinstance(n, ast.Call) and dotted(n.func) == "len" and len(n.args) == 1
+                and dotted(n.args[0]) == "self.experts")]
+
+
+def accumulations(tree: ast.AST) -> list[ast.AST]:
+    """Where expert outputs are summed into an accumulator: ``acc.index_add_(dim, index, value)`` calls and
+    ``acc[index] += value`` statements (mistral-inference's spelling), in source order."""
+    adds = calls(tree, lambda c: isinstance(c.func, ast.Attribute) and c.func.attr == "index_add_"
+                 and isinstance(c.func.value, ast.Name))
+    augs = [n for n in ast.walk(tree) if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
+            and isinstance(n.target, ast.Subscript) and isinstance(n.target.value, ast.Name)]
+    return sorted(adds + augs, key=lambda n: (n.lineno, n.col_offset))
+
+
+def accumulator(node: ast.AST) -> str:
+    return node.func.value.id if isinstance(node, ast.Call) else node.target.value.id
+
+
+def accumulated_index(node: ast.AST) -> ast.expr | None:
+    """The index expression of an accumulation (``index_add_``'s second argument, or the subscript)."""
+    if isinstance(node, ast.Call):
+        return node.args[1] if len(node.args) >= 3 else None
+    return node.target.slice
+
+
 def expert_loops(fn: ast.FunctionDef) -> list[tuple[Slot, str, str]]:
-    """``(slot of the for, accumulator, loop variable)`` for every loop that ``acc.index_add_``s."""
+    """``(slot of the for, accumulator, loop variable)`` for every loop that accumulates expert outputs."""
     out = []
     for s in slots(fn):
         if isinstance(s.stmt, ast.For):
-            adds = calls(s.stmt, lambda c: isinstance(c.func, ast.Attribute) and c.func.attr == "index_add_")
+            adds = accumulations(s.stmt)
             target = s.stmt.target.elts[0] if isinstance(s.stmt.target, ast.Tuple) else s.stmt.target
-            if adds and isinstance(adds[0].func.value, ast.Name) and isinstance(target, ast.Name):
-                out.append((s, adds[0].func.value.id, target.id))
+            if adds and isinstance(target, ast.Name):
+                out.append((s, accumulator(adds[0]), target.id))
     return out
 
 

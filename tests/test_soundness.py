@@ -1,11 +1,14 @@
 """Soundness (issue 8): every mutant the detector accepts computes exactly what its own forward computes.
 
 The fuzzer of ``tests/mutation.py`` runs every mutant of its fixed enumeration in this process
-(ep_mesh=None), then a fixed sample of the accepted ones again on 2 gloo ranks (every run-time-state and
-rank-sensitive mutant, every ``RANK_EVERY``-th of the others), after each target's unmodified control.
-Measured on 2 CPU cores shared with other work: 2.5-3.5 min while the 5 v4 controls break their process
-groups (~25 s each); in-process part ~20 s, ranks ~0.07 s per mutant + ~8 s per spawn, so ~1.2 min
-when every rank check passes.
+(ep_mesh=None), then a fixed sample of the accepted ones again on 2 gloo ranks, after each target's
+unmodified control: every run-time-state and rank-sensitive mutant, and of the others every
+``RANK_EVERY``-th of the original ten targets' and every ``NEW_RANK_EVERY``-th of ``mutation.NEW_TARGETS``
+(the nine added since; sampled so that the file stays near 2.5 min). ``bench/soundness.py --ranks 2``
+rechecks every accepted mutant on the ranks.
+Measured on 2 CPU cores shared with other work (load 3-4.5): 19 targets, ~3250 mutants, 1.9-2.1 min
+(in-process ~60 s, ranks ~0.07 s per mutant + ~8 s per spawn); with every 3rd of the new targets' on the
+ranks, 2.4 min; the original ten alone, 2.0 min. A target whose control breaks its process group adds ~25 s.
 
     pytest tests/test_soundness.py
     python bench/soundness.py --ranks 2      # the same mutants, every accepted one on 2 ranks, listed
@@ -21,14 +24,17 @@ import mutation_ranks
 from distributed import spawn
 from mutation_runtime import scaled
 
-IN_PROCESS_EVERY = 1  # every mutant: ~25 s on one core
-RANK_EVERY = 3  # of the accepted source mutants that are not rank-sensitive
+IN_PROCESS_EVERY = 1  # every mutant of every target
+RANK_EVERY = 3  # of the original ten targets' accepted source mutants that are not rank-sensitive
+NEW_RANK_EVERY = 6  # the same, for mutation.NEW_TARGETS
 
 
 @pytest.fixture(scope="module")
 def fuzzed():
     outcomes = mutation.evaluate_all(mutation.sample(mutation.all_mutants(), IN_PROCESS_EVERY))
-    names = mutation_ranks.rank_sample(outcomes, RANK_EVERY)
+    new = [o for o in outcomes if o.target in mutation.NEW_TARGETS]
+    names = (mutation_ranks.rank_sample([o for o in outcomes if o.target not in mutation.NEW_TARGETS], RANK_EVERY)
+             + mutation_ranks.rank_sample(new, NEW_RANK_EVERY))
     ranks = mutation_ranks.gloo_check(names, 2)
     mutation_ranks.apply_rank_results(outcomes, ranks, 2)
     return outcomes, ranks
@@ -88,6 +94,30 @@ def test_a_mutant_reads_back_as_its_own_source():
     assert re.search(r"for expert_idx in expert_hit:\s+if expert_idx == 1:\s+continue",
                      inspect.getsource(inspect.unwrap(experts.forward)))
     assert inspect.getsource(experts).startswith("@use_experts_implementation\nclass Qwen3MoeExperts(Qwen3MoeExperts)")
+
+
+def test_an_accumulation_written_as_an_indexed_add_is_mutated():
+    """mistral-inference's ``results[batch_idx] += ...`` is an expert loop: its accumulation is edited."""
+    import inspect
+
+    m = mutation.mutants_by_name(["v4/mistral_inference/block.forward/acc_overwrite#0"])[0]
+    assert re.search(r"\n\s+results\[batch_idx\] = weights\[batch_idx, nth_expert, None\] \* expert\(",
+                     inspect.getsource(type(m.build()).forward))
+
+
+def test_a_mutant_of_a_class_a_function_builds_keeps_its_closure_and_super():
+    """A mutant of ``make_closure_moe_class(0.05)``'s class reads back with ``inspect``, reads the same closure
+    variable, and its zero-arg ``super()`` (as PhiMoE's router's) resolves past the class it edits."""
+    import inspect
+
+    closure, router = mutation.mutants_by_name(["v4/closure/block.forward/scale#0", "hf/phimoe/router.forward/scale#0"])
+    cls = type(closure.build())
+    assert "x = x * 1.5" in inspect.getsource(cls) and "x = x * 1.5" in inspect.getsource(cls.forward)
+    assert inspect.getclosurevars(cls.forward).nonlocals == {"__class__": cls.__mro__[1], "bias_scale": 0.05}
+    assert mutation.evaluate(closure).verdict != "invalid"
+    router_cls = type(router.build().router)
+    assert inspect.getclosurevars(router_cls.forward).nonlocals["__class__"] is router_cls.__mro__[1]
+    assert mutation.evaluate(router).verdict != "invalid"
 
 
 def _scale_the_ep_output(make_ep, only_rank=None):

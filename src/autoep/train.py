@@ -115,9 +115,9 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
     cfg = check_config(cfg)
     out = rundir.prepare(run_dir or cfg.run_dir or "runs/autoep-train")
     resume_from = rundir.checkpoint_to_resume(cfg.trainer.resume, out)
+    check_model_config(cfg)
     if resume_from is not None:
         check_resumable(checkpoint.read_state(resume_from), resume_from, cfg)
-    check_model_config(cfg)
     if cfg.model.get("pretrained_path"):  # made absolute, so resolved.yaml and every rank read the same one
         cfg.model.pretrained_path = str(local_checkpoint_dir(cfg.model.pretrained_path))
     t = cfg.trainer
@@ -172,10 +172,11 @@ def report_resume(state: dict, cfg: DictConfig, world: int) -> None:
     now = {"trainer.steps": cfg.trainer.steps, "world size": world, "global batch": global_batch(cfg, world)}
     for key, value in now.items():
         before = saved.get(key)
-        if before is not None and before != value:
-            why = ("; the data stream differs from the uninterrupted run's from here on"
-                   if key == "global batch" else "")
-            log.warning("resuming with %s %s -> %s%s", key, before, value, why)
+        if before is not None and before != value and key == "global batch":
+            log.warning("resuming with global batch %s -> %s; the data stream differs from the uninterrupted "
+                        "run's from here on", before, value)
+        elif before is not None and before != value:
+            log.info("resuming with %s %s -> %s", key, before, value)
 
 
 def global_batch(cfg: DictConfig, world: int) -> int:

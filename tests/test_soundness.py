@@ -6,7 +6,7 @@ unmodified control: every run-time-state and rank-sensitive mutant, and of the o
 ``RANK_EVERY``-th of the original ten targets' and every ``NEW_RANK_EVERY``-th of ``mutation.NEW_TARGETS``
 (the nine added since; sampled so that the file stays near 2.5 min). ``bench/soundness.py --ranks 2``
 rechecks every accepted mutant on the ranks.
-Measured on 2 CPU cores shared with other work (load 3-4.5): 19 targets, ~3250 mutants, 1.9-2.1 min
+Measured on 2 CPU cores shared with other work (load 3-6): 19 targets, ~3250 mutants, 1.9-2.3 min
 (in-process ~60 s, ranks ~0.07 s per mutant + ~8 s per spawn); with every 3rd of the new targets' on the
 ranks, 2.4 min; the original ten alone, 2.0 min. A target whose control breaks its process group adds ~25 s.
 

@@ -70,6 +70,7 @@ def ep_experts_forward(
     ep_group,
     expert_fn: ExpertFn,
     out_dtype: torch.dtype | None = None,
+    acc_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Compute ``sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden[t])`` with experts
     spread over ``ep_group``; pairs whose id is outside [0, num_experts) (padding) add nothing, as in
@@ -80,7 +81,9 @@ def ep_experts_forward(
     ``expert_fn(x_SD, tokens_per_local_expert)`` runs on the received rows sorted by local expert
     (``tokens_per_local_expert`` a LongTensor[L] on the rows' device) and returns ``y_SD``; results go
     back by the reverse all-to-all, are weighted by ``top_k_weights`` and summed per token in fp32 in
-    top-k order. Returns (T, D) in ``out_dtype`` (default ``hidden_TD``'s dtype). ``ep_group`` None or of
+    top-k order; with a narrower ``acc_dtype`` (the model's loop accumulates in bf16, say) the weighted
+    outputs are rounded and summed in it in expert order, as that loop does. Returns (T, D) in
+    ``out_dtype`` (default ``hidden_TD``'s dtype). ``ep_group`` None or of
     size 1: no exchange. Autograd flows through both exchanges; a rank with zero rows still joins every
     exchange.
     """
@@ -114,8 +117,24 @@ def ep_experts_forward(
 
     # Undo the sort: row s of y_SD is pair s = t*K + k again; padding pairs stay zero (layout change).
     y_SD = y_sorted_SD.new_zeros((T * K, D)).index_copy(0, perm_S[:routed], y_sorted_SD)
+    if acc_dtype is not None and acc_dtype != torch.float32:
+        return _combine_like_the_loop(y_SD.view(T, K, D), top_k_weights_TK, top_k_index_TK, acc_dtype).to(
+            out_dtype or hidden_TD.dtype)
     weighted_TKD = y_SD.float().view(T, K, D) * top_k_weights_TK.float().unsqueeze(-1)
     return weighted_TKD.sum(dim=1).to(out_dtype or hidden_TD.dtype)
+
+
+def _combine_like_the_loop(y_TKD: Tensor, top_k_weights_TK: Tensor, top_k_index_TK: Tensor, acc_dtype) -> Tensor:
+    """The experts' own loop in a narrow accumulator: each product ``y * w`` (in their promoted dtype)
+    rounded to ``acc_dtype``, added per token in expert order (the loop visits experts in id order),
+    rounding after each add. In fp32 the plain fp32 sum is used instead (same value to rounding)."""
+    contrib_TKD = (y_TKD * top_k_weights_TK.unsqueeze(-1)).to(acc_dtype)
+    order_TK = torch.argsort(top_k_index_TK, dim=1, stable=True)  # layout change: expert order per token
+    contrib_TKD = contrib_TKD.gather(1, order_TK.unsqueeze(-1).expand_as(contrib_TKD))
+    acc_TD = contrib_TKD.new_zeros(contrib_TKD[:, 0].shape)
+    for k in range(contrib_TKD.shape[1]):
+        acc_TD = acc_TD + contrib_TKD[:, k]
+    return acc_TD
 
 
 def _exchange_and_compute(

@@ -62,6 +62,7 @@ class BatchedRoles:
     index: str
     weights: str
     out_dtype: str = "hidden"
+    acc_dtype: str = "hidden"  # the accumulator's: hidden | float32 | weights
 
 
 def batched_experts_facts(experts: nn.Module) -> dict:
@@ -113,8 +114,9 @@ def _prove_batched_forward(p: Prover, tree: ast.FunctionDef) -> BatchedRoles:
         raise Refusal(f"{p.where} does not read hidden states, expert ids and weights from its three arguments")
     if out_dtype == "weights" and p.acc_dtype is not f.w:
         raise Refusal(f"{p.where} accumulates in the dtype of a tensor other than its weights")
+    acc_dtype = "hidden" if p.acc_dtype is None else "float32" if p.acc_dtype is torch.float32 else "weights"
     try:
-        return BatchedRoles(by_value[id(f.x)], by_value[id(f.idx)], by_value[id(f.w)], out_dtype)
+        return BatchedRoles(by_value[id(f.x)], by_value[id(f.idx)], by_value[id(f.w)], out_dtype, acc_dtype)
     except KeyError:
         raise Refusal(f"{p.where} reads its tokens, ids or weights from something other than its arguments") from None
 

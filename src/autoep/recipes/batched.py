@@ -114,7 +114,7 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
             apply_gate=spec.apply_gate,
         )
 
-    out_dtype = {"hidden": hidden_states.dtype, "float32": torch.float32, "weights": top_k_weights.dtype}
+    dtype_of = {"hidden": hidden_states.dtype, "float32": torch.float32, "weights": top_k_weights.dtype}
     out_TD = ep_experts_forward(
         hidden_states,
         top_k_index,
@@ -122,7 +122,8 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
         num_experts=spec.num_experts,
         ep_group=spec.ep_group,
         expert_fn=expert_fn,
-        out_dtype=out_dtype[spec.roles.out_dtype],
+        out_dtype=dtype_of[spec.roles.out_dtype],
+        acc_dtype=dtype_of[spec.roles.acc_dtype],  # a bf16 accumulator is summed as the loop sums it
     )
     if out_TD.shape[0] == hidden_states.shape[0]:
         return out_TD

@@ -239,7 +239,8 @@ def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK:
         num_experts=module.experts.num_experts,
         ep_group=ep_group,
         expert_fn=module.experts,
-        out_dtype=torch.float32,
+        out_dtype=torch.float32 if acc.dtype == torch.float32 else acc.dtype,
+        acc_dtype=acc.dtype,  # a narrower accumulator is summed as the loop sums it (expert order, rounding)
     )
     rows_T = torch.arange(top_k_index_TK.shape[0], device=acc.device)
     acc.index_add_(0, rows_T, out_TD.to(acc.dtype))

@@ -76,6 +76,19 @@ def fail(prog: str, exc: BaseException) -> None:
                     "timestamp": str(int(time.time()))}}}, f)
         except OSError:
             pass  # the summary then says <N/A>; the line above was printed all the same
+    leave(code)
+
+
+def leave(code: int) -> None:
+    """Exit with ``code``. A rank of a multi-process launch leaves without interpreter finalization: the
+    process group is destroyed and everything is flushed by then; what is left is gloo's thread teardown,
+    which aborted a rank now and then ("terminate called without an active exception", turning exit 0
+    into SIGABRT; tests/distributed.py notes the same for its spawned ranks)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -166,6 +179,7 @@ def main(prog: str, hydra_main) -> None:
         if _state["task_started"] or user_wants_stack:
             raise
         fail(prog, ConfigError(composition_message(e)))
+    leave(0)
 
 
 def composition_message(exc: BaseException) -> str:

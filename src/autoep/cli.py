@@ -76,11 +76,13 @@ def fail(prog: str, exc: BaseException) -> None:
                     "timestamp": str(int(time.time()))}}}, f)
         except OSError:
             pass  # the summary then says <N/A>; the line above was printed all the same
-    leave(code)
+    # NOTE: sys.exit, not leave(): a rank that leaves at once would let torchrun stop rank 0 before it
+    # prints the one line every rank shares.
+    sys.exit(code)
 
 
 def leave(code: int) -> None:
-    """Exit with ``code``. A rank of a multi-process launch leaves without interpreter finalization: the
+    """Exit a finished run with ``code``. A rank of a multi-process launch leaves without interpreter finalization: the
     process group is destroyed and everything is flushed by then; what is left is gloo's thread teardown,
     which aborted a rank now and then ("terminate called without an active exception", turning exit 0
     into SIGABRT; tests/distributed.py notes the same for its spawned ranks)."""

@@ -59,7 +59,7 @@ def runtime_clean(module: nn.Module, what: str) -> None:
 def check_activation_module(act: object, what: str) -> None:
     """``act`` is an element-wise activation: a known torch function, or a module of a known class, as
     shipped, stateless."""
-    if not isinstance(act, nn.Module) and _known_function(act):
+    if not isinstance(act, nn.Module) and known_function(act):
         return
     if not isinstance(act, nn.Module):
         raise Refusal(f"{what} is {type(act).__name__}, not an activation module")
@@ -79,7 +79,8 @@ def same_activation(a: nn.Module, b: nn.Module) -> bool:
     return type(a) is type(b) and plain(a) == plain(b)
 
 
-def _known_function(fn: object) -> bool:
+def known_function(fn: object) -> bool:
+    """``fn`` is one of the element-wise torch functions above (by identity)."""
     try:
         return fn in ELEMENTWISE_FUNCTIONS
     except TypeError:  # unhashable

@@ -345,7 +345,7 @@ class Prover:
             if isinstance(v, Index) and v.role == "tok":
                 return Count()
             self.refuse(node)
-        if fn in elementwise.ELEMENTWISE_FUNCTIONS:
+        if elementwise.known_function(fn):
             args = self._args(node, ("input",), 1)
             return self._row_unary(node, args["input"], ("fn", fn))
         self.refuse(node, f"calls {getattr(fn, '__qualname__', type(fn).__name__)}, which the proof does not know")

@@ -411,18 +411,12 @@ class _RowLocal:
             if node.keywords or not node.args or any(self.eval(a) != "row" for a in node.args):
                 self.refuse(node, "passes a submodule something that is not row-local")
             return "row"
-        if target == "act" or (isinstance(target, Obj) and _known_function(target.value)):
+        if target == "act" or (isinstance(target, Obj) and elementwise.known_function(target.value)):
             if len(node.args) != 1 or node.keywords or self.eval(node.args[0]) != "row":
                 self.refuse(node, "is not an element-wise function of one row-local value")
             return "row"
         self.refuse(node, "calls something not known to be element-wise")
 
-
-def _known_function(fn) -> bool:
-    try:
-        return fn in elementwise.ELEMENTWISE_FUNCTIONS
-    except TypeError:
-        return False
 
 
 def _submodule_row_local(module: nn.Module, what: str, depth: int = 0) -> None:

@@ -94,13 +94,8 @@ def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str
     if entry.get("moe_only"):
         matched, skipped = split_moe(key, entry["match"], matched, modules)
     if entry.get("decision") is not None:
-        resolved = replay_entry(key, entry, parallel, modules, matched)
-        if resolved is entry and list(entry["decision"].get("skipped") or []) != skipped:
-            raise DriftError(f"{key}: the dense modules its match skips changed "
-                             f"({entry['decision'].get('skipped')} -> {skipped}); resolve the plan afresh")
-        return resolved
-    resolved = decide_entry(key, entry, parallel, modules, matched, skipped)
-    return resolved
+        return replay_entry(key, entry, parallel, modules, matched, skipped)
+    return decide_entry(key, entry, parallel, modules, matched, skipped)
 
 
 def split_moe(key: str, pattern: str, matched: list[str], modules: dict) -> tuple[list[str], list[str]]:
@@ -263,7 +258,8 @@ def _signature(fn) -> str:
         return "(?)"
 
 
-def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, matched: list[str]) -> dict:
+def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, matched: list[str],
+                 skipped: list[str]) -> dict:
     """Keep a recorded decision if its seal holds and its code has not drifted; else error or redetect."""
     decision, fn = entry["decision"], entry["local_compute_fn"]
     if seal_entry(entry["match"], fn, decision) != decision["fingerprint"]:
@@ -271,7 +267,7 @@ def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
                         f"(decision.fingerprint no longer matches them); a decision is written by autoep, never "
                         f"by hand. To change the plan, drop the decision so it is decided afresh "
                         f"({key}.decision=null on the command line, or delete the block), or restore the file")
-    drift = drift_reasons(decision, modules, matched)
+    drift = drift_reasons(decision, modules, matched, skipped)
     if drift:
         where = f"{key} ({decision['modules'][0]}{' ...' if len(decision['modules']) > 1 else ''})"
         if parallel.on_drift == "error":
@@ -280,16 +276,18 @@ def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
         log.warning("%s: drift (%s); parallel.on_drift=redetect, deciding afresh", where, "; ".join(drift))
         fresh = {"match": entry["match"], "local_compute_fn": AUTO if decision["source"] == "auto" else fn,
                  "moe_only": entry.get("moe_only", False)}
-        skipped = [n for n in match_modules(key, entry["match"], modules) if n not in matched]
         return decide_entry(key, fresh, parallel, modules, matched, skipped)
     check_compute_fn(key, fn, parallel.allowed_targets)
     check_ep_size(parallel.ep_size, decision["num_experts"], matched)
     return entry
 
 
-def drift_reasons(decision: Mapping, modules: dict, matched: list[str]) -> list[str]:
+def drift_reasons(decision: Mapping, modules: dict, matched: list[str], skipped: list[str] = ()) -> list[str]:
     """What differs between a recorded decision and the model now; empty when nothing does."""
     reasons = []
+    if list(decision.get("skipped") or []) != list(skipped):
+        reasons.append(f"dense modules skipped by moe_only changed ({list(decision.get('skipped') or [])} -> "
+                       f"{list(skipped)})")
     if decision["modules"] != matched:
         added = sorted(set(matched) - set(decision["modules"]))
         removed = sorted(set(decision["modules"]) - set(matched))

@@ -166,3 +166,18 @@ def _exchange_and_compute(
 
     # Reverse exchange: results go home in the order they were sent.
     return all_to_all(y_recv_SD, send_splits, recv_splits, ep_group), routed
+
+
+def ep_grouped_forward(
+    rows_SD: Tensor, counts_E: Tensor, *, num_experts: int, ep_group, expert_fn: ExpertFn
+) -> Tensor:
+    """Rows already grouped by expert (``counts_E[e]`` contiguous rows for expert e, in expert order) ->
+    each row through its own expert, same order: ``sum(counts_E)`` rows in ``rows_SD``'s dtype.
+
+    The exchange of ``ep_experts_forward`` with one slot per row and weight one (``y * 1.0`` in fp32 and
+    back is exact, so values and gradients are the experts' own).
+    """
+    ids_S = torch.repeat_interleave(torch.arange(num_experts, device=rows_SD.device), counts_E.to(rows_SD.device))
+    ones_S1 = torch.ones((ids_S.shape[0], 1), dtype=torch.float32, device=rows_SD.device)
+    return ep_experts_forward(rows_SD[: ids_S.shape[0]], ids_S.unsqueeze(1), ones_S1, num_experts=num_experts,
+                              ep_group=ep_group, expert_fn=expert_fn, out_dtype=rows_SD.dtype)

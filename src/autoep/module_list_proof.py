@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoep import elementwise
+from autoep import elementwise, split_loop
 from autoep.expert_loop import Prover, strip_casts
 from autoep.loop_context import always_reached, plain_method, prelude, self_reads
 from autoep.names import Scope
@@ -155,17 +155,23 @@ def global_hooks() -> bool:
 
 @dataclass(frozen=True)
 class SplicePlan:
-    """Where the expert loop sits and what it reads: the recipe replaces ``method``'s top-level
-    statement ``loop_index`` by ``acc.index_add_(rows, EP(x, idx, w))`` and runs the rest as written."""
+    """Where the expert region sits and what it reads: the recipe replaces ``method``'s top-level
+    statements ``first..last`` by one call into the exchange and runs the rest as written.
+
+    ``kind="loop"`` (one ``for`` statement): ``__autoep_expert_loop__(self, acc, x, idx, w)`` adds
+    ``w[t, k] * expert_{idx[t, k]}(x[t])`` into ``acc``. ``kind="split"`` (``split_loop``: the loop over
+    per-expert row counts and the concatenation after it): ``out = __autoep_expert_loop__(self, rows,
+    counts)`` gives each expert's output on its own contiguous rows, in expert order."""
 
     method: str
     fn: object
-    loop_index: int
-    acc: str
-    x: str
-    idx: str
-    w: str
+    first: int
+    last: int
+    args: tuple[str, ...]
+    out: str | None = None
+    kind: str = "loop"
     add_at_rows: bool = False  # the loop wrote ``acc[tok] += ...``: exact only if no token meets an expert twice
+    empty_1d: bool = False  # split: with no rows the block's own code gives ``rows.new_empty(0)``
 
 
 def module_list_plan(block: nn.Module) -> SplicePlan:
@@ -215,15 +221,17 @@ def _experts_only_in(tree: ast.FunctionDef, loop: ast.For, where: str) -> None:
 
 
 def _plan(block, fn, tree: ast.FunctionDef, method: str, index: int, loop: ast.For) -> SplicePlan:
+    if split_loop.is_split_loop(loop):
+        region = split_loop.split_region(fn, tree, block, index)
+        _nothing_used_after(fn, tree, region.first, region.last, keep=region.out)
+        return SplicePlan(method, fn, region.first, region.last, (region.rows, region.counts), region.out,
+                          kind="split", empty_1d=region.empty_1d)
     p = Prover(fn, tree, block, len(block.experts), batched=False)
     prelude(p, tree.body[:index])
     p.loop(loop)
     if p.facts.expert is None or strip_casts(p.facts.expert) != ("expert", ("x",)):
         raise Refusal(f"{p.where}: the loop adds {p.facts.expert}, not expert(x[tok]) × weight")
-    stored = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    later = {n.id for s in tree.body[index + 1:] for n in ast.walk(s) if isinstance(n, ast.Name)}
-    if stored & later:
-        raise Refusal(f"{p.where}: {sorted(stored & later)} from inside the expert loop are used after it")
+    stored = _nothing_used_after(fn, tree, index, index)
     names = {}
     for role in ("acc", "x", "idx", "w"):
         value = getattr(p.facts, role)
@@ -231,5 +239,16 @@ def _plan(block, fn, tree: ast.FunctionDef, method: str, index: int, loop: ast.F
         if not holders:
             raise Refusal(f"{p.where}: the loop's {role} is not held by a name at the loop")
         names[role] = holders[0]
-    return SplicePlan(method, fn, index, names["acc"], names["x"], names["idx"], names["w"], p.facts.add_at_rows)
+    args = tuple(names[r] for r in ("acc", "x", "idx", "w"))
+    return SplicePlan(method, fn, index, index, args, add_at_rows=p.facts.add_at_rows)
 
+
+def _nothing_used_after(fn, tree: ast.FunctionDef, first: int, last: int, keep: str | None = None) -> set[str]:
+    """The names the region's statements bind (but ``keep``, its result) are not read after it."""
+    stored = {n.id for s in tree.body[first:last + 1] for n in ast.walk(s)
+              if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    later = {n.id for s in tree.body[last + 1:] for n in ast.walk(s) if isinstance(n, ast.Name)}
+    used = (stored - {keep}) & later
+    if used:
+        raise Refusal(f"{fn.__qualname__}: {sorted(used)} from inside the expert region are used after it")
+    return stored

@@ -1,12 +1,13 @@
 """Compile a block's own method with its expert loop spliced out.
 
 The method is recompiled from its own source, with its own globals and closure (zero-arg ``super()``
-included: ``__class__`` is passed as the closure cell it was), and exactly one top-level statement
-changed: the proven expert loop becomes
+included: ``__class__`` is passed as the closure cell it was), and exactly one region of top-level statements
+changed: the proven expert region becomes one call into the EP exchange,
 
-    __autoep_expert_loop__(self, acc, x, idx, w)
+    __autoep_expert_loop__(self, acc, x, idx, w)     # a loop adding sum_k w[t, k] * expert_{idx[t, k]}(x[t])
+    out = __autoep_expert_loop__(self, rows, counts)  # an argsort/split loop and its concatenation
 
-which adds ``sum_k w[t, k] * expert_{idx[t, k]}(x[t])`` into ``acc`` through the EP exchange. Every
+(``module_list_proof.SplicePlan`` says which statements and names). Every
 other statement (routing, jitter, scaling, shared branch, aux losses, the return) is the model's own.
 """
 from __future__ import annotations
@@ -23,20 +24,22 @@ _FACTORY = "__autoep_factory__"
 
 
 def spliced_source(plan) -> ast.FunctionDef:
-    """The method's AST with the loop statement replaced by the call into the exchange."""
+    """The method's AST with the region's statements replaced by the call into the exchange."""
     tree = copy.deepcopy(function_tree(plan.fn))
-    loop = tree.body[plan.loop_index]
+    region = tree.body[plan.first]
     self_name = tree.args.args[0].arg
-    args = [ast.Name(id=n, ctx=ast.Load()) for n in (self_name, plan.acc, plan.x, plan.idx, plan.w)]
-    call = ast.Expr(value=ast.Call(func=ast.Name(id=LOOP_NAME, ctx=ast.Load()), args=args, keywords=[]))
-    tree.body[plan.loop_index] = ast.copy_location(call, loop)
+    args = [ast.Name(id=n, ctx=ast.Load()) for n in (self_name, *plan.args)]
+    call = ast.Call(func=ast.Name(id=LOOP_NAME, ctx=ast.Load()), args=args, keywords=[])
+    stmt = ast.Expr(value=call) if plan.out is None else ast.Assign(
+        targets=[ast.Name(id=plan.out, ctx=ast.Store())], value=call)
+    tree.body[plan.first:plan.last + 1] = [ast.copy_location(stmt, region)]
     tree.decorator_list = []
     return tree
 
 
 def compile_spliced(plan, expert_loop):
-    """A plain function (bind it to the block) equal to ``plan.fn`` with its expert loop replaced by
-    ``expert_loop(self, acc, x, idx, w)``."""
+    """A plain function (bind it to the block) equal to ``plan.fn`` with its expert region replaced by
+    ``expert_loop(self, *plan.args)``."""
     fn = plan.fn
     tree = spliced_source(plan)
     free = list(fn.__code__.co_freevars)
@@ -60,7 +63,7 @@ def compile_spliced(plan, expert_loop):
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     code = compile(ast.parse(source), filename, "exec")
     namespace: dict = {}
-    exec(code, fn.__globals__, namespace)  # noqa: S102 - the model's own source, one statement changed
+    exec(code, fn.__globals__, namespace)  # noqa: S102 - the model's own source, one region changed
     new = namespace[_FACTORY](expert_loop, *[cells[n] for n in free])
     new.__qualname__ = fn.__qualname__
     new.__doc__ = fn.__doc__

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autoep.apply import shard_expert_tensor
-from autoep.dispatch import ep_experts_forward
+from autoep.dispatch import ep_experts_forward, ep_grouped_forward
 from autoep.errors import UnsupportedModuleStructure
 from autoep.experts import glu_gate, grouped_swiglu
 from autoep.module_list_proof import module_list_facts, module_list_plan
@@ -246,6 +246,24 @@ def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK:
     acc.index_add_(0, rows_T, out_TD.to(acc.dtype))
 
 
+def ep_split_loop(module: nn.Module, rows_SD: Tensor, counts, *, ep_group, empty_1d: bool = False) -> Tensor:
+    """What the block's argsort/split loop and concatenation did (``autoep.split_loop``): the ``counts[e]``
+    contiguous rows of expert e, in expert order, each through its expert, concatenated (``sum(counts)``
+    rows), with the experts spread over ``ep_group``."""
+    E = module.experts.num_experts
+    counts_E = torch.as_tensor(counts).to(device=rows_SD.device, dtype=torch.long)
+    if counts_E.shape != (E,):
+        raise RuntimeError(f"{type(module).__name__}: its expert loop iterates {tuple(counts_E.shape)} row counts "
+                           f"for {E} experts; autoep's exchange needs one count per expert")
+    # NOTE: .tolist() syncs the host once per layer: the rows the loop would slice must exist.
+    lowest, total = torch.stack([counts_E.min(), counts_E.sum()]).tolist()
+    if total > rows_SD.shape[0] or lowest < 0:
+        raise RuntimeError(f"{type(module).__name__}: its row counts (sum {total}) do not fit its "
+                           f"{rows_SD.shape[0]} sorted rows; the loop's slices would not be whole experts")
+    out_SD = ep_grouped_forward(rows_SD, counts_E, num_experts=E, ep_group=ep_group, expert_fn=module.experts)
+    return rows_SD.new_empty(0) if empty_1d and total == 0 else out_SD
+
+
 def _check_each_expert_once(module: nn.Module, top_k_index_TK: Tensor) -> None:
     """``acc[tok] += v`` writes a row once even if ``tok`` repeats it; the exchange adds every pair. They
     agree while no token routes to one expert twice (always so for a top-k); otherwise fail loudly."""
@@ -279,7 +297,10 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     plan = validate(module, structure=structure)
     stack_module_list_experts(module, structure=structure)
     shard_stacked_experts(module, ep_mesh)
-    loop = functools.partial(ep_expert_loop, ep_group=ep_group_of(ep_mesh), add_at_rows=plan.add_at_rows)
+    if plan.kind == "split":
+        loop = functools.partial(ep_split_loop, ep_group=ep_group_of(ep_mesh), empty_1d=plan.empty_1d)
+    else:
+        loop = functools.partial(ep_expert_loop, ep_group=ep_group_of(ep_mesh), add_at_rows=plan.add_at_rows)
     # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run.
     setattr(module, plan.method, types.MethodType(compile_spliced(plan, loop), module))
 

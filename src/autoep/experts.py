@@ -124,6 +124,21 @@ def grouped_swiglu(
     return grouped_linear(h_SF, tokens_per_expert, down_LIO, down_bias)
 
 
+def grouped_split_glu(
+    x_SD: Tensor,
+    tokens_per_expert: Tensor,
+    gate_LDF: Tensor,
+    up_LDF: Tensor,
+    down_LFD: Tensor,
+    *,
+    act_fn: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """Gated expert MLP with separate gate and up weights, every weight as (L, in, out):
+    ``(act_fn(x @ gate[e]) * (x @ up[e])) @ down[e]`` on rows grouped by local expert; returns (S, D)."""
+    h_SF = act_fn(grouped_linear(x_SD, tokens_per_expert, gate_LDF)) * grouped_linear(x_SD, tokens_per_expert, up_LDF)
+    return grouped_linear(h_SF, tokens_per_expert, down_LFD)
+
+
 def glu_gate(act_fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     """The concatenated-layout SwiGLU gate: ``act_fn(gate) * up`` with ``gate, up = h.chunk(2, -1)``."""
 

@@ -2,7 +2,8 @@
 
 - ``batched_experts_facts(experts)``: a transformers-v5-style experts module whose ``forward(hidden,
   top_k_index, top_k_weights)`` is proven to be the expert loop of ``w * down(gate(gate_up(x)))``;
-  autoep replaces that forward (and nothing else).
+  autoep replaces that forward (and nothing else). Its weights are 3-D parameters of the experts, or
+  (DBRX) flattened ``(E*F, D)`` parameters of a submodule (``autoep.flat_experts``).
 (ModuleList experts and the v4 block's loop: ``autoep.module_list_proof``.)
 
 Each returns facts or raises ``Refusal`` naming what could not be proven.
@@ -10,6 +11,7 @@ Each returns facts or raises ``Refusal`` naming what could not be proven.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ import torch.nn as nn
 
 from autoep import elementwise
 from autoep.expert_loop import Attr, Hit, Mask, Obj, Opaque, Prover
+from autoep.flat_experts import AccView, FlatLayout, FlatProver, flat_layout
 from autoep.loop_context import plain_method
 from autoep.names import Scope
 from autoep.source import Refusal, function_tree
@@ -63,6 +66,9 @@ class BatchedRoles:
     weights: str
     out_dtype: str = "hidden"
     acc_dtype: str = "hidden"  # the accumulator's: hidden | float32 | weights
+    rows: int = 0  # D where the forward flattens its hidden argument to rows ``reshape(-1, D)`` (0: it does not)
+    view_out: bool = False  # it returns ``acc.view(hidden.shape[0], -1, D)``
+    flat: FlatLayout | None = None  # flattened (E*F, D) weights on a submodule (DBRX)
 
 
 def batched_experts_facts(experts: nn.Module) -> dict:
@@ -76,7 +82,10 @@ def batched_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
     first = experts._parameters.get("gate_up_proj", experts._parameters.get("up_proj"))
     down = experts._parameters.get("down_proj")
     if not (isinstance(first, nn.Parameter) and isinstance(down, nn.Parameter) and first.dim() == down.dim() == 3):
-        raise Refusal(f"experts {cls.__name__} has no 3-D nn.Parameters gate_up_proj (or up_proj) and down_proj")
+        if not experts._parameters and any(p.dim() == 2 for p in experts.parameters()):
+            return _flat_proof(experts)
+        raise Refusal(f"experts {cls.__name__} has no 3-D nn.Parameters gate_up_proj (or up_proj) and down_proj, "
+                      "nor only flattened 2-D weights on a submodule")
     fn = experts_forward(cls)
     tree = function_tree(fn)
     prover = Prover(fn, tree, experts, int(first.shape[0]), batched=True)
@@ -84,6 +93,26 @@ def batched_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
     facts = _batched_layout(prover, experts)
     _check_batched_params(experts, facts)
     return facts, roles
+
+
+def _flat_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
+    """Experts whose weights are flattened ``(E*F, D)`` parameters of a submodule, viewed per expert."""
+    fn = experts_forward(type(experts))
+    tree = function_tree(fn)
+    # The expert count is what the views prove (rows // F); nothing may compare with it before that,
+    # so the loop proof gets none (-1 matches no padding id and no range).
+    prover = FlatProver(fn, tree, experts, -1)
+    roles = _prove_batched_forward(prover, tree)
+    marks: list = []
+    _strip_f32(prover.facts.expert, marks)
+    if marks:
+        raise Refusal(f"{prover.where}: flattened experts that upcast to float32 are not followed")
+    if prover.zeros_src is not prover.facts.x:
+        raise Refusal(f"{prover.where} accumulates into zeros shaped like another tensor than its rows")
+    layout = flat_layout(prover, experts)
+    facts = dict(expert_bias=False, expert_transposed=False, gate_up_layout="separate", activation="glu",
+                 expert_projs=",".join((layout.gate, layout.up, layout.down)), expert_act=layout.act)
+    return facts, dataclasses.replace(roles, flat=layout)
 
 
 def _prove_batched_forward(p: Prover, tree: ast.FunctionDef) -> BatchedRoles:
@@ -110,13 +139,22 @@ def _prove_batched_forward(p: Prover, tree: ast.FunctionDef) -> BatchedRoles:
             p.refuse(stmt)
     f = p.facts
     by_value = {id(v): k for k, v in values.items()}
-    if f.x is None or f.idx is None or f.w is None or len({id(f.x), id(f.idx), id(f.w)}) != 3:
+    rows_of, view_out = getattr(p, "rows_of", None), getattr(p, "view_out", None)
+    x = f.x
+    if rows_of is not None:  # the forward flattened its hidden argument: the rows must be those
+        if f.x is not rows_of.rows:
+            raise Refusal(f"{p.where} flattens {rows_of.of.label} to rows but reads other rows")
+        x = rows_of.of
+    if view_out is not None and (rows_of is None or view_out.lead is not rows_of.of or view_out.cols != rows_of.cols):
+        raise Refusal(f"{p.where} views its output by another tensor's leading size than its flattened hidden states")
+    if x is None or f.idx is None or f.w is None or len({id(x), id(f.idx), id(f.w)}) != 3:
         raise Refusal(f"{p.where} does not read hidden states, expert ids and weights from its three arguments")
     if out_dtype == "weights" and p.acc_dtype is not f.w:
         raise Refusal(f"{p.where} accumulates in the dtype of a tensor other than its weights")
     acc_dtype = "hidden" if p.acc_dtype is None else "float32" if p.acc_dtype is torch.float32 else "weights"
     try:
-        return BatchedRoles(by_value[id(f.x)], by_value[id(f.idx)], by_value[id(f.w)], out_dtype, acc_dtype)
+        return BatchedRoles(by_value[id(x)], by_value[id(f.idx)], by_value[id(f.w)], out_dtype, acc_dtype,
+                            rows=rows_of.cols if rows_of is not None else 0, view_out=view_out is not None)
     except KeyError:
         raise Refusal(f"{p.where} reads its tokens, ids or weights from something other than its arguments") from None
 
@@ -127,7 +165,7 @@ def _assign_acc_or(p: Prover, stmt: ast.Assign) -> None:
         if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name) or p.zeros_of_x is not None:
             p.refuse(stmt, "is a second accumulator")
         acc = Opaque(stmt.targets[0].id)
-        p.zeros_of_x, p.acc_dtype = acc, value[2]
+        p.zeros_of_x, p.acc_dtype, p.zeros_src = acc, value[2], value[1]
         p.env[stmt.targets[0].id] = acc
         return
     p.assign(stmt)
@@ -142,7 +180,10 @@ def _returned_dtype(p: Prover, stmt: ast.Return) -> str:
         if isinstance(target, Attr) and target.name == "dtype" and target.of is p.facts.x:
             return "hidden"
         p.refuse(stmt, "casts the accumulator to a dtype the proof does not know")
-    if acc is None or p.eval(value) is not acc:
+    returned = p.eval(value) if acc is not None else None
+    if isinstance(returned, AccView) and returned.acc is acc:
+        p.view_out = returned  # acc.view(hidden.shape[0], -1, D): checked against the flattened rows
+    elif returned is not acc or acc is None:
         p.refuse(stmt, "does not return the accumulator")
     if p.acc_dtype is None:
         return "hidden"

@@ -32,7 +32,9 @@ class MoeStructure:
     # Expert layout facts (batched_parameters; module_list experts are stacked to the default layout).
     expert_bias: bool = False  # gate_up_proj_bias / down_proj_bias are added
     expert_transposed: bool = False  # weights stored (E, in, out) and applied as x @ w
-    gate_up_layout: str = "concatenated"  # concatenated [gate | up] | interleaved [g0, u0, g1, u1, ...]
+    # concatenated [gate | up] | interleaved [g0, u0, g1, u1, ...] | separate (batched flattened experts:
+    # two gate, up weights)
+    gate_up_layout: str = "concatenated"
     # glu: the experts' forward computes act_fn(gate) * up itself | clamped_glu, own_gate: it calls its
     # own proven-row-local ``_apply_gate`` (with a clamp / without), which the recipe then calls |
     # plain: no gate half, down(act_fn(up(x))) with an ``up_proj`` (gate_up_layout "none").
@@ -40,6 +42,9 @@ class MoeStructure:
     # module_list experts: attribute names of the gate, up and down projections (comma-separated,
     # e.g. "gate_proj,up_proj,down_proj" or "w1,w3,w2"), and the activation: "act_fn" = the expert's
     # own ``act_fn`` module, else the name of the torch function written in its forward (e.g. "silu").
+    # batched experts with flattened (E*F, D) weights on a submodule (DBRX): gate,up,down by path, e.g.
+    # "mlp.w1,mlp.v1,mlp.w2" (gate, up applied as x @ w[e].T, down as h @ w[e]), and expert_act the path of
+    # their activation module ("mlp.activation_fn").
     expert_projs: str = ""
     expert_act: str = ""
     # param: the experts compute in their weights' dtype | float32: their forward upcasts the routed rows
@@ -118,6 +123,13 @@ def count_experts(module: nn.Module) -> int:
     p = getattr(experts, "down_proj", None)
     if isinstance(p, nn.Parameter) and p.dim() == 3:
         return int(p.shape[0])
+    if isinstance(experts, nn.Module) and not experts._parameters:  # flattened (E*F, D) weights (DBRX): as proven
+        try:
+            flat = experts_proof.batched_proof(experts)[1].flat
+        except Refusal:
+            flat = None
+        if flat is not None:
+            return flat.num_experts
     raise UnsupportedModuleStructure(type(module).__name__, "cannot count experts: no ModuleList or 3-D down_proj")
 
 

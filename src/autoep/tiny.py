@@ -70,7 +70,7 @@ TINY = {
     "shared_expert_intermediate_size": 16, "shared_intermediate_size": 16, "ffn_hidden_size": 32,
     "moe_ffn_hidden_size": 16, "num_experts": 8, "n_routed_experts": 8, "num_local_experts": 8,
     "moe_num_experts": 8, "num_routed_experts": 8, "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2,
-    "moe_k": 2, "num_selected_experts": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+    "moe_k": 2, "moe_top_k": 2, "num_selected_experts": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
     "num_shared_experts": 1, "moe_num_shared_experts": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 8, "vocab_size": 128, "num_hidden_layers": 2,
 }
@@ -81,11 +81,19 @@ MAY_BE_NONE = ("num_experts_per_tok", "n_group", "topk_group", "n_routed_experts
                "num_local_experts", "moe_intermediate_size", "intermediate_size", "n_shared_experts")
 
 
+# Sub-configs that hold one part of every layer (DBRX's attention and FFN configs): shrunk with their parent.
+LAYER_SUB_CONFIGS = ("attn_config", "ffn_config")
+
+
 def _shrink(config) -> None:
     for key, value in TINY.items():
         cur = getattr(config, key, "absent")
         if (isinstance(cur, int) and not isinstance(cur, bool)) or (cur is None and key in MAY_BE_NONE):
             setattr(config, key, value)
+    for key in LAYER_SUB_CONFIGS:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            _shrink(sub)
 
 
 def build_block(cls: type, configs: list[type], *, tiny: bool = False):
@@ -151,6 +159,11 @@ TINY_ATTENTION = {
 FAMILY_TINY = {
     "dots3_note": {"head_dim": 16},  # SWA head_dim = qk_nope_head_dim + qk_rope_head_dim
     "lfm2_moe": {"layer_types": ["full_attention", "conv"]},  # its default layer_types is None
+    # Sizes live in the attention and FFN sub-configs (F != D, so a transposed weight cannot pass). Its
+    # attention reads attn_config.rope_theta, which the config class lacks, and clamps by clip_qkv, which
+    # fails at its default None: both are set.
+    "dbrx": {"d_model": 32, "n_heads": 4, "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"ffn_hidden_size": 16, "moe_num_experts": 8, "moe_top_k": 2}},
 }
 MODEL_SUFFIXES = ("ForCausalLM", "TextModel", "Model")  # preference order of the family's own classes
 
@@ -202,7 +215,7 @@ def _suffix_rank(name: str) -> int:
 def _text_only(config_cls) -> bool:
     if config_cls is None or not isinstance(config_cls, type):
         return False
-    sub = getattr(config_cls, "sub_configs", None) or {}
+    sub = set(getattr(config_cls, "sub_configs", None) or {}) - set(LAYER_SUB_CONFIGS)
     return not sub and "vision" not in config_cls.__name__.lower() and "audio" not in config_cls.__name__.lower()
 
 

@@ -6,6 +6,12 @@ The block's own forward runs unchanged (routing, shared branch, jitter, output s
 binds its arguments by the experts' own signature, honours the layout facts the detector proved
 (biases, transposed weights, the experts' own gate where their forward calls it), skips padding ids as
 their loop does, and equals the experts' proven forward.
+
+Flattened experts (DBRX: ``experts.mlp.w1``/``v1``/``w2`` each ``(E*F, D)``, viewed ``(-1, F, D)`` per
+expert) keep their parameters where and as they are: ``Shard(0)`` of the flat dim over ``ep`` gives each
+rank whole experts (F rows each, ``ep`` dividing E), so checkpoints keep the model's own layout; the
+local shard is viewed ``(L, F, D)`` and computed as the proven ``act(x @ gate[e].T) * (x @ up[e].T) @
+down[e]``. Where their forward flattens its hidden states to rows and views the result back, so does this.
 """
 
 from __future__ import annotations
@@ -18,10 +24,14 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from torch.distributed.tensor import DTensor
+
+from autoep.apply import shard_expert_tensor
 from autoep.dispatch import ep_experts_forward
-from autoep.errors import UnsupportedModuleStructure
-from autoep.experts import glu_gate, grouped_swiglu
+from autoep.errors import PlanError, UnsupportedModuleStructure
+from autoep.experts import glu_gate, grouped_split_glu, grouped_swiglu
 from autoep.experts_proof import BatchedRoles, batched_proof, experts_forward
+from autoep.flat_experts import FlatLayout
 from autoep.recipes import ep_group_of, local_tensor
 from autoep.source import Refusal
 from autoep.structure import MoeStructure
@@ -48,6 +58,13 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
     experts = module.experts
     roles = validate(module, structure=facts)
     own_forward = experts_forward(type(experts))
+    if roles.flat is not None:
+        shard_flat_experts(experts, roles.flat, ep_mesh, name=type(module).__name__)
+        experts._autoep_ep = _EpExperts(
+            num_experts=roles.flat.num_experts, ep_group=ep_group_of(ep_mesh), transposed=False, bias=False,
+            apply_gate=None, signature=inspect.signature(own_forward), roles=roles, plain=False, fp32=False)
+        experts.forward = types.MethodType(_ep_forward, experts)
+        return
     plain = facts.activation == "plain"
     experts._autoep_ep = _EpExperts(
         num_experts=int(experts.down_proj.shape[0]),  # global count: a DTensor reports the global shape
@@ -81,6 +98,23 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> Batch
     return roles
 
 
+def shard_flat_experts(experts: nn.Module, flat: FlatLayout, ep_mesh, *, name: str) -> None:
+    """Make each flattened ``(E*F, D)`` weight a ``Shard(0)`` DTensor over ``ep_mesh`` where it lives (local
+    slice, no communication): whole experts per rank exactly when ``ep_size`` divides E."""
+    if ep_mesh is None:
+        return
+    ep_size, E = ep_mesh.size(), flat.num_experts
+    if E % ep_size:
+        divisors = [d for d in range(1, E + 1) if E % d == 0]
+        raise PlanError(f"parallel.ep_size={ep_size} does not divide num_experts={E} of {name}; pick one of {divisors}")
+    for path in (flat.gate, flat.up, flat.down):
+        owner_path, _, attr = path.rpartition(".")
+        owner = experts.get_submodule(owner_path)
+        param = owner._parameters[attr]
+        if not isinstance(param, DTensor):
+            setattr(owner, attr, shard_expert_tensor(param, ep_mesh, name=f"{name}.experts.{path}"))
+
+
 def _gate_of(experts: nn.Module, facts: MoeStructure) -> Callable[[Tensor], Tensor]:
     """The gate the proven forward computes: its own ``_apply_gate`` only where it calls it, else
     ``act_fn(gate) * up`` on the concatenated halves, as it writes it."""
@@ -99,6 +133,10 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
     hidden_states = bound.arguments[spec.roles.hidden]
     top_k_index = bound.arguments[spec.roles.index]
     top_k_weights = bound.arguments[spec.roles.weights]
+    dtype_of = {"hidden": hidden_states.dtype, "float32": torch.float32, "weights": top_k_weights.dtype}
+    dtypes = dict(out_dtype=dtype_of[spec.roles.out_dtype], acc_dtype=dtype_of[spec.roles.acc_dtype])
+    if spec.roles.flat is not None:
+        return _ep_flat_forward(self, spec, hidden_states, top_k_index, top_k_weights, dtypes)
 
     def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
         # float32 experts (their forward upcasts rows and weights): the same upcasts, before the grouped GEMMs.
@@ -114,7 +152,6 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
             apply_gate=spec.apply_gate,
         )
 
-    dtype_of = {"hidden": hidden_states.dtype, "float32": torch.float32, "weights": top_k_weights.dtype}
     out_TD = ep_experts_forward(
         hidden_states,
         top_k_index,
@@ -122,12 +159,36 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
         num_experts=spec.num_experts,
         ep_group=spec.ep_group,
         expert_fn=expert_fn,
-        out_dtype=dtype_of[spec.roles.out_dtype],
-        acc_dtype=dtype_of[spec.roles.acc_dtype],  # a bf16 accumulator is summed as the loop sums it
+        **dtypes,  # a bf16 accumulator is summed as the loop sums it
     )
-    if out_TD.shape[0] == hidden_states.shape[0]:
+    return _like_the_accumulator(out_TD, hidden_states)
+
+
+def _like_the_accumulator(out_TD: Tensor, hidden_TD: Tensor) -> Tensor:
+    if out_TD.shape[0] == hidden_TD.shape[0]:
         return out_TD
     # The experts' own loop adds into zeros shaped like the hidden states: rows the expert ids do not
     # reach stay zero (more ids than rows fails in index_select above, as it does in their loop).
-    acc = out_TD.new_zeros((hidden_states.shape[0], out_TD.shape[1]))
+    acc = out_TD.new_zeros((hidden_TD.shape[0], out_TD.shape[1]))
     return acc.index_add(0, torch.arange(out_TD.shape[0], device=acc.device), out_TD)
+
+
+def _ep_flat_forward(self: nn.Module, spec: _EpExperts, hidden_states: Tensor, top_k_index: Tensor,
+                     top_k_weights: Tensor, dtypes: dict) -> Tensor:
+    """Flattened experts (module docstring): their rows, the exchange, their output view."""
+    flat, roles = spec.roles.flat, spec.roles
+    hidden_TD = hidden_states.reshape(-1, roles.rows) if roles.rows else hidden_states
+    F, D = flat.rows_per_expert, flat.hidden
+    act = self.get_submodule(flat.act)
+
+    def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
+        # Layout change (views, no copy): this rank's (L*F, D) shard is L whole experts of F rows.
+        gate_LFD, up_LFD, down_LFD = (local_tensor(self.get_parameter(p)).view(-1, F, D)
+                                      for p in (flat.gate, flat.up, flat.down))
+        return grouped_split_glu(x_SD, tokens_per_local_expert, gate_LFD.transpose(-2, -1),
+                                 up_LFD.transpose(-2, -1), down_LFD, act_fn=act)
+
+    out_TD = ep_experts_forward(hidden_TD, top_k_index, top_k_weights, num_experts=spec.num_experts,
+                                ep_group=spec.ep_group, expert_fn=expert_fn, **dtypes)
+    out_TD = _like_the_accumulator(out_TD, hidden_TD)
+    return out_TD.view(hidden_states.shape[0], -1, D) if roles.view_out else out_TD

@@ -554,3 +554,149 @@ class TitanMoE(nn.Module):
         out = torch.zeros_like(x)
         out = out.scatter_add(0, token_indices_sorted.reshape(-1, 1).expand(-1, dim), routed_output)
         return out.view(bs, slen, dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped experts: ``experts(x sorted by expert, tokens per expert)`` (torchtune, transformers 4.x Aria)
+# ---------------------------------------------------------------------------------------------
+
+
+class TuneGroupedExperts(nn.Module):
+    """torchtune's experts: weights stored (E, in, out) and applied as ``x @ w[e]``, the activation a plain
+    function held on the module."""
+
+    def __init__(self, *, dim=16, hidden_dim=32, num_experts=4, activation=F.silu):
+        super().__init__()
+        self.dim, self.num_experts = dim, num_experts
+        self.gate_proj = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) / dim**0.5)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) / hidden_dim**0.5)
+        self.up_proj = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) / dim**0.5)
+        self.act_fn = activation
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        num_tokens_per_expert = num_tokens_per_expert.tolist()
+        x = torch.split(x, split_size_or_sections=num_tokens_per_expert, dim=0)
+        out_experts_splits = []
+        for expert_idx, x_expert in enumerate(x):
+            w1, w2, w3 = self.gate_proj[expert_idx], self.down_proj[expert_idx], self.up_proj[expert_idx]
+            h = self.act_fn(torch.matmul(x_expert, w1))
+            h = h * torch.matmul(x_expert, w3)
+            h = torch.matmul(h, w2)
+            out_experts_splits.append(h)
+        out = torch.cat(out_experts_splits, dim=0)
+        return out
+
+
+class TuneTokenChoiceRouter(nn.Module):
+    """torchtune's router: sigmoid scores, top-k, tokens sorted by expert, counts by histc."""
+
+    def __init__(self, *, gate: nn.Module, dim: int, num_experts: int, experts_per_token: int):
+        super().__init__()
+        self.gate, self.dim, self.num_experts, self.experts_per_token = gate, dim, num_experts, experts_per_token
+
+    def forward(self, x: torch.Tensor):
+        n_tokens = x.shape[0]
+        scores = torch.sigmoid(self.gate(x).to(torch.float32))
+        top_scores, selected_experts_indices = torch.topk(scores, k=self.experts_per_token, dim=1)
+        selected_experts_indices, token_indices = selected_experts_indices.view(-1).sort(stable=True)
+        top_scores = top_scores.view(-1)[token_indices]
+        token_indices = token_indices // self.experts_per_token
+        num_tokens_per_expert = torch.histc(selected_experts_indices.float(), bins=self.num_experts, min=0,
+                                            max=self.num_experts - 1).long()
+        return top_scores, token_indices, num_tokens_per_expert, n_tokens
+
+
+class TuneMoE(nn.Module):
+    """torchtune's MoE layer: scores applied before the experts, a shared expert, scatter_add back."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.experts = TuneGroupedExperts(dim=hidden, hidden_dim=ffn, num_experts=num_experts)
+        self.router = TuneTokenChoiceRouter(gate=nn.Linear(hidden, num_experts, bias=False), dim=hidden,
+                                            num_experts=num_experts, experts_per_token=top_k)
+        self.shared_expert = FeedForward(hidden, ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, dim = x.shape
+        top_scores, token_indices, num_tokens_per_expert, _ = self.router(x.reshape(b * s, dim))
+        token_indices = token_indices.reshape(-1, 1).expand(-1, dim)
+        routed_input = torch.gather(x.view(-1, dim), dim=0, index=token_indices)
+        routed_input = routed_input * top_scores.reshape(-1, 1).to(x.dtype)
+        routed_output = self.experts(routed_input, num_tokens_per_expert)
+        out = self.shared_expert(x).reshape(b * s, dim)
+        out = out.scatter_add(dim=0, index=token_indices, src=routed_output)
+        return out.reshape(b, s, dim)
+
+
+def grouped_gemm_loop(token_states, expert_weights, tokens_per_expert):
+    """Aria-style fallback GEMM: rows of expert e are ``offsets[e]:offsets[e + 1]``; rows no expert
+    reaches stay zero."""
+    num_tokens = token_states.shape[0]
+    out_features = expert_weights.shape[-1]
+    output = torch.zeros(num_tokens, out_features, dtype=token_states.dtype, device=token_states.device)
+    cumsum_num_tokens = torch.cumsum(tokens_per_expert, dim=0)
+    zero_tensor = torch.zeros(1, dtype=torch.long, device=cumsum_num_tokens.device)
+    cumsum_num_tokens = torch.cat((zero_tensor, cumsum_num_tokens))
+    for expert_num in range(expert_weights.shape[0]):
+        start = cumsum_num_tokens[expert_num]
+        end = cumsum_num_tokens[expert_num + 1]
+        tokens = token_states[start:end]
+        out = torch.matmul(tokens, expert_weights[expert_num])
+        output[start:end] = out
+    return output
+
+
+class AriaStyleGroupedGemm(nn.Module):
+    def __init__(self, in_features, out_features, groups):
+        super().__init__()
+        self.in_features, self.out_features, self.groups = in_features, out_features, groups
+        self.weight = nn.Parameter(torch.randn(groups, in_features, out_features) / in_features**0.5)
+
+    def forward(self, input, tokens_per_expert):
+        return grouped_gemm_loop(input, self.weight, tokens_per_expert.cpu())
+
+
+class AriaStyleGroupedMLP(nn.Module):
+    """fc1 (E, D, 2F) chunked ``projection, gate``; ``silu(projection) * gate``; fc2 (E, F, D)."""
+
+    def __init__(self, hidden=16, ffn=32, num_experts=4):
+        super().__init__()
+        self.fc1 = AriaStyleGroupedGemm(hidden, ffn * 2, num_experts)
+        self.fc2 = AriaStyleGroupedGemm(ffn, hidden, num_experts)
+
+    def forward(self, permuted_tokens, tokens_per_expert):
+        fc1_output = self.fc1(permuted_tokens, tokens_per_expert)
+        projection, gate = torch.chunk(fc1_output, 2, dim=-1)
+        fc1_output = nn.functional.silu(projection) * gate
+        fc2_output = self.fc2(fc1_output, tokens_per_expert)
+        return fc2_output
+
+
+class AriaStyleMoELayer(nn.Module):
+    """transformers 4.x Aria's text MoE: softmax over the top-k logits, argsort permutation, histc counts,
+    index_copy back, weighted sum over k, plus shared experts."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = AriaStyleGroupedMLP(hidden, ffn, num_experts)
+        self.shared_experts = Qwen2MoeStyleMLP(Qwen2MoeStyleConfig(hidden_size=hidden), ffn)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        original_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_states.size(-1))
+        logits = self.router(hidden_states)
+        top_logits, top_indices = torch.topk(logits, k=self.top_k, dim=1)
+        scores = nn.functional.softmax(top_logits, dim=-1)
+        tokens_per_expert = torch.histc(top_indices.flatten().to(torch.float32), bins=self.num_experts, min=0,
+                                        max=self.num_experts - 1).to(top_indices.dtype)
+        sorted_indices = torch.argsort(top_indices.view(-1))
+        permuted_tokens = hidden_states.index_select(0, sorted_indices // self.top_k)
+        expert_output = self.experts(permuted_tokens, tokens_per_expert)
+        unpermuted = torch.zeros((scores.shape[0] * self.top_k, expert_output.size(1)), dtype=expert_output.dtype,
+                                 device=expert_output.device)
+        unpermuted.index_copy_(0, sorted_indices, expert_output)
+        unpermuted = unpermuted.view(-1, self.top_k, expert_output.size(1))
+        output = (unpermuted * scores.unsqueeze(-1)).sum(dim=1).view(original_shape)
+        return output + self.shared_experts(hidden_states.view(original_shape))

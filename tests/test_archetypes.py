@@ -20,8 +20,8 @@ def test_every_row_imports_and_binds(key):
 
 
 def test_a_structure_without_a_row_is_refused():
-    structure = MoeStructure(router="topk_router_module", shared_experts="none", expert_storage="grouped",
+    structure = MoeStructure(router="topk_router_module", shared_experts="none", expert_storage="sparse_mixer",
                              jitter=False)
     with pytest.raises(UnsupportedModuleStructure, match="no recipe for router=topk_router_module with "
-                                                         "expert_storage=grouped"):
+                                                         "expert_storage=sparse_mixer"):
         compute_fn_config(structure, "SomeBlock")

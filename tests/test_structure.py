@@ -437,11 +437,25 @@ def test_float32_experts_are_all_or_nothing():
     assert "upcasts some operands to float32" in refusal(V5Block(HalfUpcastExperts()))
 
 
+@pytest.mark.parametrize("block,facts", [
+    (blocks.TitanMoE, dict(expert_transposed=False, gate_up_layout="separate", expert_projs="w1,w3,w2")),
+    (blocks.TuneMoE, dict(expert_transposed=True, gate_up_layout="separate",
+                          expert_projs="gate_proj,up_proj,down_proj")),
+    (blocks.AriaStyleMoELayer, dict(expert_transposed=True, gate_up_layout="concatenated",
+                                    expert_projs="fc1.weight,fc2.weight")),
+])
+def test_grouped_experts_are_proven_with_their_layout(block, facts):
+    """experts(x_sorted, num_tokens_per_expert): torchtitan (split loop, (E, out, in) weights transposed in
+    the loop), torchtune (x @ w[e], an activation function held on the module), Aria (nested grouped-GEMM
+    modules over a module-level offset loop, one fused weight chunked [gate | up])."""
+    s = detect_moe_structure(block())
+    assert (s.expert_storage, s.activation, s.expert_act) == ("grouped", "glu", "silu")
+    assert {k: getattr(s, k) for k in facts} == facts
+
+
 NOT_YET = {
     "deepseek_remote_code": (blocks.DeepseekRemoteMoE, "per-pair masked assignment while training and an "
                              "argsort/split loop in a @torch.no_grad() helper otherwise (issue 9 item 2)"),
-    "torchtitan_grouped": (blocks.TitanMoE, "experts(x_sorted, num_tokens_per_expert): the grouped experts "
-                           "boundary has no recipe yet (issue 9 item 3)"),
 }
 
 

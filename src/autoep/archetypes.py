@@ -11,7 +11,8 @@ The factory is called once per matched module by ``apply_plan``. Parameter roles
 registered directly on ``module.experts`` are the expert parameters (dim 0 = expert); ``apply_plan``
 shards them ``Shard(0)`` over ``ep`` before calling the factory. A recipe that restructures the experts
 (``module_list``: stacks a ModuleList into ``experts.gate_up_proj``/``experts.down_proj``) shards what it
-creates itself with ``autoep.apply.shard_expert_tensor``. Every other parameter of the block (router,
+creates itself with ``autoep.apply.shard_expert_tensor``; so does ``grouped`` for expert weights on
+nested submodules (``experts.fc1.weight``). Every other parameter of the block (router,
 shared branch) is dense. The factory makes ``module`` EP-ready in place and returns nothing; it moves
 only the expert work (the experts' forward, or the block's expert loop spliced out of its own
 forward): routing, jitter, scaling, shared branches and the return structure stay the model's own code.
@@ -40,6 +41,7 @@ class Archetype:
 
 BATCHED = Archetype(target=f"{RECIPES}.batched.ep_batched_experts")
 MODULE_LIST_BLOCK = Archetype(target=f"{RECIPES}.module_list.ep_module_list_block")
+GROUPED = Archetype(target=f"{RECIPES}.grouped.ep_grouped_experts")
 
 # (router, expert_storage) -> recipe. The remaining MoeStructure fields are passed to the factory as
 # its ``structure`` kwarg, so the decision's full lookup key is every field (jitter included).
@@ -51,6 +53,9 @@ MODULE_LIST_BLOCK = Archetype(target=f"{RECIPES}.module_list.ep_module_list_bloc
 TABLE: dict[tuple[str, str], Archetype] = {
     **{(router, "batched_parameters"): BATCHED for router in ("topk_router_module", "softmax_topk", "sigmoid_group", "other")},
     **{(router, "module_list"): MODULE_LIST_BLOCK for router in ("topk_router_module", "softmax_topk", "sigmoid_group", "other")},
+    # grouped rows keep the block's own forward; only its experts(x_sorted, num_tokens_per_expert) call
+    # becomes the exchange of each group's rows to the rank owning that expert, computed there grouped.
+    **{(router, "grouped"): GROUPED for router in ("topk_router_module", "softmax_topk", "sigmoid_group", "other")},
 }
 
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch.nn as nn
 
-from autoep import experts_proof, module_list_proof, routing_proof, source
+from autoep import experts_proof, grouped_proof, module_list_proof, routing_proof, source
 from autoep.errors import UnsupportedModuleStructure
 from autoep.source import Refusal
 
@@ -18,7 +18,7 @@ DETECTOR_VERSION = "2"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")
-STORAGE_KINDS = ("module_list", "batched_parameters")
+STORAGE_KINDS = ("module_list", "batched_parameters", "grouped")
 
 
 @dataclass(frozen=True)
@@ -27,13 +27,13 @@ class MoeStructure:
 
     router: str  # softmax_topk | sigmoid_group | topk_router_module | other (vocabulary: routing runs as written)
     shared_experts: str  # none | gated | additive (vocabulary: the shared branch always runs as written)
-    expert_storage: str  # module_list | batched_parameters
+    expert_storage: str  # module_list | batched_parameters | grouped (experts(x_sorted, num_tokens_per_expert))
     jitter: bool  # the block has ``jitter_noise`` (vocabulary: jitter always runs as written)
     # Expert layout facts (batched_parameters; module_list experts are stacked to the default layout).
     expert_bias: bool = False  # gate_up_proj_bias / down_proj_bias are added
     expert_transposed: bool = False  # weights stored (E, in, out) and applied as x @ w
-    # concatenated [gate | up] | interleaved [g0, u0, g1, u1, ...] | separate (batched flattened experts:
-    # two gate, up weights)
+    # concatenated [gate | up] | interleaved [g0, u0, g1, u1, ...] | separate (grouped, and batched flattened
+    # experts: two gate, up weights)
     gate_up_layout: str = "concatenated"
     # glu: the experts' forward computes act_fn(gate) * up itself | clamped_glu, own_gate: it calls its
     # own proven-row-local ``_apply_gate`` (with a clamp / without), which the recipe then calls |
@@ -42,6 +42,7 @@ class MoeStructure:
     # module_list experts: attribute names of the gate, up and down projections (comma-separated,
     # e.g. "gate_proj,up_proj,down_proj" or "w1,w3,w2"), and the activation: "act_fn" = the expert's
     # own ``act_fn`` module, else the name of the torch function written in its forward (e.g. "silu").
+    # grouped experts: the weights by path under ``experts`` (gate,up,down or gate_up,down), e.g. "fc1.weight,fc2.weight".
     # batched experts with flattened (E*F, D) weights on a submodule (DBRX): gate,up,down by path, e.g.
     # "mlp.w1,mlp.v1,mlp.w2" (gate, up applied as x @ w[e].T, down as h @ w[e]), and expert_act the path of
     # their activation module ("mlp.activation_fn").
@@ -82,6 +83,10 @@ def _structure(module: nn.Module) -> MoeStructure:
         storage = "module_list"
         facts = module_list_proof.module_list_facts(experts)
         module_list_proof.module_list_plan(module)  # the one expert loop autoep splices out
+    elif isinstance(experts, nn.Module) and grouped_proof.takes_groups(experts):
+        storage = "grouped"
+        facts = grouped_proof.grouped_experts_facts(experts)
+        routing_proof.experts_call(module)
     elif isinstance(experts, nn.Module):
         storage = "batched_parameters"
         facts = experts_proof.batched_experts_facts(experts)
@@ -121,6 +126,9 @@ def count_experts(module: nn.Module) -> int:
     if isinstance(experts, nn.ModuleList):
         return len(experts)
     p = getattr(experts, "down_proj", None)
+    if isinstance(experts, nn.Module) and not isinstance(p, nn.Parameter) and grouped_proof.takes_groups(experts):
+        # grouped experts: the weights may live on submodules (experts.fc1.weight); all are (E, ., .)
+        p = next((w for w in experts.parameters() if w.dim() == 3), None)
     if isinstance(p, nn.Parameter) and p.dim() == 3:
         return int(p.shape[0])
     if isinstance(experts, nn.Module) and not experts._parameters:  # flattened (E*F, D) weights (DBRX): as proven

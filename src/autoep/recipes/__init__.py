@@ -13,6 +13,8 @@ written next to ``_target_`` in the resolved config (for auto decisions ``struct
 - ``batched.ep_batched_experts``: v5-style blocks; keeps the block forward, replaces the experts'.
 - ``module_list.ep_module_list_block``: v4-style blocks; runs the block's own forward with only its
   proven expert loop spliced out and replaced by the exchange.
+- ``grouped.ep_grouped_experts``: blocks calling ``experts(x_sorted, num_tokens_per_expert)``; keeps the
+  block forward, replaces the experts' (each group's rows go to the rank owning that expert).
 """
 
 from __future__ import annotations

@@ -1,0 +1,148 @@
+"""Recipe for blocks whose experts take rows already sorted by expert:
+``experts(x_SD sorted by expert, num_tokens_per_expert_E) -> y_SD`` (torchtitan/torchtune
+``GroupedExperts``, transformers 4.x Aria's ``AriaGroupedExpertsMLP``).
+
+The block's own forward runs unchanged (routing, sorting, scores before or after the experts, the
+scatter back, shared experts); only ``block.experts.forward`` is replaced. The rows of group e (the
+``counts[e]`` contiguous rows at offset ``cumsum``) go to the rank owning expert e, are computed there
+in grouped form with the proven SwiGLU (``autoep.grouped_proof``), and come back in place: each row
+is a (token, expert) pair with weight 1 and top_k 1 for the shared token exchange.
+
+Shape legend: S rows passed to the experts, R rows the counts cover (sum of counts), D hidden, F
+expert intermediate size, E routed experts, L local experts.
+
+Parameters: every expert weight (also on nested submodules, ``experts.fc1.weight``) becomes a
+``Shard(0)`` DTensor over ``ep`` under its own name, so checkpoints keep the model's layout.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from autoep.apply import shard_expert_tensor
+from autoep.dispatch import ep_experts_forward
+from autoep.errors import UnsupportedModuleStructure
+from autoep.experts import glu_gate, grouped_linear, grouped_swiglu
+from autoep.grouped_proof import GroupedProof, grouped_proof
+from autoep.recipes import ep_group_of, local_tensor
+from autoep.source import Refusal
+from autoep.structure import MoeStructure
+
+
+@dataclass(frozen=True)
+class _EpGrouped:
+    """What the replaced experts forward needs, fixed at apply time (weights by path, never by object:
+    a deep copy of the block must run its own weights)."""
+
+    proof: GroupedProof
+    ep_group: object
+    signature: inspect.Signature  # of the experts' own forward: the replacement binds its arguments by it
+
+
+def ep_grouped_experts(module: nn.Module, *, ep_mesh=None, structure: dict | MoeStructure) -> None:
+    """Shard the expert weights and bind the EP experts forward on ``module.experts`` (factory contract:
+    ``autoep.recipes``)."""
+    proof = validate(module, structure=structure)
+    experts = module.experts
+    own_forward = type(experts).forward
+    shard_grouped_weights(experts, proof, ep_mesh, name=type(module).__name__)
+    experts._autoep_ep = _EpGrouped(proof, ep_group_of(ep_mesh), inspect.signature(own_forward))
+    experts.forward = types.MethodType(_ep_forward, experts)
+
+
+def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> GroupedProof:
+    """Resolve-time check (an explicit ``_target_`` included) that this recipe computes what ``module``'s
+    experts compute: their forward is proven and its layout facts are the ones given."""
+    facts = structure if isinstance(structure, MoeStructure) else MoeStructure(**structure)
+    name = type(module).__name__
+    experts = getattr(module, "experts", None)
+    if not isinstance(experts, nn.Module) or isinstance(experts, nn.ModuleList):
+        raise UnsupportedModuleStructure(name, "the grouped recipe needs an experts module called as "
+                                               "experts(x_sorted, num_tokens_per_expert)")
+    try:
+        proof = grouped_proof(experts)
+    except Refusal as exc:
+        raise UnsupportedModuleStructure(name, str(exc)) from None
+    given = {k: getattr(facts, k) for k in proof.facts}
+    if given != proof.facts:
+        raise UnsupportedModuleStructure(name, f"structure says {given} but the experts compute {proof.facts}")
+    return proof
+
+
+def shard_grouped_weights(experts: nn.Module, proof: GroupedProof, ep_mesh, *, name: str) -> None:
+    """Make each expert weight a ``Shard(0)`` DTensor over ``ep_mesh`` where it lives (local slice, no
+    communication); ``apply_plan`` has already sharded those registered directly on the experts."""
+    if ep_mesh is None:
+        return
+    for path in dict.fromkeys((proof.gate, proof.up, proof.down)):
+        owner_path, _, attr = path.rpartition(".")
+        owner = experts.get_submodule(owner_path)
+        param = owner._parameters[attr]
+        if not isinstance(param, DTensor):
+            setattr(owner, attr, shard_expert_tensor(param, ep_mesh, name=f"{name}.experts.{path}"))
+
+
+def _ep_forward(self: nn.Module, *args, **kwargs) -> Tensor:
+    spec: _EpGrouped = self._autoep_ep
+    proof = spec.proof
+    # Bound exactly as the experts' own forward binds them: unknown keywords fail as they would there.
+    bound = spec.signature.bind(self, *args, **kwargs)
+    x_SD, counts_E = bound.arguments[proof.x], bound.arguments[proof.counts]
+    routed = _check_call(self, proof, x_SD, counts_E)
+    E = proof.num_experts
+    # One (token, expert) pair per row: its group's expert, weight 1 (the block applies its own scores).
+    expert_of_row_R1 = torch.repeat_interleave(
+        torch.arange(E, device=x_SD.device), counts_E.to(x_SD.device), output_size=routed
+    ).unsqueeze(1)
+    ones_R1 = torch.ones((routed, 1), dtype=torch.float32, device=x_SD.device)
+    y_RD = ep_experts_forward(
+        x_SD[:routed], expert_of_row_R1, ones_R1, num_experts=E, ep_group=spec.ep_group,
+        expert_fn=lambda x, tokens_per_local_expert: _local_swiglu(self, proof, x, tokens_per_local_expert),
+        out_dtype=x_SD.dtype,
+    )
+    if routed == x_SD.shape[0]:
+        return y_RD
+    # Rows past sum(counts) (tail "zeros" only, see _check_call): the experts' own loop leaves them zero.
+    return torch.cat([y_RD, y_RD.new_zeros((x_SD.shape[0] - routed, y_RD.shape[1]))])
+
+
+def _check_call(experts: nn.Module, proof: GroupedProof, x_SD, counts_E) -> int:
+    """How many rows the counts cover; raises where the experts' own forward would raise or compute
+    something else (the exchange must not guess)."""
+    weight = local_tensor(experts.get_parameter(proof.down))
+    if not isinstance(x_SD, Tensor) or x_SD.dim() != 2 or x_SD.dtype != weight.dtype:
+        raise ValueError(f"grouped experts got rows {getattr(x_SD, 'shape', x_SD)!r}; they need a 2-D tensor of "
+                         f"their weights' dtype {weight.dtype}")
+    if not isinstance(counts_E, Tensor) or counts_E.dim() != 1 or counts_E.numel() != proof.num_experts \
+            or counts_E.is_floating_point() or counts_E.is_complex() or counts_E.dtype == torch.bool:
+        raise ValueError(f"grouped experts got {proof.counts}={counts_E!r}; they need an integer tensor of "
+                         f"{proof.num_experts} counts, one per expert")
+    # NOTE: .tolist() syncs the host once per layer to check the counts against the rows (the experts'
+    # own forward syncs for them too: counts.tolist() or counts.cpu()).
+    sizes = counts_E.tolist()
+    routed, rows = sum(sizes), x_SD.shape[0]
+    if min(sizes) < 0 or routed > rows or (proof.tail == "exact" and routed != rows):
+        raise ValueError(f"grouped experts got {proof.counts} summing to {routed} (min {min(sizes)}) for {rows} "
+                         f"rows; their forward needs non-negative counts summing to "
+                         f"{'the rows' if proof.tail == 'exact' else 'at most the rows'}")
+    return routed
+
+
+def _local_swiglu(experts: nn.Module, proof: GroupedProof, x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
+    """The proven SwiGLU on this rank's experts, rows grouped by local expert."""
+    act = experts.get_submodule(proof.act) if isinstance(proof.act, str) else proof.act
+    down_LDF = local_tensor(experts.get_parameter(proof.down))
+    if proof.gate == proof.up:  # one fused weight, chunked [gate | up]
+        gate_up = local_tensor(experts.get_parameter(proof.gate))
+        return grouped_swiglu(x_SD, tokens_per_local_expert, gate_up, down_LDF, transposed=proof.transposed,
+                              apply_gate=glu_gate(act))
+    as_lio = (lambda w: w) if proof.transposed else (lambda w: w.transpose(-2, -1))  # noqa: E731 - (L, in, out)
+    gate_SF = grouped_linear(x_SD, tokens_per_local_expert, as_lio(local_tensor(experts.get_parameter(proof.gate))))
+    up_SF = grouped_linear(x_SD, tokens_per_local_expert, as_lio(local_tensor(experts.get_parameter(proof.up))))
+    return grouped_linear(act(gate_SF) * up_SF, tokens_per_local_expert, as_lio(down_LDF))

@@ -1,0 +1,206 @@
+"""recipes.grouped: a block calling ``experts(x_sorted, num_tokens_per_expert)`` under EP computes exactly
+what its own forward computes.
+
+Parity (DESIGN.md): each rank r feeds its own tokens x_r (uneven counts, one rank with none); output_r and
+grad wrt x_r equal the block's own; router and shared grads summed over ranks, and expert grads gathered
+over ep (summed over edp) equal the block's own forward/backward run slice by slice. fp32, default
+tolerances. The decision comes from the real detector and archetype table and the block is made EP-ready
+by ``apply_plan``: the path a training run takes. Blocks: torchtitan and torchtune spellings and the
+transformers 4.x Aria layer's (nested grouped-GEMM submodules, a module-level offset loop).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from autoep.apply import apply_plan
+from autoep.archetypes import compute_fn_config
+from autoep.recipes.grouped import ep_grouped_experts
+from autoep.structure import detect_moe_structure
+from blocks import AriaStyleMoELayer, TitanMoE, TuneMoE
+from distributed import guarded, run_cases
+
+D, SEQ = 16, 3
+BATCH_PER_RANK = {1: [4], 2: [3, 0], 4: [2, 0, 3, 1]}  # sequences per rank; uneven, one rank empty
+
+
+def _idle_experts_titan():
+    """Positive inputs and router rows 2.. negative: tokens only pick experts 0 and 1, so the ranks
+    owning the others receive nothing and must still produce zero expert gradients."""
+    block = TitanMoE(hidden=D, num_experts=4, top_k=2)
+    with torch.no_grad():
+        block.router.weight.abs_()
+        block.router.weight[2:].neg_()
+    return block
+
+
+BLOCKS = {
+    "torchtitan": lambda: TitanMoE(hidden=D, num_experts=4, top_k=2),
+    "torchtitan_top3": lambda: TitanMoE(hidden=D, num_experts=8, top_k=3),
+    "torchtune": lambda: TuneMoE(hidden=D, num_experts=4, top_k=2),
+    "aria_style": lambda: AriaStyleMoELayer(hidden=D, num_experts=4, top_k=2),
+    "aria_style_8": lambda: AriaStyleMoELayer(hidden=D, num_experts=8, top_k=3),
+    "idle_experts": _idle_experts_titan,
+}
+
+
+def _make(name: str) -> nn.Module:
+    torch.manual_seed(sum(map(ord, name)))
+    return BLOCKS[name]().train()
+
+
+def _data(name: str, world_size: int):
+    """Per-rank inputs and output cotangents, identical on every rank (seeded)."""
+    g = torch.Generator().manual_seed(7)
+    batches = BATCH_PER_RANK[world_size]
+    x = torch.randn(sum(batches), SEQ, D, generator=g)
+    if name == "idle_experts":
+        x = x.abs()
+    grad_out = torch.randn(x.shape, generator=g)
+    bounds = [sum(batches[:r]) for r in range(world_size + 1)]
+    return [(x[lo:hi], grad_out[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _run(block, x, grad_out):
+    x = x.clone().requires_grad_()
+    out = block(x)
+    (out * grad_out).sum().backward()
+    return out.detach(), x.grad
+
+
+def _plan(model: nn.Module) -> dict:
+    """The frozen plan resolve_plan would write: one entry per block, decided by the real detector."""
+    plan = []
+    for name, block in model.items():
+        structure = detect_moe_structure(block)
+        decision = {"source": "auto", "structure": structure.as_dict(), "modules": [name]}
+        plan.append({"match": name, "local_compute_fn": compute_fn_config(structure), "decision": decision})
+    return {"plan": plan}
+
+
+def _gathered(block: nn.Module, mesh) -> tuple[dict, dict]:
+    """(grads, weights) by the model's own names: expert DTensors gathered over ep and their grads summed
+    over edp; dense grads summed over the world. Collectives in the same order on every rank."""
+    grads, weights = {}, {}
+    edp = mesh.get_group("edp") if mesh is not None and mesh.ndim == 2 else None
+    for n, p in block.named_parameters():
+        g = p.grad
+        if isinstance(p, DTensor):
+            assert g is not None, f"{n}: expert weight has no grad (a rank without tokens must still get zeros)"
+            g, weights[n] = g.full_tensor(), p.full_tensor()  # NOTE: collectives (all-gather over ep)
+            if edp is not None:
+                dist.all_reduce(g, group=edp)  # NOTE: collective; edp replicas' expert grads sum
+        else:
+            g = torch.zeros_like(p) if g is None else g.clone()
+            if mesh is not None:
+                dist.all_reduce(g)  # NOTE: collective; replicated router/shared grads sum over ranks
+        grads[n] = g
+    return grads, weights
+
+
+def _check_block(name, rank, world_size, mesh_shape):
+    slices = _data(name, world_size)
+    ref = _make(name)
+    ref_results = [_run(ref, *s) for s in slices]
+    mesh = None
+    if world_size > 1:
+        names = ("ep",) if len(mesh_shape) == 1 else ("edp", "ep")
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    model = nn.ModuleDict({"mlp": _make(name)})
+    apply_plan(model, _plan(model), mesh)
+    block = model["mlp"]
+    out, x_grad = _run(block, *slices[rank])
+    grads, weights = _gathered(block, mesh)
+
+    ref_out, ref_x_grad = ref_results[rank]
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(x_grad, ref_x_grad)
+    ref_params = dict(ref.named_parameters())
+    assert grads.keys() == ref_params.keys()  # names unchanged: checkpoints keep the model's layout
+    assert (mesh is None) or weights, "no expert weight was sharded"
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_params[n].grad, msg=lambda m: f"grad of {n}: {m}")
+    for n, w in weights.items():
+        torch.testing.assert_close(w, ref_params[n].detach(), msg=lambda m: f"{n}: {m}")
+
+
+def grouped_cases(rank, world_size):
+    results = {}
+    mesh_shapes = [(world_size,)] + ([(2, world_size // 2)] if world_size == 4 else [])
+    for mesh_shape in mesh_shapes:
+        for name in BLOCKS:
+            guarded(results, f"{name} mesh={mesh_shape}", _check_block, name, rank, world_size, mesh_shape)
+    return results
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_single_process_parity(name):
+    _check_block(name, 0, 1, (1,))
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def multi_rank(request):
+    return request.param, run_cases(request.param, "test_grouped_recipe:grouped_cases")
+
+
+def test_multi_rank_parity(multi_rank):
+    world_size, results = multi_rank
+    assert len(results) == len(BLOCKS) * (2 if world_size == 4 else 1), f"only {sorted(results)} ran"
+    failed = {name: errs for name, errs in results.items() if errs}
+    assert not failed, f"world_size={world_size}: " + "\n".join(f"{n}:\n{e[0]}" for n, e in failed.items())
+
+
+def _ep(name: str) -> nn.Module:
+    block = _make(name)
+    ep_grouped_experts(block, ep_mesh=None, structure=detect_moe_structure(block).as_dict())
+    return block
+
+
+def test_rows_past_the_counts_come_back_as_the_experts_own_forward_gives_them():
+    """Aria's offset loop leaves rows past sum(counts) zero (and their grads zero); the EP path does too."""
+    own, ep = _make("aria_style").experts, _ep("aria_style").experts
+    x = torch.randn(7, D)
+    counts = torch.tensor([2, 0, 3, 0])
+    results = []
+    for experts in (own, ep):
+        xr = x.clone().requires_grad_()
+        y = experts(xr, counts)
+        (y * torch.arange(y.numel()).reshape(y.shape)).sum().backward()
+        results.append((y.detach(), xr.grad))
+    torch.testing.assert_close(results[1], results[0])
+    assert results[1][0][5:].abs().max() == 0 and results[1][1][5:].abs().max() == 0
+
+
+@pytest.mark.parametrize("name,counts,rows,match", [
+    ("torchtitan", [2, 0, 3, 0], 7, "summing to 5"),  # torch.split raises on its own: so does EP
+    ("aria_style", [4, 0, 3, 1], 7, "summing to 8"),  # the offset loop would clip silently: EP refuses
+    ("aria_style", [2, -1, 3, 1], 7, "min -1"),
+    ("torchtune", [2, 5], 7, "4 counts"),
+])
+def test_counts_the_experts_would_treat_otherwise_fail_loudly(name, counts, rows, match):
+    with pytest.raises(ValueError, match=match):
+        _ep(name).experts(torch.randn(rows, D), torch.tensor(counts))
+
+
+def test_rows_of_another_dtype_fail_loudly():
+    with pytest.raises(ValueError, match="dtype"):
+        _ep("torchtitan").experts(torch.randn(4, D, dtype=torch.float64), torch.tensor([1, 1, 1, 1]))
+
+
+def test_deepcopy_of_applied_block_is_independent():
+    """The bound forward belongs to its block: a deep copy runs its own weights."""
+    block = _ep("aria_style")
+    twin = copy.deepcopy(block)
+    with torch.no_grad():
+        twin.experts.fc2.weight.zero_()
+        twin.shared_experts.down_proj.weight.zero_()
+    x = torch.randn(2, SEQ, D)
+    assert twin(x).abs().max() == 0
+    assert block(x).abs().max() > 0

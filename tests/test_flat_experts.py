@@ -1,0 +1,173 @@
+"""Batched experts with flattened ``(E*F, D)`` weights on a submodule (transformers 5.x DBRX,
+``autoep.flat_experts``): what is proven, what is refused, and that an accepted edit is exact.
+
+Edits are made to the real ``DbrxExperts.forward`` / ``DbrxExpertGLU.forward`` source (a subclass whose
+source is on disk, so the detector reads it) and the block re-classed in place.
+"""
+import copy
+import importlib.util
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("transformers 5.x DBRX (4.x: tests/test_transformers_v4.py)", allow_module_level=True)
+
+from transformers.models.dbrx import modeling_dbrx  # noqa: E402
+
+from autoep.archetypes import compute_fn_config  # noqa: E402
+from autoep.errors import PlanError, UnsupportedModuleStructure  # noqa: E402
+from autoep.models import import_object  # noqa: E402
+from autoep.structure import count_experts, detect_moe_structure  # noqa: E402
+
+D, F, E = 32, 16, 4  # F != D: a transposed weight or a swapped view cannot pass on shapes alone
+
+
+def dbrx_block() -> torch.nn.Module:
+    config = modeling_dbrx.DbrxConfig(d_model=D, n_heads=4, ffn_config={"ffn_hidden_size": F, "moe_num_experts": E,
+                                                                        "moe_top_k": 2})
+    torch.manual_seed(0)
+    block = modeling_dbrx.DbrxFFN(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    return block.train()
+
+
+@pytest.fixture
+def edited(tmp_path):
+    """``edited(cls, old, new)``: a subclass of ``cls`` whose forward differs by one edit, source on disk."""
+
+    def make(cls, old, new):
+        src = textwrap.indent(textwrap.dedent(inspect.getsource(cls.forward)), "    ")
+        assert old in src, old
+        path = tmp_path / f"edited_{abs(hash((cls, old, new)))}.py"
+        path.write_text("from transformers.models.dbrx import modeling_dbrx as _m\nglobals().update(vars(_m))\n\n\n"
+                        f"class {cls.__name__}(_m.{cls.__name__}):\n{src.replace(old, new)}")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return getattr(mod, cls.__name__)
+
+    return make
+
+
+def with_edit(edited, where: str, old: str, new: str) -> torch.nn.Module:
+    block = dbrx_block()
+    obj = block.experts if where == "experts" else block.experts.mlp
+    obj.__class__ = edited(type(obj), old, new)
+    return block
+
+
+def assert_exact(block: torch.nn.Module) -> None:
+    """The recipe the table names (no exchange) equals the block's own forward, outputs and every grad."""
+    structure = detect_moe_structure(block)
+    cfg = dict(compute_fn_config(structure))
+    ep = copy.deepcopy(block)
+    import_object(cfg.pop("_target_"))(ep, ep_mesh=None, **cfg)
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for m in (block, ep):
+        xi = x.clone().requires_grad_()
+        out = m(xi)
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        runs.append((out.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}))
+    (ref_out, ref_gx, ref_g), (out, gx, g) = runs
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(gx, ref_gx)
+    for name in ref_g:
+        torch.testing.assert_close(g[name], ref_g[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def refusal(block) -> str:
+    with pytest.raises(UnsupportedModuleStructure) as info:
+        detect_moe_structure(block)
+    return info.value.reason
+
+
+def test_dbrx_is_proven_with_its_flattened_layout():
+    block = dbrx_block()
+    s = detect_moe_structure(block)
+    assert (s.expert_storage, s.gate_up_layout, s.expert_transposed, s.expert_bias) == (
+        "batched_parameters", "separate", False, False)
+    assert (s.expert_projs, s.expert_act) == ("mlp.w1,mlp.v1,mlp.w2", "mlp.activation_fn")
+    assert count_experts(block) == E
+    assert_exact(block)
+
+
+EXPERTS_CALL = "self.mlp(hidden_states[token_idx], w1, v1, w2)"
+GLU_GATE = "gate_proj = self.activation_fn(gate_proj)"
+
+# Edits the recipe follows as proven (the roles come from the proof, not from the names): exact.
+EXACT = [
+    ("experts", EXPERTS_CALL, "self.mlp(hidden_states[token_idx], v1, w1, w2)"),  # gate and up swapped
+    ("glu", "intermediate_states = gate_proj * up_proj", "intermediate_states = up_proj * gate_proj"),
+    # Half-size experts: the view makes 2E experts of F/2 rows; ids below E pick the same rows either way.
+    ("experts", "split_expert_shape = (-1, self.ffn_hidden_size, self.hidden_size)",
+     "split_expert_shape = (-1, 8, self.hidden_size)"),
+    ("experts", "next_states = next_states.view(batch_size, -1, self.hidden_size)\n", "\n"),  # returns rows
+]
+
+# Edits the recipe would get wrong: refused, naming the construct.
+REFUSED = [
+    ("experts", "self.mlp.w1.view(split_expert_shape)[expert_idx]", "self.mlp.w1.view(split_expert_shape)[expert_idx + 1]",
+     "is not understood"),
+    ("experts", "self.mlp.w1.view(split_expert_shape)[expert_idx]", "self.mlp.w1.view(split_expert_shape)[0]",
+     "does not index the viewed weight by the loop's expert id"),
+    ("experts", "self.mlp.w2.view(split_expert_shape)[expert_idx]",
+     "self.mlp.w2.view(-1, self.hidden_size, self.ffn_hidden_size)[expert_idx]", "not all viewed (-1, F, D) alike"),
+    ("experts", "self.mlp.v1.view(split_expert_shape)[expert_idx]", "self.mlp.v1[expert_idx]",
+     "indexes a flat weight without viewing it per expert"),
+    ("experts", "hidden_states.reshape(-1, self.hidden_size)", "hidden_states.reshape(-1, self.ffn_hidden_size)",
+     "views its output by another tensor's leading size"),
+    ("experts", "next_states.view(batch_size, -1, self.hidden_size)", "next_states.view(batch_size, -1, self.ffn_hidden_size)",
+     "views its output by another tensor's leading size"),
+    ("experts", "states.view(-1, self.hidden_size) * top_k_weights", "states.view(-1, self.hidden_size) * 2.0 * top_k_weights",
+     "is not expert output × routing weight"),
+    ("experts", "next_states.view(batch_size, -1, self.hidden_size)", "next_states.view(-1, batch_size, self.hidden_size)",
+     "is not acc.view(hidden_states.shape[0], -1, hidden size)"),
+    ("glu", "intermediate_states.matmul(expert_w2)", "intermediate_states.matmul(expert_w2.T)",
+     "reshapes rows that are not an expert's output"),
+    ("glu", "x.matmul(expert_w1.T)", "x.matmul(expert_w1.T) * 2.0", "is not expert output × routing weight"),
+    ("glu", "intermediate_states.matmul(expert_w2)", "intermediate_states.matmul(expert_w2) * 0.5", "is not expert"),
+    ("glu", GLU_GATE, "gate_proj = torch.softmax(gate_proj, dim=-1)", "which the proof does not know"),
+    ("glu", "x.matmul(expert_v1.T)", "x.matmul(self.v1.view(-1, 16, 32)[0].T)", "reads a weight of the submodule"),
+]
+
+
+@pytest.mark.parametrize("where, old, new", EXACT)
+def test_an_edit_the_proof_follows_is_exact(edited, where, old, new):
+    assert_exact(with_edit(edited, where, old, new))
+
+
+@pytest.mark.parametrize("where, old, new, message", REFUSED)
+def test_an_edit_the_recipe_would_get_wrong_is_refused(edited, where, old, new, message):
+    block = with_edit(edited, where, old, new)
+    assert message in refusal(block)
+
+
+def test_runtime_state_of_the_submodule_is_part_of_the_proof():
+    block = dbrx_block()
+    block.experts.mlp.register_forward_hook(lambda m, a, out: out * 2)
+    assert "forward_hooks" in refusal(block)
+    block = dbrx_block()
+    block.experts.mlp.w2.requires_grad_(False)
+    assert "frozen" in refusal(block)
+    block = dbrx_block()
+    block.experts.mlp.activation_fn = torch.nn.Softmax(dim=-1)
+    assert "not a known element-wise activation" in refusal(block) or "which the proof does not follow" in refusal(block)
+
+
+def test_ep_size_must_divide_the_experts_not_only_the_rows():
+    from autoep.recipes.batched import ep_batched_experts
+
+    class Mesh:  # only the size is read before the check
+        def size(self):
+            return 3
+
+    block = dbrx_block()
+    with pytest.raises(PlanError, match="ep_size=3 does not divide num_experts=4"):
+        ep_batched_experts(block, ep_mesh=Mesh(), structure=detect_moe_structure(block))

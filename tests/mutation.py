@@ -67,6 +67,9 @@ class Target:
     name: str
     build: Callable[[], nn.Module]
     flat: bool = False  # the block takes (tokens, hidden), not (batch, seq, hidden)
+    # on several ranks, one rank may get no sequences; False where the block's own forward cannot run an
+    # empty batch (DBRX: its experts' ``acc.view(0, -1, D)`` is ambiguous), so no rank of it ever has none
+    empty_rank: bool = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,6 +125,20 @@ def _v5_float32_experts() -> nn.Module:
     return block
 
 
+def _dbrx_block() -> nn.Module:
+    """transformers 5.x ``DbrxFFN`` with F=16 != D=32, so a transposed weight or a swapped view cannot pass
+    on shapes alone (the tiny config shrinks both to 32)."""
+    from test_parity_hf import randomize_
+    from transformers.models.dbrx import modeling_dbrx
+
+    config = modeling_dbrx.DbrxConfig(d_model=32, n_heads=4, ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4,
+                                                                         "moe_top_k": 2})
+    torch.manual_seed(0)
+    block = modeling_dbrx.DbrxFFN(config)
+    randomize_(block, 0)
+    return block.float().train()
+
+
 def targets() -> list[Target]:
     """Every target, in the fixed order of the enumeration: the original ten, then ``NEW_TARGETS``."""
     from blocks import (CappedRouterMoE, DeepseekV3StyleMoE, MistralInferenceMoeLayer, MixtralStyleSparseMoeBlock,
@@ -159,12 +176,13 @@ def targets() -> list[Target]:
         *(Target(f"hf/{f}", _transformers_block(f, c)) for f, c in new_hf),
         *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in new_v4.items()),
         Target("v5/float32_experts", _hand_written_block("float32_experts", _v5_float32_experts), flat=True),
+        Target("hf/dbrx", _dbrx_block, empty_rank=False),  # flattened (E*F, D) experts on a submodule
     ]
 
 
 NEW_TARGETS = frozenset({
     "hf/nemotron_h", "hf/inkling2", "hf/openai_privacy_filter", "hf/flint", "hf/phimoe",
-    "v4/mistral_inference", "v4/capped_router", "v4/closure", "v5/float32_experts",
+    "v4/mistral_inference", "v4/capped_router", "v4/closure", "v5/float32_experts", "hf/dbrx",
 })
 
 
@@ -311,7 +329,10 @@ class Run:
 
 def inputs(block: nn.Module, batch: int = BATCH) -> torch.Tensor:
     """(batch, SEQ, hidden), fixed; a flat target sees it as (batch * SEQ, hidden) (``forward_backward``)."""
-    hidden = router_of(block).weight.shape[-1]
+    router = router_of(block)  # torchtune, DBRX: the gate is a Linear inside the router
+    weight = getattr(router, "weight", None)
+    weight = weight if weight is not None else next(m.weight for m in router.modules() if isinstance(m, nn.Linear))
+    hidden = weight.shape[-1]
     return torch.randn(batch, SEQ, hidden, generator=torch.Generator().manual_seed(7))
 
 

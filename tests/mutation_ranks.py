@@ -69,14 +69,15 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
     if why:
         return why.split(":")[0], why, False
     x, flat = inputs(block), mutant.target.flat
+    splits = SPLITS if mutant.target.empty_rank else SPLITS[:1]
     try:
-        for split in SPLITS:
+        for split in splits:
             for r, s in enumerate(_slices(x, split)):
                 forward_backward(copy.deepcopy(block), s, seed=100 + r, flat=flat)
     except Exception as exc:  # noqa: BLE001 - the same on every rank: every rank computes every slice
         return "invalid", "own forward on a slice: " + short_error(exc), False
     dist.barrier()  # NOTE: default group: the ep group's short timeout counts from a common start
-    for split in SPLITS:
+    for split in splits:
         try:
             why, raised = _ranks_round(block, structure, x, split, rank, group, mesh, flat), False
         except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails (or a peer hung)

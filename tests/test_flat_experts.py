@@ -1,5 +1,7 @@
-"""Batched experts with flattened ``(E*F, D)`` weights on a submodule (transformers 5.x DBRX,
-``autoep.flat_experts``): what is proven, what is refused, and that an accepted edit is exact.
+"""Batched experts with flattened ``(E*F, D)`` weights on a submodule (DBRX, ``autoep.flat_experts``), in
+the installed transformers (5.x: ``experts(hidden, top_k_index, top_k_weights)``, views per hit expert;
+4.57: ``experts(x, weights, top_weights, top_experts)``, per-expert chunks over ``range(E)``): what is
+proven, what is refused, and that an accepted edit is exact.
 
 Edits are made to the real ``DbrxExperts.forward`` / ``DbrxExpertGLU.forward`` source (a subclass whose
 source is on disk, so the detector reads it) and the block re-classed in place.
@@ -13,8 +15,9 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-if int(transformers.__version__.split(".")[0]) < 5:
-    pytest.skip("transformers 5.x DBRX (4.x: tests/test_transformers_v4.py)", allow_module_level=True)
+V5 = int(transformers.__version__.split(".")[0]) >= 5
+only_v5 = pytest.mark.skipif(not V5, reason="transformers 5.x DBRX source")
+only_v4 = pytest.mark.skipif(V5, reason="transformers 4.x DBRX source")
 
 from transformers.models.dbrx import modeling_dbrx  # noqa: E402
 
@@ -30,7 +33,7 @@ def dbrx_block() -> torch.nn.Module:
     config = modeling_dbrx.DbrxConfig(d_model=D, n_heads=4, ffn_config={"ffn_hidden_size": F, "moe_num_experts": E,
                                                                         "moe_top_k": 2})
     torch.manual_seed(0)
-    block = modeling_dbrx.DbrxFFN(config)
+    block = modeling_dbrx.DbrxFFN(config)  # 5.x and 4.x alike read their sizes from config.ffn_config
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.2)
@@ -72,9 +75,10 @@ def assert_exact(block: torch.nn.Module) -> None:
     runs = []
     for m in (block, ep):
         xi = x.clone().requires_grad_()
-        out = m(xi)
-        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
-        runs.append((out.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}))
+        outs = m(xi)
+        outs = outs if isinstance(outs, tuple) else (outs,)  # 4.x: (output, router softmax)
+        sum((o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() for o in outs).backward()
+        runs.append(([o.detach() for o in outs], xi.grad, {n: p.grad for n, p in m.named_parameters()}))
     (ref_out, ref_gx, ref_g), (out, gx, g) = runs
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(gx, ref_gx)
@@ -96,6 +100,16 @@ def test_dbrx_is_proven_with_its_flattened_layout():
     assert (s.expert_projs, s.expert_act) == ("mlp.w1,mlp.v1,mlp.w2", "mlp.activation_fn")
     assert count_experts(block) == E
     assert_exact(block)
+
+
+def test_the_flattened_hidden_states_and_the_output_view_are_the_forwards_own():
+    from autoep.experts_proof import batched_proof
+
+    roles = batched_proof(dbrx_block().experts)[1]
+    # 5.x: reshape(-1, self.hidden_size), next_states.view(batch_size, -1, self.hidden_size);
+    # 4.x: b, s, h = x.shape, x.view(-1, h), out.reshape(b, s, h)
+    assert (roles.rows, roles.unpacked, roles.view_out) == ((D, 0, "lead") if V5 else (-1, 3, "shape"))
+    assert (roles.flat.rows_per_expert, roles.flat.hidden, roles.flat.num_experts) == (F, D, E)
 
 
 EXPERTS_CALL = "self.mlp(hidden_states[token_idx], w1, v1, w2)"
@@ -138,15 +152,65 @@ REFUSED = [
 ]
 
 
+@only_v5
 @pytest.mark.parametrize("where, old, new", EXACT)
 def test_an_edit_the_proof_follows_is_exact(edited, where, old, new):
     assert_exact(with_edit(edited, where, old, new))
 
 
+@only_v5
 @pytest.mark.parametrize("where, old, new, message", REFUSED)
 def test_an_edit_the_recipe_would_get_wrong_is_refused(edited, where, old, new, message):
     block = with_edit(edited, where, old, new)
     assert message in refusal(block)
+
+
+V4_CALL = "self.mlp(expert_tokens, w1_chunked[expert_idx], v1_chunked[expert_idx], w2_chunked[expert_idx])"
+V4_RANGE = "range(0, self.moe_num_experts)"
+V4_CHUNK_W1 = "w1_chunked = [w1.squeeze(dim=0) for w1 in w1_chunked]"
+
+V4_EXACT = [
+    ("experts", V4_CALL, V4_CALL.replace("w1_chunked[expert_idx], v1_chunked", "v1_chunked[expert_idx], w1_chunked")),
+    ("experts", V4_RANGE, "range(self.moe_num_experts)"),
+    ("experts", "out = out.reshape(bsz, q_len, hidden_size)\n", "\n"),  # returns rows
+]
+
+V4_REFUSED = [
+    ("experts", V4_RANGE, "range(1, self.moe_num_experts)", "does not range over all the experts"),
+    ("experts", V4_RANGE, "range(0, self.moe_num_experts - 1)", "does not range over all the experts"),
+    ("experts", V4_CALL, V4_CALL.replace("w2_chunked[expert_idx]", "w2_chunked[0]"), "by the loop's expert id"),
+    ("experts", V4_CHUNK_W1, "w1_chunked = [w1.squeeze(dim=0) * 2.0 for w1 in w1_chunked]", "is not expert output"),
+    ("experts", V4_CHUNK_W1, "w1_chunked = [w1.squeeze(dim=0) for w1 in w1_chunked if True]", "is not understood"),
+    ("experts", V4_CHUNK_W1, "w1_chunked = [w1.squeeze(dim=0) for w1 in w1_chunked[::-1]]", "without viewing it per expert"),
+    ("experts", "out = out.reshape(bsz, q_len, hidden_size)", "out = out.reshape(q_len, bsz, hidden_size)",
+     "is not acc.view(hidden_states.shape[0], -1, hidden size) or acc.reshape(b, s, h)"),
+    ("experts", "x = x.view(-1, hidden_size)", "x = x.view(-1, q_len)", "is not a reshape of the hidden states"),
+    ("glu", "x.matmul(expert_w1.t())", "x.matmul(expert_w1.t()) * 2.0", "is not expert output × routing weight"),
+    ("glu", "intermediate_states.matmul(expert_w2)", "intermediate_states.matmul(expert_w2.t())", "not h @ down[e] last"),
+]
+
+
+@only_v4
+@pytest.mark.parametrize("where, old, new", V4_EXACT)
+def test_a_v4_edit_the_proof_follows_is_exact(edited, where, old, new):
+    assert_exact(with_edit(edited, where, old, new))
+
+
+@only_v4
+@pytest.mark.parametrize("where, old, new, message", V4_REFUSED)
+def test_a_v4_edit_the_recipe_would_get_wrong_is_refused(edited, where, old, new, message):
+    assert message in refusal(with_edit(edited, where, old, new))
+
+
+@only_v4
+def test_a_v4_transposed_gate_is_refused_where_the_shapes_would_let_it_run(edited):
+    """F == D: ``x @ w1[e]`` runs, and computes something else than ``x @ w1[e].T``."""
+    config = modeling_dbrx.DbrxConfig(d_model=16, n_heads=4, ffn_config={"ffn_hidden_size": 16, "moe_num_experts": E,
+                                                                         "moe_top_k": 2})
+    block = modeling_dbrx.DbrxFFN(config)
+    block.experts.mlp.__class__ = edited(modeling_dbrx.DbrxExpertGLU, "x.matmul(expert_w1.t())", "x.matmul(expert_w1)")
+    block(torch.randn(1, 3, 16))  # its own forward runs
+    assert "the gate is not act(gate) * up" in refusal(block) or "not x @ w[e].T" in refusal(block)
 
 
 def test_runtime_state_of_the_submodule_is_part_of_the_proof():

@@ -67,7 +67,9 @@ class BatchedRoles:
     out_dtype: str = "hidden"
     acc_dtype: str = "hidden"  # the accumulator's: hidden | float32 | weights
     rows: int = 0  # D where the forward flattens its hidden argument to rows ``reshape(-1, D)`` (0: it does not)
-    view_out: bool = False  # it returns ``acc.view(hidden.shape[0], -1, D)``
+    # rows -1: the hidden states' own last dim (``reshape(-1, h)`` after ``b, s, h = hidden.shape``)
+    unpacked: int = 0  # the forward unpacks ``hidden.shape`` into this many names (other ranks raise there)
+    view_out: str = ""  # lead: it returns ``acc.view(hidden.shape[0], -1, D)`` | shape: ``acc.reshape(b, s, h)``
     flat: FlatLayout | None = None  # flattened (E*F, D) weights on a submodule (DBRX)
 
 
@@ -102,7 +104,7 @@ def _flat_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
     # The expert count is what the views prove (rows // F); nothing may compare with it before that,
     # so the loop proof gets none (-1 matches no padding id and no range).
     prover = FlatProver(fn, tree, experts, -1)
-    roles = _prove_batched_forward(prover, tree)
+    roles = _prove_batched_forward(prover, tree, unused_ok=True)
     marks: list = []
     _strip_f32(prover.facts.expert, marks)
     if marks:
@@ -115,11 +117,16 @@ def _flat_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
     return facts, dataclasses.replace(roles, flat=layout)
 
 
-def _prove_batched_forward(p: Prover, tree: ast.FunctionDef) -> BatchedRoles:
+def _prove_batched_forward(p: Prover, tree: ast.FunctionDef, unused_ok: bool = False) -> BatchedRoles:
+    """``unused_ok``: one more positional parameter is allowed where the source never reads it (transformers
+    4.x DBRX passes the full router softmax along); the replacement binds it by the same signature."""
     a = tree.args
-    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or len(a.args) != 4:
-        raise Refusal(f"{p.where} takes {[x.arg for x in a.args[1:]]}, not (hidden_states, top_k_index, top_k_weights)")
     params = [x.arg for x in a.args[1:]]
+    if unused_ok and len(params) == 4:
+        read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        params = [n for n in params if n in read]
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or len(params) != 3 or len(a.args) - 1 > 3 + unused_ok:
+        raise Refusal(f"{p.where} takes {[x.arg for x in a.args[1:]]}, not (hidden_states, top_k_index, top_k_weights)")
     values = {name: Opaque(name) for name in params}
     p.env.update(values)
     body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
@@ -154,7 +161,9 @@ def _prove_batched_forward(p: Prover, tree: ast.FunctionDef) -> BatchedRoles:
     acc_dtype = "hidden" if p.acc_dtype is None else "float32" if p.acc_dtype is torch.float32 else "weights"
     try:
         return BatchedRoles(by_value[id(x)], by_value[id(f.idx)], by_value[id(f.w)], out_dtype, acc_dtype,
-                            rows=rows_of.cols if rows_of is not None else 0, view_out=view_out is not None)
+                            rows=rows_of.cols if rows_of is not None else 0,
+                            unpacked=p.unpacked[1] if getattr(p, "unpacked", None) else 0,
+                            view_out=view_out.mode if view_out is not None else "")
     except KeyError:
         raise Refusal(f"{p.where} reads its tokens, ids or weights from something other than its arguments") from None
 
@@ -182,7 +191,7 @@ def _returned_dtype(p: Prover, stmt: ast.Return) -> str:
         p.refuse(stmt, "casts the accumulator to a dtype the proof does not know")
     returned = p.eval(value) if acc is not None else None
     if isinstance(returned, AccView) and returned.acc is acc:
-        p.view_out = returned  # acc.view(hidden.shape[0], -1, D): checked against the flattened rows
+        p.view_out = returned  # the hidden argument's shape again: checked against the flattened rows
     elif returned is not acc or acc is None:
         p.refuse(stmt, "does not return the accumulator")
     if p.acc_dtype is None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from autoep import elementwise
-from autoep.expert_loop import Act, ExpertId, Obj, Opaque, Prover, Row, ShapeItem
+from autoep.expert_loop import Act, Attr, ExpertId, Obj, Opaque, Prover, Row, ShapeItem
 from autoep.loop_context import plain_method
 from autoep.source import Refusal, function_tree
 
@@ -50,22 +50,44 @@ class FlatView:
 
 
 @dataclass(frozen=True)
+class FlatChunks:
+    """``view.chunk(E, dim=0)``: E pieces of one expert each, ``(1, F, D)``."""
+
+    view: FlatView
+
+
+@dataclass(frozen=True)
+class ChunkItem:
+    view: FlatView  # one piece of FlatChunks, inside a comprehension over them
+    squeezed: bool = False  # ``.squeeze(dim=0)``: expert e's (F, D) weight
+
+
+@dataclass(frozen=True)
+class FlatList:
+    """``[c.squeeze(dim=0) for c in view.chunk(E, dim=0)]``: indexed by the expert id, its (F, D) weight."""
+
+    view: FlatView
+
+
+@dataclass(frozen=True)
 class RowsOf:
     """``rows = hidden.reshape(-1, D)``: the experts' hidden argument flattened to rows."""
 
     rows: Opaque
     of: Opaque
-    cols: int
+    cols: int  # D, or -1: the hidden states' own last dim (``x.shape[-1]`` or unpacked from ``x.shape``)
     node: ast.AST  # the reshape
 
 
 @dataclass(frozen=True)
 class AccView:
-    """``acc.view(hidden.shape[0], -1, D)``: the accumulator given the hidden argument's leading dim."""
+    """The accumulator given the hidden argument's shape again: ``acc.view(hidden.shape[0], -1, D)``
+    (``mode`` "lead") or ``acc.reshape(b, s, h)`` of ``b, s, h = hidden.shape`` ("shape")."""
 
     acc: Opaque
     lead: Opaque
     cols: int
+    mode: str
 
 
 @dataclass(frozen=True)
@@ -94,6 +116,7 @@ class FlatProver(Prover):
         self.rows_of: RowsOf | None = None
         self.act: tuple[str, nn.Module] | None = None
         self.zeros_src: Opaque | None = None
+        self.unpacked: tuple[Opaque, int] | None = None  # ``b, s, h = hidden.shape``: (hidden, 3)
 
     # -- self.<attr> ------------------------------------------------------------------------------
 
@@ -131,7 +154,10 @@ class FlatProver(Prover):
         param = module._parameters.get(node.attr)
         if isinstance(param, nn.Parameter) and param.dim() == 2 and node.attr not in vars(module):
             return FlatWeight(f"{sub.path}.{node.attr}")
-        self.refuse(node, "is not a 2-D weight of the submodule")
+        value = vars(module).get(node.attr)
+        if type(value) is int:
+            return Obj(value)
+        self.refuse(node, "is not a 2-D weight or an int of the submodule")
 
     # -- subscripts, methods, operators -----------------------------------------------------------
 
@@ -142,13 +168,49 @@ class FlatProver(Prover):
             if isinstance(e, ExpertId) and not e.row:
                 return ("param", base.path)
             self.refuse(node, "does not index the viewed weight by the loop's expert id")
-        if isinstance(base, (FlatWeight, Sub)):
+        if isinstance(base, FlatList):
+            e = self.eval(node.slice)
+            if isinstance(e, ExpertId) and not e.row:
+                return ("param", base.view.path)
+            self.refuse(node, "does not index the per-expert weights by the loop's expert id")
+        if isinstance(base, (FlatWeight, Sub, FlatChunks, ChunkItem)):
             self.refuse(node, "indexes a flat weight without viewing it per expert")
         return super()._e_Subscript(node)
+
+    def _e_ListComp(self, node):
+        """``[c.squeeze(dim=0) for c in view.chunk(E, dim=0)]`` and nothing else."""
+        (gen,) = node.generators if len(node.generators) == 1 else self.refuse(node, "has several loops")
+        if gen.ifs or gen.is_async or not isinstance(gen.target, ast.Name):
+            self.refuse(node)
+        chunks = self.eval(gen.iter)
+        if not isinstance(chunks, FlatChunks):
+            self.refuse(node, "does not go over a weight's per-expert chunks")
+        name, saved = gen.target.id, self.env.get(gen.target.id, _UNBOUND)
+        self.env[name] = ChunkItem(chunks.view)
+        try:
+            item = self.eval(node.elt)
+        finally:
+            if saved is _UNBOUND:
+                self.env.pop(name)
+            else:
+                self.env[name] = saved
+        if item != ChunkItem(chunks.view, squeezed=True):
+            self.refuse(node, "does not squeeze each chunk to one expert's weight")
+        return FlatList(chunks.view)
 
     def _method(self, node, base, name: str):
         if isinstance(base, FlatWeight) and name == "view":
             return self._view_weight(node, base)
+        if isinstance(base, FlatView) and name == "chunk":
+            args = self._args(node, ("chunks", "dim"), 2)
+            if self.eval(args["chunks"]) != Obj(self._experts_viewed(node)) or self.eval(args["dim"]) != Obj(0):
+                self.refuse(node, "is not chunk(number of experts, dim=0)")
+            return FlatChunks(base)
+        if isinstance(base, ChunkItem) and not base.squeezed and name == "squeeze":
+            (arg,) = self._args(node, ("dim",), 1).values()
+            if self.eval(arg) != Obj(0):
+                self.refuse(node, "is not squeeze(dim=0)")
+            return ChunkItem(base.view, squeezed=True)
         if isinstance(base, tuple) and base[:1] == ("param",) and len(base) == 2 and name == "t":
             if node.args or node.keywords:
                 self.refuse(node)
@@ -156,7 +218,7 @@ class FlatProver(Prover):
         if isinstance(base, Row) and name == "matmul":
             (arg,) = self._args(node, ("other",), 1).values()
             return self._matmul(node, base, self.eval(arg))
-        if isinstance(base, Row) and name in ("view", "reshape"):
+        if isinstance(base, Row) and name in ("view", "reshape") and base.expr != ("x_lead",):
             # Only an expert's output (h @ w[e]: D columns, D checked against the weights) may be
             # viewed (-1, D): there it changes nothing; elsewhere it could regroup rows.
             expr = base.expr
@@ -198,14 +260,29 @@ class FlatProver(Prover):
         self.cols.append((node, cols))
         return view
 
-    def _minus_one_cols(self, node, what: str) -> int:
-        """The D of ``t.view(-1, D)`` / ``t.reshape(-1, D)`` (recorded; checked against the weights)."""
+    def _minus_one_cols(self, node, what: str, of: Opaque | None = None) -> int:
+        """The D of ``t.view(-1, D)`` / ``t.reshape(-1, D)`` (recorded; checked against the weights), or -1
+        where D is ``of``'s own last dim (``of.shape[-1]``, or the last name of ``b, s, h = of.shape``)."""
         args = [self.eval(a) for a in node.args]
+        if not node.keywords and len(args) == 2 and args[0] == Obj(-1) and of is not None and self._last_dim(args[1], of):
+            return -1
         if node.keywords or len(args) != 2 or args[0] != Obj(-1) or not isinstance(args[1], Obj) \
                 or type(args[1].value) is not int:
             self.refuse(node, f"is not a reshape of the {what} to (-1, hidden size)")
         self.cols.append((node, args[1].value))
         return args[1].value
+
+    def _last_dim(self, v, of: Opaque) -> bool:
+        if not (isinstance(v, ShapeItem) and v.of is of):
+            return False
+        return v.axis == -1 or (self.unpacked is not None and self.unpacked[0] is of and v.axis == self.unpacked[1] - 1)
+
+    def _experts_viewed(self, node) -> int:
+        """E as the views prove it (rows // F of the weights viewed so far, all alike)."""
+        counts = {self.owner.get_parameter(v.path).shape[0] // v.rows for v in self.views.values()}
+        if len(counts) != 1:
+            self.refuse(node, "uses the number of experts before (or without) viewing the weights alike")
+        return counts.pop()
 
     def _reshape_tensor(self, node, t: Opaque):
         """``hidden.reshape(-1, D)`` (once, before anything else reads it) or ``acc.view(hidden.shape[0], -1, D)``."""
@@ -213,26 +290,38 @@ class FlatProver(Prover):
             self.refuse(node)
         acc = self.facts.acc
         if acc is not None and t is acc and len(node.args) == 3 and not node.keywords:
-            lead, minus, cols = (self.eval(a) for a in node.args)
-            rows = self.rows_of
-            if isinstance(lead, ShapeItem) and lead.axis == 0 and rows is not None and lead.of is rows.of \
-                    and minus == Obj(-1) and isinstance(cols, Obj) and type(cols.value) is int:
-                self.cols.append((node, cols.value))
-                return AccView(acc, lead.of, cols.value)
-            self.refuse(node, "is not acc.view(hidden_states.shape[0], -1, hidden size)")
+            return self._acc_view(node, acc, [self.eval(a) for a in node.args])
         if self.rows_of is not None and self.rows_of.node is node:  # the same statement evaluated again
             return self.rows_of.rows
         if self.rows_of is not None or acc is not None or self.facts.x is not None:
             self.refuse(node, "reshapes a tensor the proof does not follow")
-        cols = self._minus_one_cols(node, "hidden states")
+        cols = self._minus_one_cols(node, "hidden states", of=t)
         self.rows_of = RowsOf(Opaque(f"{t.label} rows"), t, cols, node)
         return self.rows_of.rows
+
+    def _acc_view(self, node, acc: Opaque, args: list) -> AccView:
+        rows = self.rows_of
+        if rows is None:
+            self.refuse(node, "reshapes an accumulator of rows it did not flatten")
+        lead, minus, cols = args
+        if isinstance(lead, ShapeItem) and lead.axis == 0 and lead.of is rows.of and minus == Obj(-1) \
+                and isinstance(cols, Obj) and type(cols.value) is int:
+            self.cols.append((node, cols.value))
+            return AccView(acc, lead.of, cols.value, "lead")
+        if self.unpacked == (rows.of, 3) and args == [ShapeItem(rows.of, i) for i in range(3)]:
+            return AccView(acc, rows.of, -1, "shape")
+        self.refuse(node, "is not acc.view(hidden_states.shape[0], -1, hidden size) or acc.reshape(b, s, h)")
 
     # -- calls ------------------------------------------------------------------------------------
 
     def _function(self, node, target):
         if isinstance(target, Sub):
             return self._call_sub(node, target)
+        if target == Obj(range) and not self.prefix:
+            args = [self.eval(a) for a in node.args]
+            if not node.keywords and args in ([Obj(self._experts_viewed(node))], [Obj(0), Obj(self._experts_viewed(node))]):
+                return ("range",)
+            self.refuse(node, "does not range over all the experts the weights are viewed as")
         return super()._function(node, target)
 
     def _call_sub(self, node, sub: Sub) -> Row:
@@ -265,12 +354,27 @@ class FlatProver(Prover):
 
     # -- statements -------------------------------------------------------------------------------
 
+    def assign(self, stmt: ast.Assign) -> None:
+        """Also ``b, s, h = hidden.shape`` (the hidden states are then proven 3-D, or the forward raises)."""
+        target = stmt.targets[0] if len(stmt.targets) == 1 else None
+        if isinstance(target, ast.Tuple) and all(isinstance(t, ast.Name) for t in target.elts) and not self.prefix:
+            value = self.eval(stmt.value)
+            if isinstance(value, Attr) and value.name == "shape" and self.unpacked is None:
+                self.unpacked = (value.of, len(target.elts))
+                for i, t in enumerate(target.elts):
+                    self.env[t.id] = ShapeItem(value.of, i)
+                return
+        super().assign(stmt)
+
     def body(self, stmts: list[ast.stmt]) -> None:
         for stmt in stmts:
             if isinstance(stmt, ast.With):
                 no_grad_indices(self, stmt)
             else:
                 super().body([stmt])
+
+
+_UNBOUND = object()
 
 
 def _is_activation(module: nn.Module) -> bool:

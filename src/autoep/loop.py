@@ -147,7 +147,12 @@ class ExpertLoad:
         self.counts_E[first_expert:first_expert + len(tokens_per_local_expert)] += tokens_per_local_expert.detach().cpu()
 
     def _hook(self, module, args, kwargs):
-        top_k_index = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+        spec = getattr(module, "_autoep_ep", None)  # the batched recipe binds the ids by the experts' signature
+        roles, signature = getattr(spec, "roles", None), getattr(spec, "signature", None)
+        if roles is not None and signature is not None:  # e.g. 4.x DBRX: experts(x, weights, top_weights, top_experts)
+            top_k_index = signature.bind(module, *args, **kwargs).arguments.get(roles.index)
+        else:
+            top_k_index = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
         if isinstance(top_k_index, Tensor):
             ids = top_k_index.detach().reshape(-1).cpu()
             ids = ids[(ids >= 0) & (ids < self.num_experts)]  # padding ids (e.g. E) route nowhere

@@ -177,7 +177,11 @@ def _ep_flat_forward(self: nn.Module, spec: _EpExperts, hidden_states: Tensor, t
                      top_k_weights: Tensor, dtypes: dict) -> Tensor:
     """Flattened experts (module docstring): their rows, the exchange, their output view."""
     flat, roles = spec.roles.flat, spec.roles
-    hidden_TD = hidden_states.reshape(-1, roles.rows) if roles.rows else hidden_states
+    if roles.unpacked and hidden_states.dim() != roles.unpacked:  # their ``b, s, h = hidden.shape`` raises here
+        raise ValueError(f"experts got hidden states of shape {tuple(hidden_states.shape)}; their forward unpacks "
+                         f"{roles.unpacked} dims")
+    cols = hidden_states.shape[-1] if roles.rows == -1 else roles.rows
+    hidden_TD = hidden_states.reshape(-1, cols) if roles.rows else hidden_states
     F, D = flat.rows_per_expert, flat.hidden
     act = self.get_submodule(flat.act)
 
@@ -191,4 +195,6 @@ def _ep_flat_forward(self: nn.Module, spec: _EpExperts, hidden_states: Tensor, t
     out_TD = ep_experts_forward(hidden_TD, top_k_index, top_k_weights, num_experts=spec.num_experts,
                                 ep_group=spec.ep_group, expert_fn=expert_fn, **dtypes)
     out_TD = _like_the_accumulator(out_TD, hidden_TD)
-    return out_TD.view(hidden_states.shape[0], -1, D) if roles.view_out else out_TD
+    if roles.view_out == "lead":
+        return out_TD.view(hidden_states.shape[0], -1, D)
+    return out_TD.reshape(hidden_states.shape) if roles.view_out == "shape" else out_TD

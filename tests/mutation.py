@@ -5,7 +5,8 @@ A **target** builds a fresh tiny fp32 block in train mode, seeded (transformers 
 hand-written v4-style blocks of ``tests/blocks.py`` and a v5-style block of ``tests/test_structure.py``).
 The first ten are the original set; ``NEW_TARGETS`` are the idioms accepted since (float32, non-gated,
 soft-capped-gate and shared-expert experts, a sampling router; ``acc[idx] += ...`` loops, a padding id the
-loop skips, a class a function builds). A **mutant** is one operator applied at one place:
+loop skips, a class a function builds; grouped experts called as ``experts(x_sorted, counts)``). A
+**mutant** is one operator applied at one place:
 
 - source mutants (``mutation_operators``): one function's source (the block forward and the helpers it
   calls on ``self``, the router forward, the batched experts forward and its helpers, the ModuleList
@@ -50,7 +51,8 @@ from autoep.archetypes import compute_fn_config
 from autoep.errors import UnsupportedModuleStructure
 from autoep.structure import detect_moe_structure
 from mutation_operators import SOURCE_OPERATORS, Edit
-from mutation_runtime import RUNTIME_OPERATORS, act_roles, is_module_list, role_objects, roles_of, router_of
+from mutation_runtime import (RUNTIME_OPERATORS, act_roles, experts_sub_roles, is_module_list, role_objects, roles_of,
+                              router_of)
 from mutation_source import function_tree, self_attr, with_method
 
 BATCH, SEQ = 2, 3
@@ -142,7 +144,7 @@ def _dbrx_block() -> nn.Module:
 def targets() -> list[Target]:
     """Every target, in the fixed order of the enumeration: the original ten, then ``NEW_TARGETS``."""
     from blocks import (CappedRouterMoE, DeepseekV3StyleMoE, MistralInferenceMoeLayer, MixtralStyleSparseMoeBlock,
-                        MoE, Qwen2MoeStyleSparseMoeBlock)
+                        MoE, Qwen2MoeStyleSparseMoeBlock, SortedSplitHostCountsMoE, SortedSplitMoE, ZeroExpertMoE)
 
     hf = [
         ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
@@ -169,6 +171,16 @@ def targets() -> list[Target]:
         "mistral_inference": lambda: MistralInferenceMoeLayer(hidden=16, num_experts=4, top_k=2),  # acc[i] += ...
         "capped_router": lambda: CappedRouterMoE(hidden=16, num_experts=4, top_k=2),  # padding id num_experts
         "closure": lambda: _closure_moe_class()(hidden=16, num_experts=4, top_k=2),  # closure + zero-arg super()
+        "sorted_split": lambda: SortedSplitMoE(hidden=16, num_experts=4, top_k=2),  # argsort/split in a helper
+        "sorted_split_host_counts": lambda: SortedSplitHostCountsMoE(hidden=16, num_experts=4, top_k=2),
+        "zero_experts": lambda: ZeroExpertMoE(hidden=16, num_experts=4, zero_experts=2, top_k=2),  # nn.Identity
+    }
+    from blocks import AriaStyleMoELayer, TitanMoE, TuneMoE
+
+    grouped_v4 = {  # experts(x_sorted, num_tokens_per_expert)
+        "titan_grouped": lambda: TitanMoE(hidden=16, num_experts=4, top_k=2),  # split loop, w[e].transpose
+        "tune_grouped": lambda: TuneMoE(hidden=16, num_experts=4, top_k=2),  # split loop, x @ w[e], router module
+        "aria_grouped": lambda: AriaStyleMoELayer(hidden=16, num_experts=4, top_k=2),  # nested GEMMs, offset loop
     }
     return [
         *(Target(f"hf/{f}", _transformers_block(f, c)) for f, c in hf),
@@ -176,13 +188,15 @@ def targets() -> list[Target]:
         *(Target(f"hf/{f}", _transformers_block(f, c)) for f, c in new_hf),
         *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in new_v4.items()),
         Target("v5/float32_experts", _hand_written_block("float32_experts", _v5_float32_experts), flat=True),
+        *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in grouped_v4.items()),
         Target("hf/dbrx", _dbrx_block, empty_rank=False),  # flattened (E*F, D) experts on a submodule
     ]
 
 
 NEW_TARGETS = frozenset({
     "hf/nemotron_h", "hf/inkling2", "hf/openai_privacy_filter", "hf/flint", "hf/phimoe",
-    "v4/mistral_inference", "v4/capped_router", "v4/closure", "v5/float32_experts", "hf/dbrx",
+    "v4/mistral_inference", "v4/capped_router", "v4/closure", "v5/float32_experts",
+    "v4/titan_grouped", "v4/tune_grouped", "v4/aria_grouped", "hf/dbrx",
 })
 
 
@@ -224,7 +238,8 @@ def source_sites(block: nn.Module) -> list[SourceSite]:
     sites = []
     experts_forward = None if is_module_list(block) else inspect.unwrap(type(block.experts).forward)
     params = tuple(a.arg for a in function_tree(experts_forward).args.args[1:]) if experts_forward else ()
-    for role in ("block", "router", "experts" if not is_module_list(block) else "expert", *act_roles(block)):
+    for role in ("block", "router", "experts" if not is_module_list(block) else "expert", *act_roles(block),
+                 *experts_sub_roles(block)):
         obj = role_objects(block, role)[0]
         if obj is None or type(obj).__module__.startswith("torch."):
             continue  # a bare nn.Linear gate: torch's own code is not the model's

@@ -55,6 +55,17 @@ def act_roles(block: nn.Module) -> list[str]:
     return ["act", *(f"act:{name}" for name in dict.fromkeys(inner))]
 
 
+def experts_sub_roles(block: nn.Module) -> list[str]:
+    """``experts:<Class>`` for each model-defined class of module inside batched/grouped experts (Aria's
+    grouped-GEMM modules), not activations (``act`` roles), in module order."""
+    if is_module_list(block) or not isinstance(getattr(block, "experts", None), nn.Module):
+        return []
+    acts = {id(m) for a in act_modules(block) for m in a.modules()}
+    inner = [type(m).__name__ for m in block.experts.modules()
+             if m is not block.experts and id(m) not in acts and model_defined(m)]
+    return [f"experts:{name}" for name in dict.fromkeys(inner)]
+
+
 def role_objects(block: nn.Module, role: str) -> list[nn.Module]:
     """The modules a mutation of ``role`` re-classes: ``expert`` = every expert, ``act:<Class>`` = every
     instance of that class (a class edit is global)."""
@@ -66,6 +77,8 @@ def role_objects(block: nn.Module, role: str) -> list[nn.Module]:
         return [block.experts]
     if role == "act":
         return act_modules(block)
+    if role.startswith("experts:"):
+        return [m for m in block.experts.modules() if m is not block.experts and type(m).__name__ == role[len("experts:"):]]
     if role.startswith("act:"):
         return [m for a in act_modules(block) for m in a.modules() if type(m).__name__ == role[len("act:"):]]
     return list(block.experts)
@@ -169,8 +182,8 @@ def rt_frozen_expert(block, role):
     """Expert 1 (batched: the ``down_proj`` of all) with ``requires_grad=False``."""
     if role == "expert":
         return lambda b: b.experts[1].requires_grad_(False)
-    if role == "experts":
-        return lambda b: b.experts.down_proj.requires_grad_(False)
+    if role == "experts":  # grouped experts may hold no ``down_proj`` (w2, fc2.weight): their last weight
+        return lambda b: getattr(b.experts, "down_proj", [*b.experts.parameters()][-1]).requires_grad_(False)
     return None
 
 

@@ -178,11 +178,30 @@ def test_rows_past_the_counts_come_back_as_the_experts_own_forward_gives_them():
     assert results[1][0][5:].abs().max() == 0 and results[1][1][5:].abs().max() == 0
 
 
+@pytest.mark.parametrize("name,counts,rows", [
+    ("aria_style", [2, 0, 3, 0], 7),  # rows past the groups stay zero
+    ("aria_style", [4, 0, 3, 1], 7),  # the offset loop's slices stop at the last row
+    ("aria_style", [2, 1, 0, 3, 1], 7),  # more counts than experts: the offset loop reads the first four
+    ("torchtune", [2, 5], 7),  # fewer groups than experts: the split loop leaves the last experts idle
+    ("torchtitan", [0, 0, 0, 0], 0),
+])
+def test_counts_are_read_as_the_experts_own_loops_read_them(name, counts, rows):
+    own, ep = _make(name).experts, _ep(name).experts
+    x, counts = torch.randn(rows, D), torch.tensor(counts)
+    results = []
+    for experts in (own, ep):
+        xr = x.clone().requires_grad_()
+        y = experts(xr, counts)
+        (y * torch.arange(y.numel()).reshape(y.shape)).sum().backward()
+        results.append((y.detach(), xr.grad, [p.grad for p in experts.parameters()]))
+    torch.testing.assert_close(results[1], results[0])
+
+
 @pytest.mark.parametrize("name,counts,rows,match", [
     ("torchtitan", [2, 0, 3, 0], 7, "summing to 5"),  # torch.split raises on its own: so does EP
-    ("aria_style", [4, 0, 3, 1], 7, "summing to 8"),  # the offset loop would clip silently: EP refuses
-    ("aria_style", [2, -1, 3, 1], 7, "min -1"),
-    ("torchtune", [2, 5], 7, "4 counts"),
+    ("torchtitan", [2, 0, 3, 0, 2], 7, "5 num_tokens_per_expert"),  # w1[4] raises there
+    ("aria_style", [2, 3, 2], 7, "3 tokens_per_expert"),  # offsets[4] raises there
+    ("aria_style", [2, -1, 3, 1], 7, "min -1"),  # slices with negative bounds: refused, not mimicked
 ])
 def test_counts_the_experts_would_treat_otherwise_fail_loudly(name, counts, rows, match):
     with pytest.raises(ValueError, match=match):

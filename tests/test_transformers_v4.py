@@ -39,6 +39,8 @@ def test_detection_accepts_the_module_list_era_classes(rows):
     for cls in ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "DeepseekV3MoE"):
         s = got[cls].structure
         assert s is not None and s.expert_storage == "module_list", (cls, got[cls].reason)
+    aria = got["AriaTextMoELayer"].structure  # experts(permuted_tokens, tokens_per_expert), nested grouped GEMMs
+    assert aria is not None and aria.expert_storage == "grouped", got["AriaTextMoELayer"].reason
 
 
 def v4_block_cases(rank: int, world_size: int, classes: list) -> dict:

@@ -102,6 +102,9 @@ class GroupedProof:
     act: object  # the element-wise function, or the attribute name of the experts' activation module
     tail: str  # "zeros" (rows past sum(counts) are zero) | "exact" (sum(counts) must equal the rows)
     num_experts: int
+    # "split": groups are the counts given (fewer than E: the last experts get none) | "offsets": the first
+    # E counts, their offsets clipped to the rows as slicing clips them | both: exactly E counts
+    loops: frozenset = frozenset()
     facts: dict = field(compare=False, default_factory=dict)
 
 
@@ -118,7 +121,7 @@ class _Frame:
 class _Interpreter:
     def __init__(self, experts: nn.Module):
         self.experts = experts
-        self.exact = False  # a split loop ran: sum(counts) must equal the rows
+        self.loops: set[str] = set()  # the kinds of per-expert loop that ran
         self.in_loop = False  # helpers called inside a per-expert loop may not loop themselves
         self.visited: list[nn.Module] = []
 
@@ -218,6 +221,7 @@ class _Interpreter:
                 self.refuse(f, it, "is not a loop over range(num_experts)")
             f.env[target.id] = Tag("idx")
             kind = "offsets"
+            self.loops.add(kind)
         else:
             self.refuse(f, stmt, "is not a per-expert loop the proof knows")
         self.in_loop = True
@@ -436,7 +440,7 @@ class _Interpreter:
         if not (isinstance(rows, Rows) and not rows.group and sizes == Counts("list")
                 and args.get("dim", Obj(0)) == Obj(0)):
             self.refuse(f, node, "is not torch.split(rows, counts.tolist(), dim=0)")
-        self.exact = True  # torch.split raises unless the counts add up to the rows
+        self.loops.add("split")  # torch.split raises unless the counts add up to the rows
         return Tag("split", rows.expr)
 
     def chunk(self, f: _Frame, node, args: dict):
@@ -512,8 +516,9 @@ def grouped_proof(experts: nn.Module) -> GroupedProof:
         expert_projs=",".join(dict.fromkeys((gate, up, down))),
         expert_act=act if isinstance(act, str) else act.__name__,
     )
-    return GroupedProof(names[0], names[1], gate, up, down, not t, act,
-                        "exact" if interp.exact else "zeros", num_experts, facts)
+    tail = "exact" if "split" in interp.loops else "zeros"
+    return GroupedProof(names[0], names[1], gate, up, down, not t, act, tail, num_experts,
+                        loops=frozenset(interp.loops), facts=facts)
 
 
 def _swiglu(expr: tuple, where: str):
@@ -540,6 +545,8 @@ def _show(expr) -> str:
         return getattr(expr, "__name__", str(expr))
     if expr == ("x",):
         return "x"
+    if expr[0] == "lin":
+        return f"({_show(expr[1])} @ {expr[2]}[e]{'.T' if expr[3] else ''})"
     head, *rest = expr
     return f"{head}({', '.join(_show(r) for r in rest)})"
 

@@ -18,6 +18,7 @@ Parameters: every expert weight (also on nested submodules, ``experts.fc1.weight
 from __future__ import annotations
 
 import inspect
+import itertools
 import types
 from dataclasses import dataclass
 
@@ -93,45 +94,56 @@ def _ep_forward(self: nn.Module, *args, **kwargs) -> Tensor:
     proof = spec.proof
     # Bound exactly as the experts' own forward binds them: unknown keywords fail as they would there.
     bound = spec.signature.bind(self, *args, **kwargs)
-    x_SD, counts_E = bound.arguments[proof.x], bound.arguments[proof.counts]
-    routed = _check_call(self, proof, x_SD, counts_E)
+    x_SD, counts = bound.arguments[proof.x], bound.arguments[proof.counts]
+    counts_E, routed = _group_sizes(self, proof, x_SD, counts)
     E = proof.num_experts
     # One (token, expert) pair per row: its group's expert, weight 1 (the block applies its own scores).
-    expert_of_row_R1 = torch.repeat_interleave(
-        torch.arange(E, device=x_SD.device), counts_E.to(x_SD.device), output_size=routed
-    ).unsqueeze(1)
+    expert_of_row_R1 = torch.repeat_interleave(torch.arange(E, device=x_SD.device), counts_E, output_size=routed)
     ones_R1 = torch.ones((routed, 1), dtype=torch.float32, device=x_SD.device)
     y_RD = ep_experts_forward(
-        x_SD[:routed], expert_of_row_R1, ones_R1, num_experts=E, ep_group=spec.ep_group,
+        x_SD[:routed], expert_of_row_R1.unsqueeze(1), ones_R1, num_experts=E, ep_group=spec.ep_group,
         expert_fn=lambda x, tokens_per_local_expert: _local_swiglu(self, proof, x, tokens_per_local_expert),
         out_dtype=x_SD.dtype,
     )
     if routed == x_SD.shape[0]:
         return y_RD
-    # Rows past sum(counts) (tail "zeros" only, see _check_call): the experts' own loop leaves them zero.
+    # Rows past the groups (offset loops only, see _group_sizes): the experts' own loop leaves them zero.
     return torch.cat([y_RD, y_RD.new_zeros((x_SD.shape[0] - routed, y_RD.shape[1]))])
 
 
-def _check_call(experts: nn.Module, proof: GroupedProof, x_SD, counts_E) -> int:
-    """How many rows the counts cover; raises where the experts' own forward would raise or compute
-    something else (the exchange must not guess)."""
+def _group_sizes(experts: nn.Module, proof: GroupedProof, x_SD, counts) -> tuple[Tensor, int]:
+    """The rows each of the E experts computes (groups in order from row 0) and how many rows they cover,
+    as the experts' own loops read ``counts``; raises where their forward raises or would compute
+    something the exchange does not (negative counts)."""
     weight = local_tensor(experts.get_parameter(proof.down))
     if not isinstance(x_SD, Tensor) or x_SD.dim() != 2 or x_SD.dtype != weight.dtype:
         raise ValueError(f"grouped experts got rows {getattr(x_SD, 'shape', x_SD)!r}; they need a 2-D tensor of "
                          f"their weights' dtype {weight.dtype}")
-    if not isinstance(counts_E, Tensor) or counts_E.dim() != 1 or counts_E.numel() != proof.num_experts \
-            or counts_E.is_floating_point() or counts_E.is_complex() or counts_E.dtype == torch.bool:
-        raise ValueError(f"grouped experts got {proof.counts}={counts_E!r}; they need an integer tensor of "
-                         f"{proof.num_experts} counts, one per expert")
-    # NOTE: .tolist() syncs the host once per layer to check the counts against the rows (the experts'
-    # own forward syncs for them too: counts.tolist() or counts.cpu()).
-    sizes = counts_E.tolist()
-    routed, rows = sum(sizes), x_SD.shape[0]
-    if min(sizes) < 0 or routed > rows or (proof.tail == "exact" and routed != rows):
-        raise ValueError(f"grouped experts got {proof.counts} summing to {routed} (min {min(sizes)}) for {rows} "
-                         f"rows; their forward needs non-negative counts summing to "
-                         f"{'the rows' if proof.tail == 'exact' else 'at most the rows'}")
-    return routed
+    if not isinstance(counts, Tensor) or counts.dim() != 1 or counts.is_floating_point() or counts.is_complex() \
+            or counts.dtype == torch.bool:
+        raise ValueError(f"grouped experts got {proof.counts}={counts!r}; they need a 1-D integer tensor")
+    E, rows, loops = proof.num_experts, x_SD.shape[0], proof.loops
+    # NOTE: .tolist() syncs the host once per layer for the group sizes (the experts' own forward syncs
+    # for them too: counts.tolist() or counts.cpu()).
+    given = counts.tolist()
+    if min(given, default=0) < 0 or len(given) > E and "split" in loops or len(given) < E and "offsets" in loops:
+        raise ValueError(f"grouped experts got {len(given)} {proof.counts} (min {min(given, default=0)}) for {E} "
+                         f"experts; their forward needs non-negative counts, {_how_many(loops)}")
+    if "split" in loops and sum(given) != rows:  # torch.split raises on this too
+        raise ValueError(f"grouped experts got {proof.counts} summing to {sum(given)} for {rows} rows")
+    sizes = given + [0] * (E - len(given))  # split loop: experts past the groups get no rows
+    if "offsets" in loops:
+        # The offset loop reads the first E counts; its row slices stop at the last row.
+        offsets = [min(o, rows) for o in itertools.accumulate(given[:E], initial=0)]
+        sizes = [b - a for a, b in zip(offsets, offsets[1:])]
+    # NOTE: host-to-device copy of E sizes (layout of the exchange).
+    return torch.tensor(sizes, dtype=torch.long, device=x_SD.device), sum(sizes)
+
+
+def _how_many(loops: frozenset) -> str:
+    if loops == {"split"}:
+        return "at most one per expert"
+    return "at least one per expert" if loops == {"offsets"} else "one per expert"
 
 
 def _local_swiglu(experts: nn.Module, proof: GroupedProof, x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:

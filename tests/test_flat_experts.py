@@ -135,6 +135,8 @@ REFUSED = [
      "self.mlp.w2.view(-1, self.hidden_size, self.ffn_hidden_size)[expert_idx]", "not all viewed (-1, F, D) alike"),
     ("experts", "self.mlp.v1.view(split_expert_shape)[expert_idx]", "self.mlp.v1[expert_idx]",
      "indexes a flat weight without viewing it per expert"),
+    ("experts", "hidden_states = hidden_states.reshape(-1, self.hidden_size)", "hidden_states = hidden_states",
+     "rows it did not flatten"),
     ("experts", "hidden_states.reshape(-1, self.hidden_size)", "hidden_states.reshape(-1, self.ffn_hidden_size)",
      "views its output by another tensor's leading size"),
     ("experts", "next_states.view(batch_size, -1, self.hidden_size)", "next_states.view(batch_size, -1, self.ffn_hidden_size)",

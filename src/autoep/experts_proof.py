@@ -109,6 +109,8 @@ def _flat_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
     _strip_f32(prover.facts.expert, marks)
     if marks:
         raise Refusal(f"{prover.where}: flattened experts that upcast to float32 are not followed")
+    if prover.rows_of is None:  # the exchange takes (T, D) rows; a forward that does not make them is not followed
+        raise Refusal(f"{prover.where} does not flatten its hidden states to rows reshape(-1, D)")
     if prover.zeros_src is not prover.facts.x:
         raise Refusal(f"{prover.where} accumulates into zeros shaped like another tensor than its rows")
     layout = flat_layout(prover, experts)

@@ -2,17 +2,25 @@
 and the layout a proven forward computes.
 
 DBRX keeps each expert weight as one ``(E*F, D)`` parameter of ``experts.mlp`` and its experts' loop
-reads expert ``e`` as ``self.mlp.w1.view((-1, F, D))[e]``, then calls ``self.mlp(rows, w1, v1, w2)``,
-whose forward is ``act(x @ w1.T) * (x @ v1.T) @ w2``. ``FlatProver`` follows exactly that on top of the
-expert-loop whitelist (``autoep.expert_loop.Prover``):
+reads expert ``e`` as ``self.mlp.w1.view((-1, F, D))[e]`` (transformers 5.x) or as item ``e`` of
+``[c.squeeze(dim=0) for c in self.mlp.w1.view(E, F, D).chunk(E, dim=0)]`` over ``range(0, E)`` (4.57),
+then calls ``self.mlp(rows, w1, v1, w2)``, whose forward is ``act(x @ w1.T) * (x @ v1.T) @ w2``. Its
+hidden states come in as ``(B, S, D)``: the forward flattens them to rows (``reshape(-1, D)``, or
+``view(-1, h)`` after ``b, s, h = x.shape``) and gives the result their shape back. ``FlatProver``
+follows exactly that on top of the expert-loop whitelist (``autoep.expert_loop.Prover``):
 
-  Sub        ``self.<name>``: a registered submodule of the experts (its parameters, or a call of it)
+  Sub        ``self.<name>``: a registered submodule of the experts (its 2-D parameters and ints, or a
+             call of it)
   FlatWeight ``self.<sub>.<param>``: a 2-D parameter, usable only through ``.view((-1 | E, F, D))``
   FlatView   that view: indexed by the loop's expert id it is expert ``e``'s ``(F, D)`` weight, the
              ``("param", path)`` value of the loop proof; ``.T`` / ``.t()`` of it is ``("param_t", path)``
+  FlatChunks, ChunkItem, FlatList   ``view.chunk(E, dim=0)``, one chunk, and the list of squeezed
+             chunks, which indexed by the expert id is the same ``("param", path)``
   rows       ``x.matmul(w)`` / ``x @ w`` of rows and an expert weight: ``("lin", rows, path, w is not .T)``
+  RowsOf, AccView   the hidden argument flattened to rows, and the accumulator given its shape back
   a call of ``self.<sub>(...)`` interprets the submodule's own forward over the abstract arguments
-  (weights passed as arguments), refusing anything but assignments and one returned row value.
+  (weights passed as arguments), refusing anything but assignments and one returned row value;
+  ``range(E)`` / ``range(0, E)`` is the loop over every expert where E is what the views prove.
 
 ``flat_layout`` reads the proven computation back and checks it against the real parameters: each
 viewed weight is ``(E*F, D)`` with the view's F and D (so the view splits dim 0 into whole experts),
@@ -264,7 +272,8 @@ class FlatProver(Prover):
         """The D of ``t.view(-1, D)`` / ``t.reshape(-1, D)`` (recorded; checked against the weights), or -1
         where D is ``of``'s own last dim (``of.shape[-1]``, or the last name of ``b, s, h = of.shape``)."""
         args = [self.eval(a) for a in node.args]
-        if not node.keywords and len(args) == 2 and args[0] == Obj(-1) and of is not None and self._last_dim(args[1], of):
+        own_last = of is not None and len(args) == 2 and self._last_dim(args[1], of)
+        if not node.keywords and own_last and args[0] == Obj(-1):
             return -1
         if node.keywords or len(args) != 2 or args[0] != Obj(-1) or not isinstance(args[1], Obj) \
                 or type(args[1].value) is not int:
@@ -319,7 +328,8 @@ class FlatProver(Prover):
             return self._call_sub(node, target)
         if target == Obj(range) and not self.prefix:
             args = [self.eval(a) for a in node.args]
-            if not node.keywords and args in ([Obj(self._experts_viewed(node))], [Obj(0), Obj(self._experts_viewed(node))]):
+            every = Obj(self._experts_viewed(node))
+            if not node.keywords and args in ([every], [Obj(0), every]):
                 return ("range",)
             self.refuse(node, "does not range over all the experts the weights are viewed as")
         return super()._function(node, target)
@@ -425,7 +435,7 @@ def flat_layout(p: FlatProver, experts: nn.Module) -> FlatLayout:
         raise Refusal(f"{what}; the gate is not act(gate) * up")
     gate, up = acted[0][1], plain[0]
     for proj in (gate, up):
-        if not (isinstance(proj, tuple) and len(proj) == 4 and proj[0] == "lin" and proj[1] == ("x",) and proj[3] is False):
+        if not (isinstance(proj, tuple) and len(proj) == 4 and proj[:2] == ("lin", ("x",)) and proj[3] is False):
             raise Refusal(f"{what}; gate and up are not x @ w[e].T of the routed rows")
     names = (gate[2], up[2], down)
     if len(set(names)) != 3 or p.root.act is None:
@@ -445,7 +455,8 @@ def _check_flat_params(experts: nn.Module, names: tuple[str, ...], view: FlatVie
     cls = type(experts).__name__
     held = {n for n, _ in experts.named_parameters()}
     if held != set(names):
-        raise Refusal(f"experts {cls} hold parameters {sorted(held)}, not exactly the {sorted(names)} their forward uses")
+        raise Refusal(f"experts {cls} hold parameters {sorted(held)}, not exactly the {sorted(names)} their "
+                      "forward uses")
     if list(experts.buffers()):
         raise Refusal(f"experts {cls} hold buffers its forward does not use")
     shapes = {tuple(experts.get_parameter(n).shape) for n in names}

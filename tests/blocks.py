@@ -700,3 +700,50 @@ class AriaStyleMoELayer(nn.Module):
         unpermuted = unpermuted.view(-1, self.top_k, expert_output.size(1))
         output = (unpermuted * scores.unsqueeze(-1)).sum(dim=1).view(original_shape)
         return output + self.shared_experts(hidden_states.view(original_shape))
+
+
+def run_experts_for_loop(w1, w2, w3, x, num_tokens_per_expert):
+    """torchtitan's padded for-loop experts: rows past sum(counts) (alignment padding) come back as zeros."""
+    num_tokens_per_expert = num_tokens_per_expert.tolist()
+    num_padding = x.shape[0] - sum(num_tokens_per_expert)
+    x = torch.split(x[: sum(num_tokens_per_expert)], split_size_or_sections=num_tokens_per_expert, dim=0)
+    out_experts_splits = []
+    for expert_idx, x_expert in enumerate(x):
+        h = F.silu(torch.matmul(x_expert, w1[expert_idx].transpose(-2, -1)))
+        h = h * torch.matmul(x_expert, w3[expert_idx].transpose(-2, -1))
+        h = torch.matmul(h, w2[expert_idx].transpose(-2, -1))
+        out_experts_splits.append(h)
+    out = torch.cat(out_experts_splits, dim=0)
+    out = torch.vstack((out, out.new_zeros((num_padding, out.shape[-1]))))
+    return out
+
+
+class PaddedGroupedExperts(GroupedExperts):
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return run_experts_for_loop(self.w1, self.w2, self.w3, x, num_tokens_per_expert)
+
+
+class TitanPaddedMoE(TitanMoE):
+    """torchtitan's block with its routed rows padded to a multiple of 8 (grouped-GEMM alignment)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.experts = PaddedGroupedExperts(self.router.in_features, kw.get("ffn", 32), self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = torch.sigmoid(self.router(x).float())
+        top_scores, selected = torch.topk(scores, k=self.top_k, dim=1)
+        num_tokens_per_expert = torch.bincount(selected.view(-1), minlength=self.num_experts)
+        token_indices_sorted = torch.argsort(selected.view(-1), stable=True)
+        top_scores_sorted = top_scores.view(-1)[token_indices_sorted]
+        token_indices_sorted = token_indices_sorted // self.top_k
+        routed_input = x[token_indices_sorted]
+        n = routed_input.shape[0]
+        routed_input = torch.cat([routed_input, routed_input.new_zeros((-n % 8, dim))])
+        routed_output = self.experts(routed_input, num_tokens_per_expert)[:n]
+        routed_output = (routed_output.float() * top_scores_sorted.reshape(-1, 1)).to(x.dtype)
+        out = torch.zeros_like(x)
+        out = out.scatter_add(0, token_indices_sorted.reshape(-1, 1).expand(-1, dim), routed_output)
+        return out.view(bs, slen, dim)

@@ -175,12 +175,13 @@ def targets() -> list[Target]:
         "sorted_split_host_counts": lambda: SortedSplitHostCountsMoE(hidden=16, num_experts=4, top_k=2),
         "zero_experts": lambda: ZeroExpertMoE(hidden=16, num_experts=4, zero_experts=2, top_k=2),  # nn.Identity
     }
-    from blocks import AriaStyleMoELayer, TitanMoE, TuneMoE
+    from blocks import AriaStyleMoELayer, TitanMoE, TitanPaddedMoE, TuneMoE
 
     grouped_v4 = {  # experts(x_sorted, num_tokens_per_expert)
         "titan_grouped": lambda: TitanMoE(hidden=16, num_experts=4, top_k=2),  # split loop, w[e].transpose
         "tune_grouped": lambda: TuneMoE(hidden=16, num_experts=4, top_k=2),  # split loop, x @ w[e], router module
         "aria_grouped": lambda: AriaStyleMoELayer(hidden=16, num_experts=4, top_k=2),  # nested GEMMs, offset loop
+        "titan_padded_grouped": lambda: TitanPaddedMoE(hidden=16, num_experts=4, top_k=2),  # zero rows past groups
     }
     return [
         *(Target(f"hf/{f}", _transformers_block(f, c)) for f, c in hf),
@@ -196,7 +197,7 @@ def targets() -> list[Target]:
 NEW_TARGETS = frozenset({
     "hf/nemotron_h", "hf/inkling2", "hf/openai_privacy_filter", "hf/flint", "hf/phimoe",
     "v4/mistral_inference", "v4/capped_router", "v4/closure", "v5/float32_experts",
-    "v4/titan_grouped", "v4/tune_grouped", "v4/aria_grouped", "hf/dbrx",
+    "v4/titan_grouped", "v4/tune_grouped", "v4/aria_grouped", "v4/titan_padded_grouped", "hf/dbrx",
 })
 
 

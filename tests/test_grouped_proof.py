@@ -31,17 +31,28 @@ def _edit(cls: type, method: str, old: str, new: str, prelude: str = "") -> type
     return with_method(cls, method, ast.parse(src.replace(old, new)).body[0], prelude)
 
 
+def _helper_edit(fn, caller: type, old: str, new: str) -> type:
+    """``caller`` (a module whose forward calls the module-level ``fn``) calling an edited copy of ``fn``."""
+    src = inspect.getsource(fn)
+    assert src.count(old) == 1, old
+    prelude = src.replace(old, new).replace(f"def {fn.__name__}(", "def edited_helper(")
+    return _edit(caller, "forward", f"{fn.__name__}(", "edited_helper(", prelude)
+
+
 def _gemm_loop_edit(old: str, new: str) -> type:
     """The Aria-style GEMM module calling an edited copy of the module-level offset loop."""
-    src = inspect.getsource(blocks.grouped_gemm_loop)
-    assert src.count(old) == 1, old
-    prelude = src.replace(old, new).replace("def grouped_gemm_loop(", "def edited_gemm_loop(")
-    return _edit(blocks.AriaStyleGroupedGemm, "forward", "grouped_gemm_loop(", "edited_gemm_loop(", prelude)
+    return _helper_edit(blocks.grouped_gemm_loop, blocks.AriaStyleGroupedGemm, old, new)
+
+
+def _padded_edit(old: str, new: str) -> type:
+    """torchtitan's padded experts calling an edited copy of their module-level for-loop."""
+    return _helper_edit(blocks.run_experts_for_loop, blocks.PaddedGroupedExperts, old, new)
 
 
 def _block(kind: str, edited: type | None = None) -> nn.Module:
     torch.manual_seed(0)
-    block = {"titan": blocks.TitanMoE, "tune": blocks.TuneMoE, "aria": blocks.AriaStyleMoELayer}[kind]()
+    block = {"titan": blocks.TitanMoE, "tune": blocks.TuneMoE, "aria": blocks.AriaStyleMoELayer,
+             "padded": blocks.TitanPaddedMoE}[kind]()
     if edited is not None:
         for m in block.modules():
             if isinstance(m, edited.__mro__[1]):
@@ -103,6 +114,15 @@ MUTANTS = {  # name: (block kind, edited class, what the verdict must say)
                                                             "dtype=torch.float64, device"), "refused"),
     "scale_in_loop": ("aria", lambda: _gemm_loop_edit("output[start:end] = out", "output[start:end] = out * 2"),
                       "refused"),
+    "pad_one_more": ("padded", lambda: _padded_edit("num_padding = x.shape[0] - sum(", "num_padding = 1 + "
+                                                    "x.shape[0] - sum("), "refused"),
+    "head_short": ("padded", lambda: _padded_edit("x[: sum(num_tokens_per_expert)]",
+                                                  "x[: sum(num_tokens_per_expert) - 1]"), "refused"),
+    "pad_ones": ("padded", lambda: _padded_edit("out.new_zeros(", "out.new_ones("), "refused"),
+    "pad_first": ("padded", lambda: _padded_edit("torch.vstack((out, out.new_zeros((num_padding, out.shape[-1]))))",
+                                                 "torch.vstack((out.new_zeros((num_padding, out.shape[-1])), out))"),
+                  "refused"),
+    "no_pad": ("padded", lambda: _padded_edit("out = torch.vstack(", "out2 = torch.vstack("), "refused"),
     "whole_rows_in_loop": ("aria", lambda: _gemm_loop_edit("tokens = token_states[start:end]",
                                                            "tokens = token_states"), "refused"),
 }
@@ -116,7 +136,7 @@ def test_one_line_mutants_are_refused_or_exact(name):
 
 
 def test_the_accepted_spellings_are_exact():
-    for kind in ("titan", "tune", "aria"):
+    for kind in ("titan", "tune", "aria", "padded"):
         assert refused_or_exact(_block(kind)) == "exact"
 
 

@@ -24,7 +24,7 @@ from autoep.apply import apply_plan
 from autoep.archetypes import compute_fn_config
 from autoep.recipes.grouped import ep_grouped_experts
 from autoep.structure import detect_moe_structure
-from blocks import AriaStyleMoELayer, TitanMoE, TuneMoE
+from blocks import AriaStyleMoELayer, TitanMoE, TitanPaddedMoE, TuneMoE
 from distributed import guarded, run_cases
 
 D, SEQ = 16, 3
@@ -44,6 +44,7 @@ def _idle_experts_titan():
 BLOCKS = {
     "torchtitan": lambda: TitanMoE(hidden=D, num_experts=4, top_k=2),
     "torchtitan_top3": lambda: TitanMoE(hidden=D, num_experts=8, top_k=3),
+    "torchtitan_padded": lambda: TitanPaddedMoE(hidden=D, num_experts=4, top_k=2),  # rows past the groups
     "torchtune": lambda: TuneMoE(hidden=D, num_experts=4, top_k=2),
     "aria_style": lambda: AriaStyleMoELayer(hidden=D, num_experts=4, top_k=2),
     "aria_style_8": lambda: AriaStyleMoELayer(hidden=D, num_experts=8, top_k=3),
@@ -184,6 +185,7 @@ def test_rows_past_the_counts_come_back_as_the_experts_own_forward_gives_them():
     ("aria_style", [2, 1, 0, 3, 1], 7),  # more counts than experts: the offset loop reads the first four
     ("torchtune", [2, 5], 7),  # fewer groups than experts: the split loop leaves the last experts idle
     ("torchtitan", [0, 0, 0, 0], 0),
+    ("torchtitan_padded", [2, 0, 3], 7),  # x[:sum(counts)] split, zero rows after
 ])
 def test_counts_are_read_as_the_experts_own_loops_read_them(name, counts, rows):
     own, ep = _make(name).experts, _ep(name).experts
@@ -202,6 +204,7 @@ def test_counts_are_read_as_the_experts_own_loops_read_them(name, counts, rows):
     ("torchtitan", [2, 0, 3, 0, 2], 7, "5 num_tokens_per_expert"),  # w1[4] raises there
     ("aria_style", [2, 3, 2], 7, "3 tokens_per_expert"),  # offsets[4] raises there
     ("aria_style", [2, -1, 3, 1], 7, "min -1"),  # slices with negative bounds: refused, not mimicked
+    ("torchtitan_padded", [2, 4, 3, 0], 7, "summing to 9"),  # torch.split raises there
 ])
 def test_counts_the_experts_would_treat_otherwise_fail_loudly(name, counts, rows, match):
     with pytest.raises(ValueError, match=match):

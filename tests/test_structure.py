@@ -439,6 +439,7 @@ def test_float32_experts_are_all_or_nothing():
 
 @pytest.mark.parametrize("block,facts", [
     (blocks.TitanMoE, dict(expert_transposed=False, gate_up_layout="separate", expert_projs="w1,w3,w2")),
+    (blocks.TitanPaddedMoE, dict(expert_transposed=False, gate_up_layout="separate", expert_projs="w1,w3,w2")),
     (blocks.TuneMoE, dict(expert_transposed=True, gate_up_layout="separate",
                           expert_projs="gate_proj,up_proj,down_proj")),
     (blocks.AriaStyleMoELayer, dict(expert_transposed=True, gate_up_layout="concatenated",
@@ -446,8 +447,9 @@ def test_float32_experts_are_all_or_nothing():
 ])
 def test_grouped_experts_are_proven_with_their_layout(block, facts):
     """experts(x_sorted, num_tokens_per_expert): torchtitan (split loop, (E, out, in) weights transposed in
-    the loop), torchtune (x @ w[e], an activation function held on the module), Aria (nested grouped-GEMM
-    modules over a module-level offset loop, one fused weight chunked [gate | up])."""
+    the loop; padded: a module-level helper splitting x[:sum(counts)], zeros stacked after), torchtune
+    (x @ w[e], an activation function held on the module), Aria (nested grouped-GEMM modules over a
+    module-level offset loop, one fused weight chunked [gate | up])."""
     s = detect_moe_structure(block())
     assert (s.expert_storage, s.activation, s.expert_act) == ("grouped", "glu", "silu")
     assert {k: getattr(s, k) for k in facts} == facts

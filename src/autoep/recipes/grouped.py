@@ -123,13 +123,15 @@ def _group_sizes(experts: nn.Module, proof: GroupedProof, x_SD, counts) -> tuple
             or counts.dtype == torch.bool:
         raise ValueError(f"grouped experts got {proof.counts}={counts!r}; they need a 1-D integer tensor")
     E, rows, loops = proof.num_experts, x_SD.shape[0], proof.loops
+    split = bool(loops & {"split", "split_head"})
     # NOTE: .tolist() syncs the host once per layer for the group sizes (the experts' own forward syncs
     # for them too: counts.tolist() or counts.cpu()).
     given = counts.tolist()
-    if min(given, default=0) < 0 or len(given) > E and "split" in loops or len(given) < E and "offsets" in loops:
+    if min(given, default=0) < 0 or len(given) > E and split or len(given) < E and "offsets" in loops:
         raise ValueError(f"grouped experts got {len(given)} {proof.counts} (min {min(given, default=0)}) for {E} "
-                         f"experts; their forward needs non-negative counts, {_how_many(loops)}")
-    if "split" in loops and sum(given) != rows:  # torch.split raises on this too
+                         f"experts; their forward needs non-negative counts, {_how_many(split, loops)}")
+    # torch.split raises unless the counts add up to the rows it splits (all, or x[:sum(counts)])
+    if "split" in loops and sum(given) != rows or "split_head" in loops and sum(given) > rows:
         raise ValueError(f"grouped experts got {proof.counts} summing to {sum(given)} for {rows} rows")
     sizes = given + [0] * (E - len(given))  # split loop: experts past the groups get no rows
     if "offsets" in loops:
@@ -140,10 +142,10 @@ def _group_sizes(experts: nn.Module, proof: GroupedProof, x_SD, counts) -> tuple
     return torch.tensor(sizes, dtype=torch.long, device=x_SD.device), sum(sizes)
 
 
-def _how_many(loops: frozenset) -> str:
-    if loops == {"split"}:
+def _how_many(split: bool, loops: frozenset) -> str:
+    if "offsets" not in loops:
         return "at most one per expert"
-    return "at least one per expert" if loops == {"offsets"} else "one per expert"
+    return "one per expert" if split else "at least one per expert"
 
 
 def _local_swiglu(experts: nn.Module, proof: GroupedProof, x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:

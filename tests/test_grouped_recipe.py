@@ -25,7 +25,7 @@ from autoep.archetypes import compute_fn_config
 from autoep.recipes.grouped import ep_grouped_experts
 from autoep.structure import detect_moe_structure
 from blocks import AriaStyleMoELayer, TitanMoE, TitanPaddedMoE, TuneMoE
-from distributed import guarded, run_cases
+from distributed import guarded, run_cases, spawn
 
 D, SEQ = 16, 3
 BATCH_PER_RANK = {1: [4], 2: [3, 0], 4: [2, 0, 3, 1]}  # sequences per rank; uneven, one rank empty
@@ -226,3 +226,36 @@ def test_deepcopy_of_applied_block_is_independent():
     x = torch.randn(2, SEQ, D)
     assert twin(x).abs().max() == 0
     assert block(x).abs().max() > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer on a whole tiny LM of grouped blocks: 2 ranks at ep_size=2 equal one process
+# ---------------------------------------------------------------------------------------------
+
+LM_KINDS = ("titan_padded", "aria_style")
+
+
+def lm_worker(rank: int, world_size: int, tmp: str) -> dict:
+    from grouped_lm import model_config
+    from test_train_worlds import GLOBAL_ROWS, run
+
+    return {k: run("parallel.ep_size=2", f"data.batch_size={GLOBAL_ROWS // world_size}", f"run_dir={tmp}/{k}_ep2",
+                   model=model_config(k)) for k in LM_KINDS}
+
+
+def test_grouped_lm_trained_at_ep2_equals_single_process(tmp_path):
+    """Losses, final weights (expert shards gathered, in the model's own names) and expert load."""
+    from grouped_lm import model_config
+    from test_train_worlds import GLOBAL_ROWS, assert_same_training, run
+
+    ep2 = spawn(2, "test_grouped_recipe:lm_worker", str(tmp_path))
+    for kind in LM_KINDS:
+        resolved = (tmp_path / f"{kind}_ep2" / "resolved.yaml").read_text()
+        assert "expert_storage: grouped" in resolved and "recipes.grouped.ep_grouped_experts" in resolved
+        single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp_path}/{kind}_ep1", model=model_config(kind))
+        assert single["losses"][-1] < single["losses"][0]
+        pairs = GLOBAL_ROWS * 16 * 2 * 2  # every (token, top-k) pair of both layers, each step
+        assert [sum(step) for step in single["expert_load"]] == [pairs] * 5
+        for rank in (0, 1):
+            assert_same_training(ep2[rank][kind], single)
+            assert ep2[rank][kind]["expert_load"] == single["expert_load"]

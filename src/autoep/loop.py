@@ -124,8 +124,9 @@ class ExpertLoad:
     Blocks that keep their own forward call ``experts(hidden, top_k_index, ...)``: this rank's routed
     (token, expert) pairs are counted there. Blocks whose whole forward the module_list recipe replaced
     call ``experts(x_SD, tokens_per_local_expert)`` on the rows the exchange brought to this rank's own
-    experts: those counts land at the rank's expert offset. Summed over the world, both give the same
-    global tokens per expert (``edp`` replicas hold disjoint tokens).
+    experts: those counts land at the rank's expert offset. Blocks calling grouped experts
+    ``experts(x_sorted, num_tokens_per_expert)`` pass this rank's counts per expert: added as they are.
+    Summed over the world, all give the same global tokens per expert (``edp`` replicas hold disjoint tokens).
     """
 
     def __init__(self, model: nn.Module, block_names: list[str], num_experts: int):
@@ -149,6 +150,13 @@ class ExpertLoad:
     def _hook(self, module, args, kwargs):
         spec = getattr(module, "_autoep_ep", None)  # the batched recipe binds the ids by the experts' signature
         roles, signature = getattr(spec, "roles", None), getattr(spec, "signature", None)
+        proof = getattr(spec, "proof", None)
+        if proof is not None and signature is not None:  # grouped experts(x_sorted, num_tokens_per_expert)
+            counts = signature.bind(module, *args, **kwargs).arguments.get(proof.counts)
+            if isinstance(counts, Tensor):
+                counts = counts.detach().reshape(-1).cpu()[: self.num_experts]
+                self.counts_E[: len(counts)] += counts.long()
+            return
         if roles is not None and signature is not None:  # e.g. 4.x DBRX: experts(x, weights, top_weights, top_experts)
             top_k_index = signature.bind(module, *args, **kwargs).arguments.get(roles.index)
         else:

@@ -229,7 +229,8 @@ def test_deepcopy_of_applied_block_is_independent():
 
 
 # ---------------------------------------------------------------------------------------------
-# The trainer on a whole tiny LM of grouped blocks: 2 ranks at ep_size=2 equal one process
+# The trainer on a whole tiny LM of grouped blocks: 2 ranks at ep_size=2 equal one process, and a
+# checkpoint of it resumes at ep_size=1 on the same curve
 # ---------------------------------------------------------------------------------------------
 
 LM_KINDS = ("titan_padded", "aria_style")
@@ -239,12 +240,19 @@ def lm_worker(rank: int, world_size: int, tmp: str) -> dict:
     from grouped_lm import model_config
     from test_train_worlds import GLOBAL_ROWS, run
 
-    return {k: run("parallel.ep_size=2", f"data.batch_size={GLOBAL_ROWS // world_size}", f"run_dir={tmp}/{k}_ep2",
-                   model=model_config(k)) for k in LM_KINDS}
+    rows = f"data.batch_size={GLOBAL_ROWS // world_size}"
+    out = {k: run("parallel.ep_size=2", rows, "trainer.ckpt_every=2", f"run_dir={tmp}/{k}_ep2", model=model_config(k))
+           for k in LM_KINDS}
+    # Resume the Aria-style run's step-2 checkpoint at ep_size=1 (edp=2): its nested expert shards reshard.
+    resume = f"trainer.resume={tmp}/aria_style_ep2/checkpoints/step_00000002"
+    out["resumed_ep1"] = run("parallel.ep_size=1", rows, resume, f"run_dir={tmp}/resumed_ep1",
+                             model=model_config("aria_style"))
+    return out
 
 
 def test_grouped_lm_trained_at_ep2_equals_single_process(tmp_path):
-    """Losses, final weights (expert shards gathered, in the model's own names) and expert load."""
+    """Losses, final weights (expert shards gathered, in the model's own names) and expert load; the
+    Aria-style run's step-2 checkpoint (nested expert shards) resumed at ep_size=1 continues the curve."""
     from grouped_lm import model_config
     from test_train_worlds import GLOBAL_ROWS, assert_same_training, run
 
@@ -259,3 +267,7 @@ def test_grouped_lm_trained_at_ep2_equals_single_process(tmp_path):
         for rank in (0, 1):
             assert_same_training(ep2[rank][kind], single)
             assert ep2[rank][kind]["expert_load"] == single["expert_load"]
+        if kind == "aria_style":
+            for rank in (0, 1):
+                assert_same_training(ep2[rank]["resumed_ep1"], {"losses": single["losses"][2:],
+                                                                 "weights": single["weights"]})

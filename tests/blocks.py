@@ -421,7 +421,121 @@ class MistralInferenceMoeLayer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Idioms autoep does not take yet (tests/test_structure.py holds them as strict xfails)
+# DeepSeek's argsort/split loop (remote-code ``moe_infer``, transformers 4.x ``DeepseekV2MoE.moe``): the
+# block counts and sorts its (token, slot) rows by expert, runs each expert on its contiguous slice and
+# unsorts; and LongCat-Flash's zero-compute experts (trailing ``nn.Identity`` in the ModuleList)
+# ---------------------------------------------------------------------------------------------
+
+
+class SortedSplitMoE(nn.Module):
+    """transformers 4.x ``DeepseekV2MoE`` spelling: a softmax top-k gate, the loop in a helper ``moe``
+    with an ``ep_rank`` offset into the experts, products formed in the weights' dtype."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.num_experts_per_tok = top_k
+        self.experts = nn.ModuleList([FeedForward(hidden, ffn) for _ in range(num_experts)])
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.ep_rank, self.experts_per_rank = 0, num_experts
+
+    def moe(self, hidden_states, topk_ids, topk_weight):
+        cnts = topk_ids.new_zeros((topk_ids.shape[0], len(self.experts)))
+        cnts.scatter_(1, topk_ids, 1)
+        tokens_per_expert = cnts.sum(dim=0)
+        indices = topk_ids.view(-1).argsort()
+        sorted_tokens = hidden_states[indices // topk_ids.shape[1]]
+
+        outputs = []
+        start_idx = 0
+        for i, num_tokens in enumerate(tokens_per_expert):
+            if num_tokens == 0:
+                continue
+            end_idx = start_idx + num_tokens
+            expert = self.experts[i + self.ep_rank * self.experts_per_rank]
+            tokens_for_this_expert = sorted_tokens[start_idx:end_idx]
+            expert_out = expert(tokens_for_this_expert)
+            outputs.append(expert_out)
+            start_idx = end_idx
+
+        outs = torch.cat(outputs, dim=0) if outputs else sorted_tokens.new_empty(0)
+        new_x = torch.empty_like(outs)
+        new_x[indices] = outs
+        # (T, K, D) spelled with D, not -1, so a rank with no tokens runs too (DeepSeek's own -1 cannot).
+        return (new_x.view(*topk_ids.shape, hidden_states.shape[-1]).type(topk_weight.dtype)
+                .mul_(topk_weight.unsqueeze(dim=-1)).sum(dim=1).type(new_x.dtype))
+
+    def forward(self, hidden_states):
+        orig_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        scores = self.gate(hidden_states).softmax(dim=-1, dtype=torch.float32)
+        topk_weight, topk_ids = torch.topk(scores, k=self.num_experts_per_tok, dim=-1, sorted=False)
+        return self.moe(hidden_states, topk_ids, topk_weight).view(*orig_shape)
+
+
+class SortedSplitHostCountsMoE(SortedSplitMoE):
+    """Remote-code ``moe_infer`` spelling in the forward itself: counts moved to the host, the end offset
+    taken before the skip, a tuple init, ``len(outputs)`` as the test, a scale after the combine."""
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        topk_weight, topk_ids = torch.topk(F.softmax(self.gate(x), dim=-1), self.num_experts_per_tok)
+        cnts = topk_ids.new_zeros((topk_ids.shape[0], len(self.experts)))
+        cnts.scatter_(1, topk_ids, 1)
+        tokens_per_expert = cnts.sum(dim=0)
+        idxs = torch.argsort(topk_ids.view(-1), stable=True)
+        sorted_tokens = x[idxs // topk_ids.shape[1]]
+        tokens_per_expert = tokens_per_expert.cpu().numpy()
+        outputs, start_idx = [], 0
+        for i, num_tokens in enumerate(tokens_per_expert):
+            end_idx = start_idx + num_tokens
+            if num_tokens == 0:
+                continue
+            outputs.append(self.experts[i](sorted_tokens[start_idx:end_idx]))
+            start_idx = end_idx
+        outs = torch.cat(outputs, dim=0) if len(outputs) else sorted_tokens.new_empty(0)
+        new_x = torch.empty_like(outs)
+        new_x[idxs] = outs
+        y = (new_x.view(*topk_ids.shape, shape[-1]) * topk_weight.unsqueeze(-1)).sum(dim=1)
+        return (y * 0.5).view(shape)
+
+
+class ZeroExpertMoE(nn.Module):
+    """LongCat-Flash (transformers 4.x): ``num_experts`` SwiGLU experts then ``zero_experts`` identity
+    experts in one ModuleList; the loop over all of them accumulates in the weights' dtype (fp32)."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, zero_experts=2, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.experts = nn.ModuleList([FeedForward(hidden, ffn) for _ in range(num_experts)]
+                                     + [nn.Identity() for _ in range(zero_experts)])
+        self.router = nn.Linear(hidden, num_experts + zero_experts, bias=False)
+
+    def moe(self, hidden_states, topk_indices, topk_weights):
+        final_hidden_states = torch.zeros_like(hidden_states, dtype=topk_weights.dtype)
+        expert_mask = F.one_hot(topk_indices, num_classes=len(self.experts)).permute(2, 0, 1)
+        for expert_idx in range(len(self.experts)):
+            expert = self.experts[expert_idx]
+            mask = expert_mask[expert_idx]
+            token_indices, weight_indices = torch.where(mask)
+            if token_indices.numel() > 0:
+                expert_weights = topk_weights[token_indices, weight_indices]
+                expert_input = hidden_states[token_indices]
+                expert_output = expert(expert_input)
+                weighted_output = expert_output * expert_weights.unsqueeze(-1)
+                final_hidden_states.index_add_(0, token_indices, weighted_output)
+        return final_hidden_states.type(hidden_states.dtype)
+
+    def forward(self, hidden_states):
+        orig_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        scores = self.router(hidden_states).softmax(dim=-1)
+        topk_weights, topk_indices = torch.topk(scores, self.top_k, dim=-1)
+        return self.moe(hidden_states, topk_indices, topk_weights).view(*orig_shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V2/V3 remote code (modeling_deepseek.py): two expert regions, one per mode
 # ---------------------------------------------------------------------------------------------
 
 
@@ -483,7 +597,8 @@ class DeepseekRemoteMoE(nn.Module):
             y = torch.empty_like(hidden_states)
             for i, expert in enumerate(self.experts):
                 y[flat_topk_idx == i] = expert(hidden_states[flat_topk_idx == i])
-            y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)
+            # (T, K, D) spelled with D, not -1, so a rank with no tokens runs too (DeepSeek's own -1 cannot).
+            y = (y.view(*topk_weight.shape, orig_shape[-1]) * topk_weight.unsqueeze(-1)).sum(dim=1)
             y = y.view(*orig_shape)
             y = AddAuxiliaryLoss.apply(y, aux_loss)
         else:
@@ -507,7 +622,35 @@ class DeepseekRemoteMoE(nn.Module):
         outs = torch.cat(outputs, dim=0) if len(outputs) else sorted_tokens.new_empty(0)
         new_x = torch.empty_like(outs)
         new_x[idxs] = outs
-        return new_x.view(*topk_ids.shape, -1).type(topk_weight.dtype).mul_(topk_weight.unsqueeze(dim=-1)).sum(dim=1)
+        return (new_x.view(*topk_ids.shape, x.shape[-1]).type(topk_weight.dtype)
+                .mul_(topk_weight.unsqueeze(dim=-1)).sum(dim=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Idioms autoep does not take yet (tests/test_structure.py holds them as strict xfails)
+# ---------------------------------------------------------------------------------------------
+
+
+class DenseScaledMoE(nn.Module):
+    """Llama-4's way: every expert runs on every token, its input pre-scaled by the token's router score
+    (zero for the experts it did not pick); the exchange has no rows to send for it yet."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=1):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList([FeedForward(hidden, ffn) for _ in range(num_experts)])
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.view(-1, shape[-1])
+        logits = self.router(x)
+        top_v, top_i = torch.topk(logits, self.top_k, dim=-1)
+        scores = torch.full_like(logits, float("-inf")).scatter_(1, top_i, top_v).sigmoid()
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(x * scores[:, e:e + 1])
+        return out.view(shape)
 
 
 class GroupedExperts(nn.Module):

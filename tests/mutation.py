@@ -106,6 +106,10 @@ def _hand_written_block(name: str, make: Callable[[], nn.Module]) -> Callable[[]
     return build
 
 
+def _in_eval(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    return lambda: build().eval()
+
+
 @functools.lru_cache(maxsize=None)
 def _closure_moe_class() -> type:
     """One class per process: every build of the target (and its mutants' bases) shares it."""
@@ -144,7 +148,8 @@ def _dbrx_block() -> nn.Module:
 def targets() -> list[Target]:
     """Every target, in the fixed order of the enumeration: the original ten, then ``NEW_TARGETS``."""
     from blocks import (CappedRouterMoE, DeepseekV3StyleMoE, MistralInferenceMoeLayer, MixtralStyleSparseMoeBlock,
-                        MoE, Qwen2MoeStyleSparseMoeBlock, SortedSplitHostCountsMoE, SortedSplitMoE, ZeroExpertMoE)
+                        MoE, Qwen2MoeStyleSparseMoeBlock, SortedSplitHostCountsMoE, SortedSplitMoE, ZeroExpertMoE,
+                        DeepseekRemoteMoE)
 
     hf = [
         ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
@@ -174,6 +179,7 @@ def targets() -> list[Target]:
         "sorted_split": lambda: SortedSplitMoE(hidden=16, num_experts=4, top_k=2),  # argsort/split in a helper
         "sorted_split_host_counts": lambda: SortedSplitHostCountsMoE(hidden=16, num_experts=4, top_k=2),
         "zero_experts": lambda: ZeroExpertMoE(hidden=16, num_experts=4, zero_experts=2, top_k=2),  # nn.Identity
+        "deepseek_remote": lambda: DeepseekRemoteMoE(hidden=16, num_experts=4, top_k=2),  # masked assignment
     }
     from blocks import AriaStyleMoELayer, TitanMoE, TitanPaddedMoE, TuneMoE
 
@@ -191,6 +197,9 @@ def targets() -> list[Target]:
         Target("v5/float32_experts", _hand_written_block("float32_experts", _v5_float32_experts), flat=True),
         *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in grouped_v4.items()),
         Target("hf/dbrx", _dbrx_block, empty_rank=False),  # flattened (E*F, D) experts on a submodule
+        # The remote-code block in eval: its @torch.no_grad() argsort/split helper runs instead.
+        Target("v4/deepseek_remote_eval", _in_eval(_hand_written_block(
+            "deepseek_remote", lambda: DeepseekRemoteMoE(hidden=16, num_experts=4, top_k=2)))),
     ]
 
 
@@ -499,7 +508,28 @@ def evaluate(mutant: Mutant) -> Outcome:
     except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails
         return verdict("accepted_wrong", "EP path raised " + short_error(exc))
     diffs = differences(ref, got)
+    if diffs and _reads_uninitialised(block, x, flat, ref):
+        return verdict("invalid", "own forward returns uninitialised memory (rows of an empty tensor it never "
+                                  "writes): no value to compare against")
     return verdict("accepted_wrong", "; ".join(diffs[:3])) if diffs else verdict("accepted_exact")
+
+
+def _reads_uninitialised(block: nn.Module, x: torch.Tensor, flat: bool, ref: Run) -> bool:
+    """The block's own outputs change when torch fills uninitialised memory with NaN: they are garbage
+    (DeepSeek's ``torch.empty_like`` rows that no expert writes when a mutant's ids match none)."""
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        filled = forward_backward(copy.deepcopy(block), x, seed=100, flat=flat)
+    except Exception:  # noqa: BLE001 - an op without a deterministic kernel: no evidence either way
+        return False
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    return any(isinstance(a, torch.Tensor) and a.is_floating_point() and bool((b.isnan() & ~a.isnan()).any())
+               for a, b in zip(ref.outputs, filled.outputs))
 
 
 def evaluate_all(mutants) -> list[Outcome]:

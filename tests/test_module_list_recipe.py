@@ -32,11 +32,15 @@ from autoep.recipes.module_list import (
 from autoep.structure import detect_moe_structure
 from blocks import (
     CappedRouterMoE,
+    DeepseekRemoteMoE,
     DeepseekV3StyleMoE,
     MistralInferenceMoeLayer,
     MixtralStyleSparseMoeBlock,
     MoE,
     Qwen2MoeStyleSparseMoeBlock,
+    SortedSplitHostCountsMoE,
+    SortedSplitMoE,
+    ZeroExpertMoE,
     make_closure_moe_class,
 )
 from distributed import guarded, run_cases
@@ -68,6 +72,10 @@ BLOCKS = {
     "closure_super": lambda: make_closure_moe_class(0.05)(hidden=D, num_experts=4, top_k=2),
     "block_hook": lambda: _hooked(MoE(hidden=D, num_experts=4, top_k=2)),
     "mistral_inference": lambda: MistralInferenceMoeLayer(hidden=D, num_experts=4, top_k=2),
+    "sorted_split": lambda: SortedSplitMoE(hidden=D, num_experts=4, top_k=2),
+    "sorted_split_host_counts": lambda: SortedSplitHostCountsMoE(hidden=D, num_experts=8, top_k=3),
+    "zero_experts": lambda: ZeroExpertMoE(hidden=D, num_experts=4, zero_experts=3, top_k=3),
+    "deepseek_remote": lambda: DeepseekRemoteMoE(hidden=D, num_experts=4, top_k=2),
 }
 
 
@@ -181,6 +189,20 @@ def _check_block(name, rank, world_size, mesh_shape):
         torch.testing.assert_close(expert_weights[n], ref_params[n].detach())
 
 
+def _check_eval_mode(name, rank, world_size):
+    """A block whose expert region differs by mode (DeepSeek's remote code: a masked-assignment loop while
+    training, an argsort/split loop in a ``@torch.no_grad()`` helper in eval) equals its own eval forward,
+    and, as its own, builds no graph there."""
+    slices = _data(name, world_size)
+    ref = _make(name).eval()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)) if world_size > 1 else None
+    block = _ep_block(name, mesh).eval()
+    x = slices[rank][0].clone().requires_grad_()
+    out, ref_out = block(x), ref(x)
+    torch.testing.assert_close(out, ref_out)
+    assert not out.requires_grad and not ref_out.requires_grad
+
+
 def _check_meta_checkpoint_roundtrip(rank, world_size):
     """The trainer's flow: build on meta, apply, allocate, load a checkpoint in the model's own layout,
     run; then write the checkpoint back in that layout."""
@@ -211,6 +233,7 @@ def module_list_cases(rank, world_size):
         for name in BLOCKS:
             guarded(results, f"{name} mesh={mesh_shape}", _check_block, name, rank, world_size, mesh_shape)
     guarded(results, "meta_checkpoint_roundtrip", _check_meta_checkpoint_roundtrip, rank, world_size)
+    guarded(results, "deepseek_remote eval", _check_eval_mode, "deepseek_remote", rank, world_size)
     return results
 
 
@@ -226,9 +249,13 @@ def multi_rank(request):
 
 def test_multi_rank_parity(multi_rank):
     world_size, results = multi_rank
-    assert len(results) >= len(BLOCKS) + 1, f"only {sorted(results)} ran"
+    assert len(results) >= len(BLOCKS) + 2, f"only {sorted(results)} ran"
     failed = {name: errs for name, errs in results.items() if errs}
     assert not failed, f"world_size={world_size}: " + "\n".join(f"{n}:\n{e[0]}" for n, e in failed.items())
+
+
+def test_eval_mode_single_process():
+    _check_eval_mode("deepseek_remote", 0, 1)
 
 
 def test_meta_checkpoint_roundtrip_single_process():

@@ -456,8 +456,8 @@ def test_grouped_experts_are_proven_with_their_layout(block, facts):
 
 
 NOT_YET = {
-    "deepseek_remote_code": (blocks.DeepseekRemoteMoE, "per-pair masked assignment while training and an "
-                             "argsort/split loop in a @torch.no_grad() helper otherwise (issue 9 item 2)"),
+    "llama4_dense_scaled": (blocks.DenseScaledMoE, "every expert on every token, inputs pre-scaled by dense "
+                            "router scores (Llama-4): no routed rows for the exchange to send"),
 }
 
 

@@ -2,7 +2,8 @@
 state, never by running them.
 
 - ``module_list_facts(experts)``: every ModuleList expert is the same proven ``down(act(gate(x)) *
-  up(x))`` with bias-free ``nn.Linear``s, equal shapes, untied, uniformly trainable.
+  up(x))`` with bias-free ``nn.Linear``s, equal shapes, untied, uniformly trainable; trailing
+  ``nn.Identity`` experts (zero-compute experts) are counted apart.
 - ``module_list_plan(block)``: a v4-style block whose forward (or a helper it calls) holds one expert
   loop over a ``ModuleList``; autoep splices out that loop and runs the rest of the block as written.
 
@@ -19,9 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoep import elementwise, split_loop
+from autoep import elementwise, regions, split_loop
 from autoep.expert_loop import Prover, strip_casts
-from autoep.loop_context import always_reached, plain_method, prelude, self_reads
+from autoep.loop_context import plain_method, prelude, self_reads
 from autoep.names import Scope
 from autoep.source import Refusal, function_tree
 
@@ -95,9 +96,8 @@ def module_list_facts(experts: nn.ModuleList) -> dict:
     dtype and device, the same element-wise activation, nothing tied, nothing hooked, uniformly trainable."""
     if type(experts) is not nn.ModuleList:
         raise Refusal(f"experts is a {type(experts).__name__}, not a plain nn.ModuleList")
-    if len(experts) == 0:
-        raise Refusal("experts ModuleList is empty")
-    classes = {type(e) for e in experts}
+    routed, identities = _routed_and_identity(experts)
+    classes = {type(e) for e in routed}
     if len(classes) != 1:
         raise Refusal(f"experts mix classes {sorted(c.__name__ for c in classes)}")
     cls = classes.pop()
@@ -106,14 +106,30 @@ def module_list_facts(experts: nn.ModuleList) -> dict:
     shapes = {n: tuple(getattr(first, n).weight.shape) if isinstance(getattr(first, n, None), nn.Linear) else None
               for n in (gate, up, down)}
     seen: set[int] = set()
-    for e, expert in enumerate(experts):
+    for e, expert in enumerate(routed):
         _check_expert(expert, e, cls, (gate, up, down), shapes, act, first, seen)
-    params = [p for expert in experts for p in expert.parameters()]
+    for e, expert in enumerate(identities, start=len(routed)):
+        elementwise.runtime_clean(expert, f"experts[{e}] (Identity)")
+    params = [p for expert in routed for p in expert.parameters()]
     if len({(p.dtype, p.device, p.requires_grad) for p in params}) != 1:
         raise Refusal("experts differ in dtype, device or requires_grad (frozen experts cannot be stacked)")
     if global_hooks():
         raise Refusal("global module hooks are registered; the stacked experts would not run them")
-    return dict(expert_projs=f"{gate},{up},{down}", expert_act="act_fn" if act == "act_fn" else act.__name__)
+    return dict(expert_projs=f"{gate},{up},{down}", expert_act="act_fn" if act == "act_fn" else act.__name__,
+                identity_experts=len(identities))
+
+
+def _routed_and_identity(experts: nn.ModuleList) -> tuple[list, list]:
+    """The computing experts and the zero-compute ``nn.Identity`` experts after them (LongCat-Flash):
+    an identity expert adds ``w * x``, which the recipe computes where the token is. Identities anywhere
+    but at the end would renumber the stacked experts, so they are refused."""
+    identities = [e for e in experts if type(e) is nn.Identity]
+    routed = list(experts)[: len(experts) - len(identities)]
+    if not routed:
+        raise Refusal("experts ModuleList has no computing experts")
+    if any(type(e) is nn.Identity for e in routed):
+        raise Refusal("experts ModuleList has nn.Identity experts before computing ones (only trailing ones are taken)")
+    return routed, identities
 
 
 def _check_expert(expert, e, cls, names, shapes, act, first, seen) -> None:
@@ -155,13 +171,16 @@ def global_hooks() -> bool:
 
 @dataclass(frozen=True)
 class SplicePlan:
-    """Where the expert region sits and what it reads: the recipe replaces ``method``'s top-level
-    statements ``first..last`` by one call into the exchange and runs the rest as written.
+    """One expert region and what it reads: the recipe replaces the statements ``first..last`` of the
+    statement list ``path`` leads to in ``method`` (``autoep.regions``) by one call into the exchange and
+    runs the rest as written.
 
     ``kind="loop"`` (one ``for`` statement): ``__autoep_expert_loop__(self, acc, x, idx, w)`` adds
     ``w[t, k] * expert_{idx[t, k]}(x[t])`` into ``acc``. ``kind="split"`` (``split_loop``: the loop over
     per-expert row counts and the concatenation after it): ``out = __autoep_expert_loop__(self, rows,
-    counts)`` gives each expert's output on its own contiguous rows, in expert order."""
+    counts)`` gives each expert's output on its own contiguous rows, in expert order. ``kind="masked"``
+    (``split_loop.masked_loop``): ``__autoep_expert_loop__(self, y, x, ids)`` sets ``y[p] =
+    expert_{ids[p]}(x[p])`` for every row whose id names an expert."""
 
     method: str
     fn: object
@@ -172,36 +191,67 @@ class SplicePlan:
     kind: str = "loop"
     add_at_rows: bool = False  # the loop wrote ``acc[tok] += ...``: exact only if no token meets an expert twice
     empty_1d: bool = False  # split: with no rows the block's own code gives ``rows.new_empty(0)``
+    path: tuple = ()
+    no_grad: bool = False  # the method is decorated ``@torch.no_grad()``; its spliced twin is too
 
 
-def module_list_plan(block: nn.Module) -> SplicePlan:
+def module_list_plan(block: nn.Module) -> tuple[SplicePlan, ...]:
+    """The block's expert regions, each proven, with every path through its forward running exactly one
+    (``autoep.regions``)."""
     cls = type(block)
     if "forward" in vars(block):
         raise Refusal(f"{cls.__name__} has an instance-level forward")
     if type(block).__call__ is not nn.Module.__call__:
         raise Refusal(f"{cls.__name__} overrides __call__")
     forward = plain_method(cls, "forward", block)
-    trees = {"forward": (forward, function_tree(forward))}
+    trees = {"forward": (forward, function_tree(forward), False)}
     for call in ast.walk(trees["forward"][1]):
         name = _self_method_call(call)
         if name and name not in trees and inspect.isfunction(getattr(cls, name, None)):
-            fn = plain_method(cls, name, block)
-            trees[name] = (fn, function_tree(fn))
-    loops = [(m, i, s) for m, (_, t) in trees.items() for i, s in enumerate(t.body)
-             if isinstance(s, ast.For) and self_reads(s, "experts")]
-    if len(loops) != 1:
-        raise Refusal(f"{cls.__name__} has {len(loops)} top-level loops over self.experts, not one")
-    method, index, loop = loops[0]
-    for m, (_, t) in trees.items():
-        _experts_only_in(t, loop, f"{cls.__name__}.{m}")
-    fn, tree = trees[method]
-    always_reached(tree, loop, "the expert loop")
-    if method != "forward":
-        calls = [c for c in ast.walk(trees["forward"][1]) if _self_method_call(c) == method]
-        if len(calls) != 1:
-            raise Refusal(f"{cls.__name__}.forward calls self.{method} {len(calls)} times, not once")
-        always_reached(trees["forward"][1], calls[0], f"the call of self.{method}")
-    return _plan(block, fn, tree, method, index, loop)
+            fn, no_grad = _helper_method(cls, name, block)
+            trees[name] = (fn, function_tree(fn), no_grad)
+    found = [(m, path, i, loop) for m, (_, t, _) in trees.items() for path, i, loop in regions.expert_loops(t)]
+    if not found:
+        raise Refusal(f"{cls.__name__} has no loop over self.experts in its forward or the methods it calls")
+    loops = {id(loop) for *_, loop in found}
+    helpers = {}
+    for m, (_, t, _) in trees.items():
+        _experts_only_in(t, loops, f"{cls.__name__}.{m}")
+        if m != "forward":
+            helpers[m] = regions.exchanges_on_every_path(t, loops, {}, f"{cls.__name__}.{m}")
+    runs = regions.exchanges_on_every_path(trees["forward"][1], loops, {m: c for m, c in helpers.items() if c},
+                                           f"{cls.__name__}.forward")
+    if runs != 1:
+        raise Refusal(f"{cls.__name__}.forward runs the expert region {runs} times on every path, not once")
+    return tuple(_plan(block, trees[m], m, path, i, loop) for m, path, i, loop in found)
+
+
+def _helper_method(cls: type, name: str, owner: nn.Module):
+    """A method the forward calls: plain, or decorated exactly ``@torch.no_grad()`` (DeepSeek's ``moe_infer``)."""
+    fn = getattr(cls, name)
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None or name in vars(owner) or not inspect.isfunction(inner):
+        return plain_method(cls, name, owner), False
+    decorators = function_tree(inner).decorator_list
+    code = getattr(fn, "__code__", None)
+    known_wrapper = code is not None and code.co_filename == _NO_GRAD_WRAPPER_FILE and fn.__name__ == inner.__name__
+    if not (known_wrapper and len(decorators) == 1 and _is_no_grad_call(inner, decorators[0])):
+        raise Refusal(f"{cls.__name__}.{name} is decorated; autoep knows only @torch.no_grad()")
+    if hasattr(inner, "__wrapped__") or name in vars(owner):
+        raise Refusal(f"{cls.__name__}.{name} is wrapped twice")
+    return inner, True
+
+
+_NO_GRAD_WRAPPER_FILE = inspect.getsourcefile(torch.no_grad()(lambda: None))
+
+
+def _is_no_grad_call(fn, node: ast.AST) -> bool:
+    if not (isinstance(node, ast.Call) and not node.args and not node.keywords):
+        return False
+    try:
+        return Scope(fn).resolve(node.func) is torch.no_grad
+    except Refusal:
+        return False
 
 
 def _self_method_call(node) -> str | None:
@@ -210,9 +260,9 @@ def _self_method_call(node) -> str | None:
     return node.func.attr if ok else None
 
 
-def _experts_only_in(tree: ast.FunctionDef, loop: ast.For, where: str) -> None:
-    """Outside the loop, ``self.experts`` is read only as ``len(self.experts)``."""
-    in_loop = {id(n) for n in ast.walk(loop)}
+def _experts_only_in(tree: ast.FunctionDef, loops: set[int], where: str) -> None:
+    """Outside the expert loops, ``self.experts`` is read only as ``len(self.experts)``."""
+    in_loop = {id(n) for loop in ast.walk(tree) if id(loop) in loops for n in ast.walk(loop)}
     in_len = {id(c.args[0]) for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
               and c.func.id == "len" and len(c.args) == 1}
     for node in self_reads(tree, "experts"):
@@ -220,18 +270,25 @@ def _experts_only_in(tree: ast.FunctionDef, loop: ast.For, where: str) -> None:
             raise Refusal(f"{where} line {node.lineno} uses self.experts outside the expert loop")
 
 
-def _plan(block, fn, tree: ast.FunctionDef, method: str, index: int, loop: ast.For) -> SplicePlan:
+def _plan(block, method_tree, method: str, path: tuple, index: int, loop: ast.For) -> SplicePlan:
+    fn, tree, no_grad = method_tree
+    stmts = regions.statements(tree, path)
+    common = dict(path=path, no_grad=no_grad)
     if split_loop.is_split_loop(loop):
-        region = split_loop.split_region(fn, tree, block, index)
-        _nothing_used_after(fn, tree, region.first, region.last, keep=region.out)
+        region = split_loop.split_region(fn, stmts, block, index)
+        _nothing_used_after(fn, tree, stmts[region.first:region.last + 1], keep=region.out)
         return SplicePlan(method, fn, region.first, region.last, (region.rows, region.counts), region.out,
-                          kind="split", empty_1d=region.empty_1d)
+                          kind="split", empty_1d=region.empty_1d, **common)
+    if split_loop.is_masked_loop(loop):
+        args = split_loop.masked_loop(fn, block, loop)
+        _nothing_used_after(fn, tree, [loop])
+        return SplicePlan(method, fn, index, index, args, kind="masked", **common)
     p = Prover(fn, tree, block, len(block.experts), batched=False)
-    prelude(p, tree.body[:index])
+    prelude(p, regions.before(tree, path, index))
     p.loop(loop)
     if p.facts.expert is None or strip_casts(p.facts.expert) != ("expert", ("x",)):
         raise Refusal(f"{p.where}: the loop adds {p.facts.expert}, not expert(x[tok]) × weight")
-    stored = _nothing_used_after(fn, tree, index, index)
+    stored = _nothing_used_after(fn, tree, [loop])
     names = {}
     for role in ("acc", "x", "idx", "w"):
         value = getattr(p.facts, role)
@@ -240,14 +297,15 @@ def _plan(block, fn, tree: ast.FunctionDef, method: str, index: int, loop: ast.F
             raise Refusal(f"{p.where}: the loop's {role} is not held by a name at the loop")
         names[role] = holders[0]
     args = tuple(names[r] for r in ("acc", "x", "idx", "w"))
-    return SplicePlan(method, fn, index, index, args, add_at_rows=p.facts.add_at_rows)
+    return SplicePlan(method, fn, index, index, args, add_at_rows=p.facts.add_at_rows, **common)
 
 
-def _nothing_used_after(fn, tree: ast.FunctionDef, first: int, last: int, keep: str | None = None) -> set[str]:
-    """The names the region's statements bind (but ``keep``, its result) are not read after it."""
-    stored = {n.id for s in tree.body[first:last + 1] for n in ast.walk(s)
-              if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    later = {n.id for s in tree.body[last + 1:] for n in ast.walk(s) if isinstance(n, ast.Name)}
+def _nothing_used_after(fn, tree: ast.FunctionDef, region: list[ast.stmt], keep: str | None = None) -> set[str]:
+    """The names the region's statements bind (but ``keep``, its result) are not read after it (in line
+    order, anywhere in the method: conservative for a region in an ``if`` branch)."""
+    stored = {n.id for s in region for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    end = region[-1].end_lineno
+    later = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and getattr(n, "lineno", 0) > end}
     used = (stored - {keep}) & later
     if used:
         raise Refusal(f"{fn.__qualname__}: {sorted(used)} from inside the expert region are used after it")

@@ -59,14 +59,14 @@ def is_split_loop(loop: ast.For) -> bool:
             and len(it.args) == 1 and not _is_self_attr(it.args[0], "experts"))
 
 
-def split_region(fn, tree: ast.FunctionDef, block: nn.Module, loop_index: int) -> SplitRegion:
-    """Prove statements around ``tree.body[loop_index]`` are the argsort/split region (module docstring)."""
+def split_region(fn, stmts: list[ast.stmt], block: nn.Module, loop_index: int) -> SplitRegion:
+    """Prove the statements around ``stmts[loop_index]`` are the argsort/split region (module docstring)."""
     proof = _SplitProof(fn, block)
-    first = proof.inits(tree.body, loop_index)
-    proof.loop(tree.body[loop_index])
-    if loop_index + 1 >= len(tree.body):
+    first = proof.inits(stmts, loop_index)
+    proof.loop(stmts[loop_index])
+    if loop_index + 1 >= len(stmts):
         raise Refusal(f"{proof.where}: nothing concatenates the expert outputs after the loop")
-    out, empty_1d = proof.concat(tree.body[loop_index + 1])
+    out, empty_1d = proof.concat(stmts[loop_index + 1])
     return SplitRegion(first, loop_index + 1, out, proof.rows, proof.counts, empty_1d)
 
 
@@ -284,3 +284,103 @@ class _SplitProof:
         return (isinstance(f, ast.Attribute) and f.attr == "new_empty" and isinstance(f.value, ast.Name)
                 and f.value.id == self.rows and len(node.args) == 1 and not node.keywords
                 and isinstance(node.args[0], ast.Constant) and node.args[0].value == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek's training loop: per-row outputs by masked assignment
+# ---------------------------------------------------------------------------------------------
+
+
+def is_masked_loop(loop: ast.For) -> bool:
+    """One assignment into a subscript in the body: the shape ``masked_loop`` proves."""
+    assigns = [s for s in loop.body if isinstance(s, ast.Assign)]
+    return bool(assigns) and isinstance(assigns[-1].targets[0], ast.Subscript)
+
+
+def masked_loop(fn, block: nn.Module, loop: ast.For) -> tuple[str, str, str]:
+    """Prove ``loop`` is
+
+        for i, expert in enumerate(self.experts):        # or: for i in range(len(self.experts))
+            y[ids == i] = expert(x[ids == i])             # or self.experts[i](...); the mask may be named
+
+    which sets ``y[p] = expert_{ids[p]}(x[p])`` for every row whose id names an expert and leaves the
+    others as they were (DeepSeek's remote-code training path, over rows repeated once per slot).
+    Returns the names ``(y, x, ids)``."""
+    proof = _MaskedProof(fn, block)
+    proof.header(loop)
+    *masks, store = loop.body
+    for stmt in masks:
+        proof.mask_assign(stmt)
+    return proof.store(store)
+
+
+class _MaskedProof(_SplitProof):
+    def __init__(self, fn, block: nn.Module):
+        super().__init__(fn, block)
+        self.ids = None
+
+    def header(self, loop: ast.For) -> None:
+        if loop.orelse:
+            self.refuse(loop, "has an else branch")
+        it, target = loop.iter, loop.target
+        call = isinstance(it, ast.Call) and len(it.args) == 1 and not it.keywords
+        fn = self.scope.resolve(it.func) if call and isinstance(it.func, (ast.Name, ast.Attribute)) else None
+        if fn is enumerate and _is_self_attr(it.args[0], "experts") and isinstance(target, ast.Tuple) \
+                and len(target.elts) == 2 and all(isinstance(t, ast.Name) for t in target.elts):
+            self.env = {target.elts[0].id: _E, target.elts[1].id: _EXPERT}
+        elif fn is range and isinstance(target, ast.Name) and self._is_len_experts(it.args[0]):
+            self.env = {target.id: _E}
+        else:
+            self.refuse(loop, "does not iterate over the experts (enumerate(self.experts) or range(len(self.experts)))")
+        if type(getattr(self.block, "experts", None)) is not nn.ModuleList:
+            self.refuse(loop, "does not loop over a ModuleList of experts")
+        self.loop_names = set(self.env)
+
+    def _is_len_experts(self, node: ast.AST) -> bool:
+        return (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords
+                and isinstance(node.func, ast.Name) and self.scope.resolve(node.func) is len
+                and _is_self_attr(node.args[0], "experts"))
+
+    def mask_assign(self, stmt: ast.stmt) -> None:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            self.refuse(stmt, "is not `mask = ids == i`")
+        name = stmt.targets[0].id
+        if name in self.env:
+            self.refuse(stmt, "rebinds a name the loop reads")
+        self.env[name] = self._mask(stmt.value)
+
+    def _mask(self, node: ast.AST):
+        if isinstance(node, ast.Name) and self.env.get(node.id, (None,))[0] == "mask":
+            return self.env[node.id]
+        if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq)):
+            self.refuse(node, "is not `ids == i`")
+        sides = [node.left, node.comparators[0]]
+        values = [self.eval(n) for n in sides]
+        if _E not in values:
+            self.refuse(node, "does not compare the ids with the loop's expert id")
+        ids = values[1 - values.index(_E)]
+        if not (isinstance(ids, tuple) and ids[0] == "outer") or ids[1] in self.loop_names:
+            self.refuse(node, "does not compare the block's ids with the loop's expert id")
+        if self.ids not in (None, ids[1]):
+            self.refuse(node, "compares a second tensor of ids")
+        self.ids = ids[1]
+        return ("mask", ids[1])
+
+    def store(self, stmt: ast.stmt) -> tuple[str, str, str]:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+            self.refuse(stmt, "is not `y[ids == i] = expert(x[ids == i])`")
+        target, value = stmt.targets[0], stmt.value
+        if not (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)):
+            self.refuse(stmt, "does not assign into the rows of a tensor held by a name")
+        self._mask(target.slice)
+        if not (isinstance(value, ast.Call) and len(value.args) == 1 and not value.keywords
+                and self.eval(value.func) == _EXPERT):
+            self.refuse(stmt, "does not assign the expert's output")
+        arg = value.args[0]
+        if not (isinstance(arg, ast.Subscript) and isinstance(arg.value, ast.Name)):
+            self.refuse(stmt, "does not call the expert on rows of a tensor held by a name")
+        self._mask(arg.slice)
+        y, x = target.value.id, arg.value.id
+        if len({y, x, self.ids}) != 3 or {y, x} & set(self.env):
+            self.refuse(stmt, "reads and writes the same tensor, or a name the loop binds")
+        return y, x, self.ids

@@ -51,6 +51,9 @@ class MoeStructure:
     # param: the experts compute in their weights' dtype | float32: their forward upcasts the routed rows
     # and every expert weight to float32 (the recipe does the same).
     expert_dtype: str = "param"
+    # module_list: trailing ``nn.Identity`` experts (zero-compute experts, LongCat-Flash): ids past the
+    # computing experts add ``w * x`` where the token is; they are not sharded.
+    identity_experts: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -82,7 +85,7 @@ def _structure(module: nn.Module) -> MoeStructure:
     if isinstance(experts, nn.ModuleList):
         storage = "module_list"
         facts = module_list_proof.module_list_facts(experts)
-        module_list_proof.module_list_plan(module)  # the one expert loop autoep splices out
+        module_list_proof.module_list_plan(module)  # the expert regions autoep splices out
     elif isinstance(experts, nn.Module) and grouped_proof.takes_groups(experts):
         storage = "grouped"
         facts = grouped_proof.grouped_experts_facts(experts)
@@ -124,7 +127,7 @@ def count_experts(module: nn.Module) -> int:
     """Number of routed experts of an MoE block (from the experts' shapes; reads no data)."""
     experts = getattr(module, "experts", None)
     if isinstance(experts, nn.ModuleList):
-        return len(experts)
+        return sum(type(e) is not nn.Identity for e in experts)  # identity experts are not sharded
     p = getattr(experts, "down_proj", None)
     if isinstance(experts, nn.Module) and not isinstance(p, nn.Parameter) and grouped_proof.takes_groups(experts):
         # grouped experts: the weights may live on submodules (experts.fc1.weight); all are (E, ., .)

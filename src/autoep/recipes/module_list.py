@@ -49,16 +49,18 @@ class StackedSwiGLUExperts(nn.Module):
     sharded ``Shard(0)`` over ep). ``proj_names`` and ``act_fn`` remember the original layout.
     """
 
-    def __init__(self, gate_up_EFD: Tensor, down_EDF: Tensor, act_fn: nn.Module, proj_names: tuple[str, ...]):
+    def __init__(self, gate_up_EFD: Tensor, down_EDF: Tensor, act_fn: nn.Module, proj_names: tuple[str, ...],
+                 identity_experts: int = 0):
         super().__init__()
         self.num_experts = gate_up_EFD.shape[0]
+        self.identity_experts = identity_experts  # trailing zero-compute experts: ids [E, E + this) add w * x
         self.gate_up_proj = nn.Parameter(gate_up_EFD, requires_grad=gate_up_EFD.requires_grad)
         self.down_proj = nn.Parameter(down_EDF, requires_grad=down_EDF.requires_grad)
         self.act_fn = act_fn
         self.proj_names = proj_names
 
     def __len__(self) -> int:  # the block's own code may still read len(self.experts)
-        return self.num_experts
+        return self.num_experts + self.identity_experts
 
     def forward(self, x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
         """Rows of ``x_SD`` grouped by this rank's local experts -> their outputs (S, D)."""
@@ -114,6 +116,11 @@ def stack_module_list_experts(module: nn.Module, *, structure: dict) -> None:
     if isinstance(experts, StackedSwiGLUExperts):
         return
     names = _proj_names(module, structure)
+    identities = int(structure.get("identity_experts", 0))
+    experts = list(experts)[: len(experts) - identities]
+    if any(type(e) is nn.Identity for e in experts) or not all(type(e) is nn.Identity for e in module.experts[len(experts):]):
+        reason = f"structure.identity_experts={identities} does not match the trailing nn.Identity experts"
+        raise UnsupportedModuleStructure(type(module).__name__, reason)
     for e, expert in enumerate(experts):
         for n in names:
             lin = getattr(expert, n, None)
@@ -129,9 +136,10 @@ def stack_module_list_experts(module: nn.Module, *, structure: dict) -> None:
     with torch.no_grad():
         gate_up_EFD = torch.stack([torch.cat([getattr(x, gate).weight, getattr(x, up).weight]) for x in experts])
         down_EDF = torch.stack([getattr(x, down).weight for x in experts])
-    grad = any(p.requires_grad for p in experts.parameters())
+    grad = any(p.requires_grad for x in experts for p in x.parameters())
     module.experts = StackedSwiGLUExperts(
-        gate_up_EFD.requires_grad_(grad), down_EDF.requires_grad_(grad), _act_fn(module, structure), names
+        gate_up_EFD.requires_grad_(grad), down_EDF.requires_grad_(grad), _act_fn(module, structure), names,
+        identity_experts=identities,
     )
 
 
@@ -242,26 +250,84 @@ def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK:
         out_dtype=torch.float32 if acc.dtype == torch.float32 else acc.dtype,
         acc_dtype=acc.dtype,  # a narrower accumulator is summed as the loop sums it (expert order, rounding)
     )
+    if module.experts.identity_experts:
+        out_TD = out_TD + _identity_experts(module, acc, x_TD, top_k_index_TK, top_k_weights_TK)
     rows_T = torch.arange(top_k_index_TK.shape[0], device=acc.device)
     acc.index_add_(0, rows_T, out_TD.to(acc.dtype))
 
 
 def ep_split_loop(module: nn.Module, rows_SD: Tensor, counts, *, ep_group, empty_1d: bool = False) -> Tensor:
     """What the block's argsort/split loop and concatenation did (``autoep.split_loop``): the ``counts[e]``
-    contiguous rows of expert e, in expert order, each through its expert, concatenated (``sum(counts)``
-    rows), with the experts spread over ``ep_group``."""
+    contiguous rows of expert e, in expert order, each through its expert, concatenated, with the experts
+    spread over ``ep_group``. Python's slicing is kept: slices past the last row are cut short, and rows
+    past the last slice are not in the result."""
     E = module.experts.num_experts
-    counts_E = torch.as_tensor(counts).to(device=rows_SD.device, dtype=torch.long)
-    if counts_E.shape != (E,):
-        raise RuntimeError(f"{type(module).__name__}: its expert loop iterates {tuple(counts_E.shape)} row counts "
-                           f"for {E} experts; autoep's exchange needs one count per expert")
-    # NOTE: .tolist() syncs the host once per layer: the rows the loop would slice must exist.
-    lowest, total = torch.stack([counts_E.min(), counts_E.sum()]).tolist()
-    if total > rows_SD.shape[0] or lowest < 0:
-        raise RuntimeError(f"{type(module).__name__}: its row counts (sum {total}) do not fit its "
-                           f"{rows_SD.shape[0]} sorted rows; the loop's slices would not be whole experts")
+    counts_E = _slice_counts(module, torch.as_tensor(counts).to(device=rows_SD.device, dtype=torch.long),
+                             rows_SD.shape[0], E)
     out_SD = ep_grouped_forward(rows_SD, counts_E, num_experts=E, ep_group=ep_group, expert_fn=module.experts)
-    return rows_SD.new_empty(0) if empty_1d and total == 0 else out_SD
+    if empty_1d and out_SD.shape[0] == 0:
+        # The block's own ``rows.new_empty(0)``, as a view of the exchange's output: a rank without rows
+        # must stay in the autograd graph, or it would skip the exchange's backward and hang its peers.
+        return out_SD.reshape(-1)
+    return out_SD
+
+
+def ep_masked_loop(module: nn.Module, y_SD: Tensor, x_SD: Tensor, ids_S: Tensor, *, ep_group) -> None:
+    """What the block's masked-assignment loop did (``split_loop.masked_loop``): ``y[p] =
+    expert_{ids[p]}(x[p])`` for every row whose id names an expert (an identity expert: ``x[p]``), other
+    rows left as they were, with the experts spread over ``ep_group``."""
+    if ids_S.dim() != 1 or x_SD.dim() != 2 or ids_S.shape[0] != x_SD.shape[0]:
+        raise RuntimeError(f"{type(module).__name__}: its masked expert loop reads ids {tuple(ids_S.shape)} for "
+                           f"rows {tuple(x_SD.shape)}; autoep's exchange needs one id per row of (rows, hidden)")
+    _check_no_alias(module, y_SD, x_SD, ids_S)
+    E = module.experts.num_experts
+    # ``ids == e`` holds for an integer-valued id of any dtype (2.0 == 2), never for 2.5 or nan.
+    ids_long_S = ids_S.long()
+    whole_S = ids_long_S == ids_S
+    routed_S = whole_S & (ids_long_S >= 0) & (ids_long_S < E)
+    send_S1 = torch.where(routed_S, ids_long_S, torch.full_like(ids_long_S, E)).unsqueeze(1)  # E: padding
+    ones_S1 = torch.ones((ids_S.shape[0], 1), dtype=torch.float32, device=x_SD.device)
+    out_SD = ep_experts_forward(x_SD, send_S1, ones_S1, num_experts=E, ep_group=ep_group,
+                                expert_fn=module.experts, out_dtype=x_SD.dtype)
+    # y * 1.0 in fp32 and back is exact: out_SD holds each routed row's own expert output.
+    y_SD[routed_S] = out_SD[routed_S]
+    if module.experts.identity_experts:
+        identity_S = whole_S & (ids_long_S >= E) & (ids_long_S < E + module.experts.identity_experts)
+        y_SD[identity_S] = x_SD[identity_S]
+
+
+def _slice_counts(module: nn.Module, counts_C: Tensor, num_rows: int, E: int) -> Tensor:
+    """Rows each expert's slice ``rows[start:start + n]`` really holds (cut at ``num_rows``), one per expert:
+    counts past the experts must be zero (the loop would index a missing expert), missing ones are zero."""
+    if counts_C.dim() != 1:
+        raise RuntimeError(f"{type(module).__name__}: its expert loop iterates row counts of shape "
+                           f"{tuple(counts_C.shape)}; autoep needs one count per expert")
+    extra = counts_C[E:]
+    counts_E = torch.cat([counts_C[:E], counts_C.new_zeros(max(E - counts_C.shape[0], 0))])
+    # NOTE: .tolist() syncs the host once per layer: offsets that move backwards have no exchange form.
+    lowest, extra_rows = torch.stack([counts_E.min(), extra.abs().sum()]).tolist()
+    if lowest < 0 or extra_rows:
+        raise RuntimeError(f"{type(module).__name__}: its expert loop's row counts are negative or name "
+                           f"experts past its {E}; autoep cannot reproduce those slices")
+    ends_E = counts_E.cumsum(0)
+    return ends_E.clamp(max=num_rows) - (ends_E - counts_E).clamp(max=num_rows)
+
+
+def _identity_experts(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK: Tensor,
+                      top_k_weights_TK: Tensor) -> Tensor:
+    """``sum_k w[t, k] * x[t]`` over the slots routed to a trailing ``nn.Identity`` expert, as the loop adds
+    them (product in the promoted dtype), computed where the token is (nothing to exchange)."""
+    if acc.dtype != torch.float32:
+        # The loop would round each identity product into the narrow accumulator in expert order.
+        raise RuntimeError(f"{type(module).__name__}: identity experts with a {acc.dtype} accumulator; autoep "
+                           "sums identity experts only into a float32 accumulator")
+    E = module.experts.num_experts
+    is_identity_TK = (top_k_index_TK >= E) & (top_k_index_TK < E + module.experts.identity_experts)
+    # The loop reads x at the ids' token rows, which are the first T rows (as the exchange does).
+    contrib_TKD = x_TD[: top_k_index_TK.shape[0]].unsqueeze(1) * top_k_weights_TK.unsqueeze(-1)
+    # where, not a multiply by the mask: a slot of a computing expert must add nothing, not 0 * x.
+    contrib_TKD = torch.where(is_identity_TK.unsqueeze(-1), contrib_TKD, torch.zeros_like(contrib_TKD))
+    return contrib_TKD.sum(dim=1).float()
 
 
 def _check_each_expert_once(module: nn.Module, top_k_index_TK: Tensor) -> None:
@@ -294,21 +360,32 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     exchange: routing, jitter, shared branch and return are the model's own code.
     """
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
-    plan = validate(module, structure=structure)
+    plans = validate(module, structure=structure)
     stack_module_list_experts(module, structure=structure)
     shard_stacked_experts(module, ep_mesh)
+    ep_group = ep_group_of(ep_mesh)
+    for method in dict.fromkeys(plan.method for plan in plans):
+        mine = [plan for plan in plans if plan.method == method]
+        spliced = compile_spliced(mine, [_region_fn(plan, ep_group) for plan in mine])
+        if mine[0].no_grad:
+            spliced = torch.no_grad()(spliced)  # the method's own (only) decorator, proven by the detector
+        # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run.
+        setattr(module, method, types.MethodType(spliced, module))
+
+
+def _region_fn(plan, ep_group):
+    """The exchange that replaces one proven region (``SplicePlan.kind``)."""
     if plan.kind == "split":
-        loop = functools.partial(ep_split_loop, ep_group=ep_group_of(ep_mesh), empty_1d=plan.empty_1d)
-    else:
-        loop = functools.partial(ep_expert_loop, ep_group=ep_group_of(ep_mesh), add_at_rows=plan.add_at_rows)
-    # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run.
-    setattr(module, plan.method, types.MethodType(compile_spliced(plan, loop), module))
+        return functools.partial(ep_split_loop, ep_group=ep_group, empty_1d=plan.empty_1d)
+    if plan.kind == "masked":
+        return functools.partial(ep_masked_loop, ep_group=ep_group)
+    return functools.partial(ep_expert_loop, ep_group=ep_group, add_at_rows=plan.add_at_rows)
 
 
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_):
     """Resolve-time check (an explicit ``_target_`` included) that this recipe computes what ``module``
     computes: its expert loop and every expert are proven, and the given expert facts are the proven
-    ones. Returns the splice plan; raises ``UnsupportedModuleStructure`` naming the key otherwise."""
+    ones. Returns the splice plans (one per expert region); raises ``UnsupportedModuleStructure`` naming the key otherwise."""
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
     name = type(module).__name__
     if isinstance(getattr(module, "experts", None), StackedSwiGLUExperts):

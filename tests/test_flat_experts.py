@@ -236,3 +236,47 @@ def test_ep_size_must_divide_the_experts_not_only_the_rows():
     block = dbrx_block()
     with pytest.raises(PlanError, match="ep_size=3 does not divide num_experts=4"):
         ep_batched_experts(block, ep_mesh=Mesh(), structure=detect_moe_structure(block))
+
+
+# ---------------------------------------------------------------- checkpoints in the model's own layout
+
+DBRX_CONFIG = dict(d_model=D, n_heads=4, n_layers=2, vocab_size=128,
+                   attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},  # autoep.tiny: DBRX needs both
+                   ffn_config={"ffn_hidden_size": F, "moe_num_experts": E, "moe_top_k": 2})
+IDS = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+
+
+def pretrained_worker(rank: int, world_size: int, path: str) -> dict:
+    from hydra import compose, initialize_config_dir
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoep.plan import CONF_DIR
+    from autoep.train import build_model
+
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["model=hf_pretrained", f"model.pretrained_path={path}", "parallel.ep_size=2",
+                                          "parallel.plan.0.match=transformer.blocks.*.ffn"])
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("edp", "ep"))
+    model, _ = build_model(cfg, mesh, torch.device("cpu"))
+    w1 = model.transformer.blocks[1].ffn.experts.mlp.w1
+    with torch.no_grad():
+        return {"logits": model.eval()(input_ids=IDS).logits, "w1": w1.to_local().clone(), "shape": tuple(w1.shape)}
+
+
+@only_v5
+def test_a_dbrx_checkpoint_loads_each_rank_its_whole_experts_and_computes_what_from_pretrained_does(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from distributed import spawn
+
+    torch.manual_seed(0)
+    modeling_dbrx.DbrxForCausalLM(modeling_dbrx.DbrxConfig(**DBRX_CONFIG)).save_pretrained(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        expected = ref(input_ids=IDS).logits
+    full_w1 = ref.transformer.blocks[1].ffn.experts.mlp.w1.detach()
+    for rank, out in enumerate(spawn(2, "test_flat_experts:pretrained_worker", str(tmp_path))):
+        torch.testing.assert_close(out["logits"], expected)
+        assert out["shape"] == (E * F, D)  # the model's own (E*F, D) layout, sharded on its flat dim
+        rows = slice(rank * E * F // 2, (rank + 1) * E * F // 2)  # experts [rank*E/2, (rank+1)*E/2), F rows each
+        torch.testing.assert_close(out["w1"], full_w1[rows])

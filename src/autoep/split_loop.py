@@ -56,7 +56,7 @@ def is_split_loop(loop: ast.For) -> bool:
     """A ``for i, n in enumerate(<not self.experts>)`` loop: the shape this module proves."""
     it = loop.iter
     return (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate"
-            and len(it.args) == 1 and not _is_self_attr(it.args[0], "experts"))
+            and len(it.args) == 1 and not any(_is_self_attr(n, "experts") for n in ast.walk(it.args[0])))
 
 
 def split_region(fn, stmts: list[ast.stmt], block: nn.Module, loop_index: int) -> SplitRegion:
@@ -311,7 +311,11 @@ def masked_loop(fn, block: nn.Module, loop: ast.For) -> tuple[str, str, str]:
     *masks, store = loop.body
     for stmt in masks:
         proof.mask_assign(stmt)
-    return proof.store(store)
+    names = proof.store(store)
+    rebound = set(names) & {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    if rebound:  # the next expert would read what this one bound
+        proof.refuse(loop, f"rebinds {sorted(rebound)} inside the loop")
+    return names
 
 
 class _MaskedProof(_SplitProof):

@@ -11,10 +11,13 @@ loop skips, a class a function builds; grouped experts called as ``experts(x_sor
 - source mutants (``mutation_operators``): one function's source (the block forward and the helpers it
   calls on ``self``, the router forward, the batched experts forward and its helpers, the ModuleList
   expert forward, the forward of a model-defined activation module the experts call and of the
-  model-defined modules inside it), parsed, edited at one location, unparsed and exec'd as a method of a
-  subclass of the original class (``mutation_source.exec_subclass``: same name, the original module's
-  globals and, for a class a function builds, the same closure; source readable by ``inspect``); the
-  block's objects are re-classed in place (``obj.__class__ = Mutant``).
+  model-defined modules inside it, the forward of model-defined modules inside batched or grouped experts
+  (role ``experts:<Class>``) and the module-level functions the experts' code calls), parsed, edited at one
+  location, unparsed and exec'd as a method of a subclass of the original class
+  (``mutation_source.exec_subclass``: same name, the original module's globals and, for a class a function
+  builds, the same closure; source readable by ``inspect``; an edited module-level function is defined
+  under its own name in the globals of its unchanged caller); the block's objects are re-classed in place
+  (``obj.__class__ = Mutant``).
 - run-time-state mutants (``mutation_runtime``): no source change; instance ``forward``, hooks,
   ``__call__`` overrides, tied / frozen / heterogeneous experts, instance ``_apply_gate``, ``act_fn``,
   the gate's float constants doubled or made learnable.
@@ -235,10 +238,27 @@ class SourceSite:
     method: str
     cls: type
     experts_params: tuple[str, ...] = ()  # block sites of batched experts: their forward's parameters
+    helper: object = None  # a module-level function ``method`` calls (Aria's GEMM loop): the one edited
 
     @property
     def function(self):
-        return inspect.unwrap(getattr(self.cls, self.method))
+        return self.helper if self.helper is not None else inspect.unwrap(getattr(self.cls, self.method))
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}.{self.method}" + (f">{self.helper.__name__}" if self.helper is not None else "")
+
+
+def _helpers_called(cls: type, method: str) -> list:
+    """Module-level Python functions (not torch's) that ``cls.method`` calls by a global name, in source order."""
+    fn = inspect.unwrap(getattr(cls, method))
+    out = []
+    for node in ast.walk(function_tree(fn)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            target = fn.__globals__.get(node.func.id)
+            if inspect.isfunction(target) and not (target.__module__ or "").startswith("torch") and target not in out:
+                out.append(target)
+    return out
 
 
 def source_sites(block: nn.Module) -> list[SourceSite]:
@@ -258,6 +278,8 @@ def source_sites(block: nn.Module) -> list[SourceSite]:
         tree = function_tree(inspect.unwrap(cls.forward))
         methods = ["forward"] + [m for m in _own_methods_called(cls, tree) if m != "forward"]
         sites += [SourceSite(role, m, cls, extra) for m in methods]
+        if role == "experts" or role.startswith("experts:"):  # the experts' own module-level helpers
+            sites += [SourceSite(role, m, cls, helper=h) for m in methods for h in _helpers_called(cls, m)]
     return sites
 
 
@@ -267,6 +289,11 @@ def source_mutator(site: SourceSite, edit: Edit) -> Callable[[nn.Module], None]:
     cache: dict[str, type] = {}
 
     def apply(block: nn.Module) -> None:
+        if "cls" not in cache and site.helper is not None:
+            # The caller unchanged, in a module whose globals hold the edited helper under its own name.
+            edited = ast.unparse(ast.fix_missing_locations(edit.tree))
+            caller = function_tree(inspect.unwrap(getattr(site.cls, site.method)))
+            cache["cls"] = with_method(site.cls, site.method, caller, f"{edit.prelude}\n{edited}")
         if "cls" not in cache:
             cache["cls"] = with_method(site.cls, site.method, edit.tree, edit.prelude)
         for obj in role_objects(block, site.role):
@@ -303,7 +330,7 @@ def target_mutants(target: Target) -> list[Mutant]:
         tree = function_tree(site.function)
         for op_name, op in SOURCE_OPERATORS.items():
             for k, edit in enumerate(op(tree, site)):
-                name = f"{target.name}/{site.role}.{site.method}/{op_name}#{k}"
+                name = f"{target.name}/{site.label}/{op_name}#{k}"
                 out.append(Mutant(name, target, op_name, source_mutator(site, edit)))
     for role in roles_of(block):
         for op_name, op in RUNTIME_OPERATORS.items():

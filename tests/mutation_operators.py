@@ -108,7 +108,7 @@ def op_expert_output_cast(fn, site):
 
 def _expert_side(site) -> bool:
     """The experts' own code: batched experts, a ModuleList expert, the activation module they call."""
-    return site.role in ("experts", "expert") or site.role.startswith("act")
+    return site.role in ("experts", "expert") or site.role.startswith(("act", "experts:"))
 
 
 def op_mix_rows(fn, site):

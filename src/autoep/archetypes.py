@@ -42,6 +42,7 @@ class Archetype:
 BATCHED = Archetype(target=f"{RECIPES}.batched.ep_batched_experts")
 MODULE_LIST_BLOCK = Archetype(target=f"{RECIPES}.module_list.ep_module_list_block")
 GROUPED = Archetype(target=f"{RECIPES}.grouped.ep_grouped_experts")
+EQUAL_GROUPS = Archetype(target=f"{RECIPES}.equal_groups.ep_equal_group_experts")
 
 # (router, expert_storage) -> recipe. The remaining MoeStructure fields are passed to the factory as
 # its ``structure`` kwarg, so the decision's full lookup key is every field (jitter included).
@@ -56,6 +57,9 @@ TABLE: dict[tuple[str, str], Archetype] = {
     # grouped rows keep the block's own forward; only its experts(x_sorted, num_tokens_per_expert) call
     # becomes the exchange of each group's rows to the rank owning that expert, computed there grouped.
     **{(router, "grouped"): GROUPED for router in ("topk_router_module", "softmax_topk", "sigmoid_group", "other")},
+    # equal_groups rows keep the block's own forward; only its experts(rows) call (E equal groups of rows,
+    # Llama-4) becomes the grouped exchange, zero rows skipped where the proven expert is zero at zero.
+    **{(router, "equal_groups"): EQUAL_GROUPS for router in ("topk_router_module", "softmax_topk", "sigmoid_group", "other")},
 }
 
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch.nn as nn
 
-from autoep import experts_proof, grouped_proof, module_list_proof, routing_proof, source
+from autoep import equal_groups_proof, experts_proof, grouped_proof, module_list_proof, routing_proof, source
 from autoep.errors import UnsupportedModuleStructure
 from autoep.source import Refusal
 
@@ -18,7 +18,7 @@ DETECTOR_VERSION = "2"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")
-STORAGE_KINDS = ("module_list", "batched_parameters", "grouped")
+STORAGE_KINDS = ("module_list", "batched_parameters", "grouped", "equal_groups")
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class MoeStructure:
     router: str  # softmax_topk | sigmoid_group | topk_router_module | other (vocabulary: routing runs as written)
     shared_experts: str  # none | gated | additive (vocabulary: the shared branch always runs as written)
     expert_storage: str  # module_list | batched_parameters | grouped (experts(x_sorted, num_tokens_per_expert))
+    # | equal_groups (experts(rows): E equal groups of rows, row block e for expert e)
     jitter: bool  # the block has ``jitter_noise`` (vocabulary: jitter always runs as written)
     # Expert layout facts (batched_parameters; module_list experts are stacked to the default layout).
     expert_bias: bool = False  # gate_up_proj_bias / down_proj_bias are added
@@ -89,6 +90,10 @@ def _structure(module: nn.Module) -> MoeStructure:
     elif isinstance(experts, nn.Module) and grouped_proof.takes_groups(experts):
         storage = "grouped"
         facts = grouped_proof.grouped_experts_facts(experts)
+        routing_proof.experts_call(module)
+    elif isinstance(experts, nn.Module) and equal_groups_proof.takes_rows(experts):
+        storage = "equal_groups"  # experts(rows) on E equal groups of rows (Llama-4)
+        facts = equal_groups_proof.equal_groups_facts(experts)
         routing_proof.experts_call(module)
     elif isinstance(experts, nn.Module):
         storage = "batched_parameters"

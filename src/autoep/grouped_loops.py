@@ -20,6 +20,9 @@ rows of expert e only), ``Counts``, ``Weight`` (an expert parameter, dim 0 = exp
 ``[e]``, ``t``: transposed), ``Sub`` (a submodule), loop bookkeeping (``Tag``, ``OutList``, ``Acc``) and
 ``Obj`` (a resolved Python object). Expressions: ``("x",)``, ``("lin", e, path, t)`` (e @ w[e], ``t``:
 @ w[e].T), ``("act", e, fn or module path)``, ``("mul", a, b)``, ``("chunk", e, i)``.
+
+One interpreter class, longer than most files here: its statement and call halves share the loop state
+(which loop runs, which names it leaves behind), and splitting them would hide what a spelling needs.
 """
 from __future__ import annotations
 
@@ -72,8 +75,9 @@ class Sub:
 
 @dataclass(frozen=True)
 class Tag:
-    """Bookkeeping without payload: idx, idx+1, num_experts, num_rows, dtype, device, split, cumsum,
-    zero, offsets, start, end, dead (a loop-local name after its loop)."""
+    """Bookkeeping: idx, idx+1 (the loop's expert), num_experts, num_rows, dtype, device, shape (of Rows),
+    wshape and width (of a weight), split (of rows), cumsum, zero, offsets, start, end (the offset loop),
+    routed, padding, cols, pad (the padded spelling), dead (a loop-local name after its loop)."""
 
     kind: str
     of: object = None
@@ -110,7 +114,6 @@ class _Interpreter:
         self.loops: set[str] = set()  # the kinds of per-expert loop that ran
         self.in_loop = False  # helpers called inside a per-expert loop may not loop themselves
         self.split_head = False  # the split loop running splits x[:sum(counts)]
-        self.visited: list[nn.Module] = []
 
     # -- entry -----------------------------------------------------------------------------------
 
@@ -430,7 +433,6 @@ class _Interpreter:
         if node.keywords:
             self.refuse(f, node, "passes keywords to a submodule")
         elementwise.runtime_clean(module, f"experts.{sub.path}")
-        self.visited.append(module)
         fn = plain_method(type(module), "forward", module)
         args = [self.eval(f, a) for a in node.args]
         return self.call_function(fn, args, module, f"{sub.path}.", f.depth + 1)

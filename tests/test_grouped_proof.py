@@ -184,3 +184,12 @@ def test_run_time_state_of_nested_gemm_modules_is_refused(change, reason):
 def test_a_name_left_bound_by_the_loop_is_not_read_after_it():
     edited = _edit(TITAN, "forward", "return torch.cat(out, dim=0)", "return torch.cat(out, dim=0) * h")
     assert "last expert's rows" in refused_or_exact(_block("titan", edited))
+
+
+def test_global_module_hooks_are_refused():
+    handle = nn.modules.module.register_module_forward_hook(lambda m, a, o: o)
+    try:
+        assert "global module hooks" in refused_or_exact(_block("aria"))
+    finally:
+        handle.remove()
+    assert refused_or_exact(_block("aria")) == "exact"

@@ -15,6 +15,7 @@ import torch.nn as nn
 from autoep import elementwise
 from autoep.grouped_loops import Rows, interpret
 from autoep.loop_context import plain_method
+from autoep.module_list_proof import global_hooks
 from autoep.source import Refusal, function_tree
 
 
@@ -65,6 +66,8 @@ def grouped_proof(experts: nn.Module) -> GroupedProof:
     num_experts = _check_params(experts, (gate, up, down), t)
     for m in experts.modules():
         elementwise.runtime_clean(m, f"experts {cls.__name__} submodule {type(m).__name__}")
+    if global_hooks():  # the experts' own submodule calls (fc1, fc2) would run them; the exchange does not
+        raise Refusal("global module hooks are registered; the grouped exchange would not run them")
     facts = dict(
         expert_transposed=not t,
         gate_up_layout="concatenated" if gate == up else "separate",

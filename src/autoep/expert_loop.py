@@ -33,7 +33,7 @@ from autoep import elementwise
 from autoep.loop_values import (
     Opaque, Obj, SelfRef, Attr, ShapeItem, Mask, MaskSum, Hit,
     ExpertId, MaskRow, Pairs, Index, IdxEq, Count, Cond, ExpertMod,
-    Param, Method, Act, Row, Chunks, Weight, LoopFacts,
+    Param, Method, Act, RowModule, Row, Chunks, Weight, LoopFacts,
 )
 from autoep.names import Scope
 from autoep.source import Refusal
@@ -140,6 +140,9 @@ class Prover:
         if name == "act_fn":
             elementwise.check_activation_module(value, f"{type(self.owner).__name__}.act_fn")
             return Act()
+        if self.batched and name in self.owner._modules and name not in vars(self.owner) \
+                and isinstance(value, nn.Module) and not isinstance(value, nn.ModuleList):
+            return RowModule(name)  # proven row-local with the layout (``experts_proof``), once D is known
         if name == "_apply_gate" and self.batched:
             if "_apply_gate" in vars(self.owner):
                 self.refuse(node, "is an instance-level override")
@@ -291,6 +294,11 @@ class Prover:
                 self.refuse(node)
             self.facts.uses_apply_gate = True
             return Row(("gate", v.expr))
+        if isinstance(target, RowModule):
+            v = self.eval(node.args[0]) if len(node.args) == 1 and not node.keywords else None
+            if not isinstance(v, Row):
+                self.refuse(node, "does not apply the module to the expert's rows alone")
+            return Row(("norm", v.expr, target.name))
         if isinstance(target, ExpertMod):
             (arg,) = self._args(node, ("input",), 1).values()
             v = self.eval(arg)

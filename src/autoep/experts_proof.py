@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from autoep import elementwise
+from autoep import elementwise, row_norm
 from autoep.expert_loop import Attr, Hit, Mask, Obj, Opaque, Prover
 from autoep.flat_experts import AccView, FlatLayout, FlatProver, flat_layout
 from autoep.loop_context import plain_method
@@ -110,6 +110,8 @@ def _flat_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
     roles = _prove_batched_forward(prover, tree, unused_ok=True)
     marks: list = []
     _strip_f32(prover.facts.expert, marks)
+    if _applies_module(prover.facts.expert):
+        raise Refusal(f"{prover.where}: flattened experts that apply a submodule to their rows are not followed")
     if marks:
         raise Refusal(f"{prover.where}: flattened experts that upcast to float32 are not followed")
     if prover.rows_of is None:  # the exchange takes (T, D) rows; a forward that does not make them is not followed
@@ -118,7 +120,7 @@ def _flat_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
         raise Refusal(f"{prover.where} accumulates into zeros shaped like another tensor than its rows")
     layout = flat_layout(prover, experts)
     facts = dict(expert_bias=False, expert_transposed=False, gate_up_layout="separate", activation="glu",
-                 expert_projs=",".join((layout.gate, layout.up, layout.down)), expert_act=layout.act)
+                 expert_projs=",".join((layout.gate, layout.up, layout.down)), expert_act=layout.act, post_expert_norm="")
     return facts, dataclasses.replace(roles, flat=layout)
 
 
@@ -265,10 +267,30 @@ def _compute_dtype(p: Prover, expr: tuple) -> tuple[tuple, str]:
 
 
 def _batched_layout(p: Prover, experts: nn.Module) -> dict:
-    """Read the proven per-expert computation as ``down(gate(gate_up(x) (+b)) (+b))``."""
+    """Read the proven per-expert computation as ``(norm)(down(gate(gate_up(x) (+b)) (+b)))``."""
     expr, dtype = _compute_dtype(p, p.facts.expert)
+    expr, norm = _peel_norm(p, expr)
     facts = _layout_of(p, experts, expr)
-    return facts | ({"expert_dtype": dtype} if dtype != "param" else {})
+    if norm:
+        down = experts.down_proj
+        hidden = int(down.shape[2] if facts["expert_transposed"] else down.shape[1])
+        row_norm.prove_row_local(experts._modules[norm], hidden, f"{type(experts).__name__}.{norm}")
+    return facts | {"post_expert_norm": norm} | ({"expert_dtype": dtype} if dtype != "param" else {})
+
+
+def _peel_norm(p: Prover, expr: tuple) -> tuple[tuple, str]:
+    """(the expert's computation, the attribute name of the module applied last to its output or "")."""
+    norm = ""
+    if expr[0] == "norm":
+        expr, norm = expr[1], expr[2]
+    if _applies_module(expr):
+        raise Refusal(f"{p.where}: the expert computes {expr}; a submodule of the experts is applied to other "
+                      "rows than the down projection's output, or more than once")
+    return expr, norm
+
+
+def _applies_module(expr) -> bool:
+    return isinstance(expr, tuple) and bool(expr) and (expr[0] == "norm" or any(_applies_module(e) for e in expr[1:]))
 
 
 def _layout_of(p: Prover, experts: nn.Module, expr: tuple) -> dict:
@@ -301,6 +323,8 @@ def _check_batched_params(experts: nn.Module, facts: dict) -> None:
     plain = facts["activation"] == "plain"  # up -> act -> down, no gate half
     allowed = {"up_proj" if plain else "gate_up_proj", "down_proj"}
     allowed |= {"gate_up_proj_bias", "down_proj_bias"} if facts["expert_bias"] else set()
+    norm = facts.get("post_expert_norm")
+    allowed |= {f"{norm}.{n}" for n, _ in experts._modules[norm].named_parameters()} if norm else set()
     extra = sorted({n for n, _ in experts.named_parameters()} - allowed)
     if extra:
         raise Refusal(f"experts {name} hold parameters {extra} its forward does not use")
@@ -317,7 +341,7 @@ def _check_batched_params(experts: nn.Module, facts: dict) -> None:
         two_f, d = (b, a) if facts["expert_transposed"] else (a, b)
         if tuple(gb.shape) != (E, two_f) or tuple(db.shape) != (E, d):
             raise Refusal(f"experts {name} bias shapes {tuple(gb.shape)}, {tuple(db.shape)} do not fit the weights")
-    if len({p.requires_grad for p in experts.parameters()}) > 1:
+    if len({p.requires_grad for p in experts.parameters(recurse=False)}) > 1:
         raise Refusal(f"experts {name}: some expert parameters are frozen and some are not")
 
 

@@ -114,6 +114,14 @@ class Act:
 
 
 @dataclass(frozen=True)
+class RowModule:
+    """``self.<name>``: a submodule of batched experts proven row-local (``autoep.row_norm``), e.g. a
+    post-expert norm; calling it on rows is recorded as ("norm", rows, name)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Row:
     """Per-row expression over the current expert's rows: a nested tuple, e.g.
     ("lin", ("x",), "gate_up_proj", False)."""

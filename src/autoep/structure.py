@@ -55,6 +55,10 @@ class MoeStructure:
     # module_list: trailing ``nn.Identity`` experts (zero-compute experts, LongCat-Flash): ids past the
     # computing experts add ``w * x`` where the token is; they are not sharded.
     identity_experts: int = 0
+    # batched experts: the attribute name of their submodule applied to each expert's output rows after the
+    # down projection and before the routing weight (a post-expert norm, proven row-local: ``autoep.row_norm``;
+    # its parameters stay dense), "" for none. The recipe calls that module on the rows it computes.
+    post_expert_norm: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -73,6 +73,7 @@ TINY = {
     "moe_k": 2, "moe_top_k": 2, "num_selected_experts": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
     "num_shared_experts": 1, "moe_num_shared_experts": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 8, "vocab_size": 128, "num_hidden_layers": 2,
+    "moe_hidden_size": 24,  # MuseSpark's experts' own width (projected to and from hidden_size around them)
 }
 # Keys a config may leave None when their layers are switched off by default (indexers): set for the tiny model.
 NONE_PER_LAYER = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")

@@ -12,6 +12,11 @@ expert) keep their parameters where and as they are: ``Shard(0)`` of the flat di
 rank whole experts (F rows each, ``ep`` dividing E), so checkpoints keep the model's own layout; the
 local shard is viewed ``(L, F, D)`` and computed as the proven ``act(x @ gate[e].T) * (x @ up[e].T) @
 down[e]``. Where their forward flattens its hidden states to rows and views the result back, so does this.
+
+A post-expert norm (``MoeStructure.post_expert_norm``: a submodule of the experts that their loop applies
+to each expert's output after the down projection, before the routing weight) is the block's own module,
+called on the rows this rank computes; its weight stays a dense parameter (``apply_plan`` shards only the
+experts' own parameters), so its grads are summed over the world like the router's.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class _EpExperts:
     roles: BatchedRoles
     plain: bool  # up -> act -> down experts (``up_proj``), no gate half
     fp32: bool  # the experts compute in float32 whatever their weights' dtype
+    post_norm: str = ""  # the experts' submodule applied to each expert's output rows before weighting ("" none)
 
 
 def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | MoeStructure) -> None:
@@ -76,6 +82,7 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
         roles=roles,
         plain=plain,
         fp32=facts.expert_dtype == "float32",
+        post_norm=facts.post_expert_norm,
     )
     experts.forward = types.MethodType(_ep_forward, experts)
 
@@ -141,7 +148,7 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
     def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
         # float32 experts (their forward upcasts rows and weights): the same upcasts, before the grouped GEMMs.
         cast = (lambda t: t.float()) if spec.fp32 else (lambda t: t)
-        return grouped_swiglu(
+        y_SD = grouped_swiglu(
             cast(x_SD),
             tokens_per_local_expert,
             cast(local_tensor(self.up_proj if spec.plain else self.gate_up_proj)),
@@ -151,6 +158,9 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
             transposed=spec.transposed,
             apply_gate=spec.apply_gate,
         )
+        # The experts' own post-expert norm (a dense module, proven row-local): on this rank's rows of all
+        # its local experts at once, as their loop applies it to each expert's rows.
+        return self.get_submodule(spec.post_norm)(y_SD) if spec.post_norm else y_SD
 
     out_TD = ep_experts_forward(
         hidden_states,

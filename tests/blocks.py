@@ -890,3 +890,44 @@ class TitanPaddedMoE(TitanMoE):
         out = torch.zeros_like(x)
         out = out.scatter_add(0, token_indices_sorted.reshape(-1, 1).expand(-1, dim), routed_output)
         return out.view(bs, slen, dim)
+
+
+class EqualGroupExperts(nn.Module):
+    """Llama-4's experts, spelled differently: ``experts(rows)`` on ``num_experts`` equal groups of rows
+    (group e for expert e), fused [gate | up] weights (E, D, 2F), down (E, F, D), a batched matmul each."""
+
+    def __init__(self, dim=16, hidden_dim=32, num_experts=4):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, dim, 2 * hidden_dim) / dim**0.5)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) / hidden_dim**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(self.num_experts, -1, x.shape[-1])
+        gate, up = torch.matmul(x, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.matmul(F.silu(gate) * up, self.down_proj)
+        return out.reshape(-1, self.down_proj.shape[-1])
+
+
+class EqualGroupsMoE(nn.Module):
+    """Llama-4's block: every token repeated once per expert, row block e pre-scaled by the token's
+    sigmoid score for expert e (zero for experts outside its top-k), the experts' rows summed over
+    experts, plus a shared expert."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.top_k, self.num_experts = top_k, num_experts
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = EqualGroupExperts(hidden, ffn, num_experts)
+        self.shared_expert = FeedForward(hidden, ffn)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.router(x)
+        top_v, top_i = torch.topk(logits, self.top_k, dim=1)
+        scores = torch.full_like(logits, float("-inf")).scatter_(1, top_i, top_v).sigmoid()
+        routed_in = x.repeat(self.num_experts, 1) * scores.t().reshape(-1, 1)
+        routed_out = self.experts(routed_in)
+        out = self.shared_expert(x) + routed_out.view(self.num_experts, -1, shape[-1]).sum(dim=0)
+        return out.view(shape), logits

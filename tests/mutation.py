@@ -203,13 +203,38 @@ def targets() -> list[Target]:
         # The remote-code block in eval: its @torch.no_grad() argsort/split helper runs instead.
         Target("v4/deepseek_remote_eval", _in_eval(_hand_written_block(
             "deepseek_remote", lambda: DeepseekRemoteMoE(hidden=16, num_experts=4, top_k=2)))),
+        # experts(rows) on E equal groups of pre-scaled rows (Llama-4); its view(E, -1, D) cannot take 0 rows
+        Target("v4/llama4_equal_groups", _hand_written_block("llama4_equal_groups", _equal_groups_block),
+               empty_rank=False),
+        Target("hf/llama4", _llama4_block, empty_rank=False),
     ]
+
+
+def _llama4_block() -> nn.Module:
+    """transformers 5.x ``Llama4TextMoe`` with F=16 != D=32 and top-2 (so a swapped view or a wrong width
+    cannot pass on shapes alone)."""
+    from test_parity_hf import randomize_
+    from transformers.models.llama4 import modeling_llama4
+
+    config = modeling_llama4.Llama4TextConfig(hidden_size=32, intermediate_size=16, intermediate_size_mlp=24,
+                                              num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    block = modeling_llama4.Llama4TextMoe(config)
+    randomize_(block, 0)
+    return block.float().train()
+
+
+def _equal_groups_block() -> nn.Module:
+    from blocks import EqualGroupsMoE
+
+    return EqualGroupsMoE(hidden=16, ffn=24, num_experts=4, top_k=2)
 
 
 NEW_TARGETS = frozenset({
     "hf/nemotron_h", "hf/inkling2", "hf/openai_privacy_filter", "hf/flint", "hf/phimoe",
     "v4/mistral_inference", "v4/capped_router", "v4/closure", "v5/float32_experts",
     "v4/titan_grouped", "v4/tune_grouped", "v4/aria_grouped", "v4/titan_padded_grouped", "hf/dbrx",
+    "v4/llama4_equal_groups", "hf/llama4",
 })
 
 

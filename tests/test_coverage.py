@@ -52,7 +52,12 @@ def test_refusals_name_class_and_hint(rows):
 def test_post_expert_norm_and_unknown_routers_are_refused(rows):
     got = by_class(rows)
     assert "post_expert_norm" in got["MuseSparkMoE"].reason
-    assert got["Llama4TextMoe"].structure is None
+
+
+def test_llama4_experts_on_equal_groups_of_rows_are_accepted(rows):
+    """Llama4TextExperts(rows): every token repeated once per expert, row block e for expert e."""
+    s = by_class(rows)["Llama4TextMoe"].structure
+    assert s is not None and (s.expert_storage, s.expert_projs) == ("equal_groups", "gate_up_proj,down_proj")
 
 
 def test_markdown_lists_every_class(rows):

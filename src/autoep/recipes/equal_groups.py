@@ -102,7 +102,7 @@ def _check_rows(experts: nn.Module, equal: EqualGroupsProof, x) -> tuple[int, in
     proof = equal.grouped
     weight = local_tensor(experts.get_parameter(proof.down))
     E = proof.num_experts
-    D = int(weight.shape[1] if proof.transposed else weight.shape[2])
+    D = int(weight.shape[2] if proof.transposed else weight.shape[1])  # down's output width
     now = {_read(experts, s) for s in equal.widths}
     if _read(experts, equal.groups) != E or now - {D}:
         raise ValueError(f"{type(experts).__name__} now views its rows as {_read(experts, equal.groups)} groups of "

@@ -534,6 +534,50 @@ class ZeroExpertMoE(nn.Module):
         return self.moe(hidden_states, topk_indices, topk_weights).view(*orig_shape)
 
 
+@dataclass
+class MiniMoEConfig:
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+
+
+class MiniMindStyleMoE(nn.Module):
+    """minimind's ``MOEFeedForward``: ``mask = idx == i``, ``if mask.any()`` with the tokens taken from
+    ``mask.any(dim=-1)`` and the weights from ``w[mask]``; an expert without tokens touches its parameters
+    with ``0 * sum(...)`` while training (so data-parallel wrappers see a gradient); an aux loss kept on
+    the module."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.config = MiniMoEConfig(num_experts, top_k)
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList([FeedForward(hidden, ffn) for _ in range(num_experts)])
+
+    def forward(self, x):
+        batch_size, seq_len, hidden_dim = x.shape
+        x_flat = x.view(-1, hidden_dim)
+        scores = F.softmax(self.gate(x_flat), dim=-1)
+        topk_weight, topk_idx = torch.topk(scores, k=self.config.num_experts_per_tok, dim=-1, sorted=False)
+        if self.config.norm_topk_prob:
+            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        y = torch.zeros_like(x_flat)
+        for i, expert in enumerate(self.experts):
+            mask = (topk_idx == i)
+            if mask.any():
+                token_idx = mask.any(dim=-1).nonzero().flatten()
+                weight = topk_weight[mask].view(-1, 1)
+                y.index_add_(0, token_idx, (expert(x_flat[token_idx]) * weight).to(y.dtype))
+            elif self.training:
+                y[0, 0] += 0 * sum(p.sum() for p in expert.parameters())
+        if self.training and self.config.router_aux_loss_coef > 0:
+            load = F.one_hot(topk_idx, self.config.num_experts).float().mean(0)
+            self.aux_loss = (load * scores.mean(0)).sum() * self.config.num_experts * self.config.router_aux_loss_coef
+        else:
+            self.aux_loss = scores.new_zeros(1).squeeze()
+        return y.view(batch_size, seq_len, hidden_dim)
+
+
 # ---------------------------------------------------------------------------------------------
 # DeepSeek-V2/V3 remote code (modeling_deepseek.py): two expert regions, one per mode
 # ---------------------------------------------------------------------------------------------

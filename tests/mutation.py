@@ -152,7 +152,7 @@ def targets() -> list[Target]:
     """Every target, in the fixed order of the enumeration: the original ten, then ``NEW_TARGETS``."""
     from blocks import (CappedRouterMoE, DeepseekV3StyleMoE, MistralInferenceMoeLayer, MixtralStyleSparseMoeBlock,
                         MoE, Qwen2MoeStyleSparseMoeBlock, SortedSplitHostCountsMoE, SortedSplitMoE, ZeroExpertMoE,
-                        DeepseekRemoteMoE)
+                        DeepseekRemoteMoE, MiniMindStyleMoE)
 
     hf = [
         ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
@@ -174,6 +174,7 @@ def targets() -> list[Target]:
         ("openai_privacy_filter", "OpenAIPrivacyFilterMLP"),  # float32 experts
         ("flint", "FlintSparseMoeBlock"),  # a lone shared expert, added ungated
         ("phimoe", "PhimoeSparseMoeBlock"),  # a router that samples while training (seeded on both sides)
+        ("muse_spark", "MuseSparkMoE"),  # a post-expert norm inside the experts, with a (D,) weight of its own
     ]
     new_v4 = {
         "mistral_inference": lambda: MistralInferenceMoeLayer(hidden=16, num_experts=4, top_k=2),  # acc[i] += ...
@@ -203,6 +204,9 @@ def targets() -> list[Target]:
         # The remote-code block in eval: its @torch.no_grad() argsort/split helper runs instead.
         Target("v4/deepseek_remote_eval", _in_eval(_hand_written_block(
             "deepseek_remote", lambda: DeepseekRemoteMoE(hidden=16, num_experts=4, top_k=2)))),
+        # minimind's mask.any() loop; its own forward cannot run zero tokens (y[0, 0] of an idle expert)
+        Target("v4/minimind", _hand_written_block("minimind", lambda: MiniMindStyleMoE(hidden=16, num_experts=8)),
+               empty_rank=False),
         # experts(rows) on E equal groups of pre-scaled rows (Llama-4); its view(E, -1, D) cannot take 0 rows
         Target("v4/llama4_equal_groups", _hand_written_block("llama4_equal_groups", _equal_groups_block),
                empty_rank=False),
@@ -234,6 +238,7 @@ NEW_TARGETS = frozenset({
     "hf/nemotron_h", "hf/inkling2", "hf/openai_privacy_filter", "hf/flint", "hf/phimoe",
     "v4/mistral_inference", "v4/capped_router", "v4/closure", "v5/float32_experts",
     "v4/titan_grouped", "v4/tune_grouped", "v4/aria_grouped", "v4/titan_padded_grouped", "hf/dbrx",
+    "hf/muse_spark",
     "v4/llama4_equal_groups", "hf/llama4",
 })
 

@@ -243,6 +243,8 @@ class Prover:
         if vals[:2] == [Index("tok"), Index("slot")] and vals[2:] in ([], [None]):
             self._bind_role("w", base, node)
             return Weight(col=len(vals) == 3)
+        if vals == [IdxEq()]:
+            return ("pair_weights", base)  # w[idx == e]: the expert's pairs, token by token (minimind)
         self.refuse(node, "is not x[tok] or w[tok, slot]")
 
     def _unpack_item(self, value, i: int):
@@ -394,6 +396,9 @@ class Prover:
         self.refuse(node, "is not (mask summed over tokens and slots) > 0")
 
     def _method(self, node, base, name: str):
+        if isinstance(base, (IdxEq, tuple)) and (base == IdxEq() or base[:1] in (("tok_any",), ("tok_nonzero",),
+                                                                                 ("pair_weights",))):
+            return self._pair_method(node, base, name)
         if isinstance(base, Mask) and name == "permute":
             dims = tuple(self.eval(a).value for a in node.args) if not node.keywords else None
             layouts = {(2, 1, 0): "EKT", (2, 0, 1): "ETK"}
@@ -436,6 +441,28 @@ class Prover:
         if isinstance(base, Weight) and name == "to":
             return Weight(base.col) if self._is_dtype_cast(node) else self.refuse(node, "is a cast the proof does not know")
         self.refuse(node)
+
+    def _pair_method(self, node, base, name: str):
+        """minimind's spelling of the expert's pairs: ``mask = idx == e``; ``if mask.any():``; tokens
+        ``mask.any(dim=-1).nonzero().flatten()``; weights ``w[mask].view(-1, 1)``. The weights line up with
+        the tokens while no token meets the expert twice (else the shapes differ and the model's own line
+        fails)."""
+        kwargs = {k.arg: self.eval(k.value) for k in node.keywords}
+        args = [self.eval(a) for a in node.args]
+        if base == IdxEq() and name == "any" and not args and not kwargs:
+            return Cond("nonempty")
+        if base == IdxEq() and name == "any" and (args or list(kwargs.values())) in ([Obj(-1)], [Obj(1)]) \
+                and set(kwargs) <= {"dim"}:
+            return ("tok_any",)
+        if base == ("tok_any",) and name == "nonzero" and not args and not kwargs:
+            return ("tok_nonzero",)
+        if base == ("tok_nonzero",) and not kwargs and (name, args) in (("flatten", []), ("squeeze", [Obj(-1)]),
+                                                                          ("squeeze", [Obj(1)])):
+            return Index("tok")
+        if base[:1] == ("pair_weights",) and name == "view" and args == [Obj(-1), Obj(1)] and not kwargs:
+            self._bind_role("w", base[1], node)
+            return Weight(col=True)
+        self.refuse(node, "is not minimind's mask.any() / mask.any(dim=-1).nonzero().flatten() / w[mask].view(-1, 1)")
 
     def _is_dtype_cast(self, node) -> bool:
         """``.to(t.dtype)`` where ``t`` is the experts' input or accumulator (no other dtype, no kwargs)."""
@@ -522,13 +549,52 @@ class Prover:
     def _guard(self, stmt: ast.If) -> None:
         """``if <no rows or padding id>: continue`` and ``if <rows>: <rest>`` only skip nothing-to-add."""
         cond = self.eval(stmt.test)
-        if stmt.orelse or not isinstance(cond, Cond):
+        if not isinstance(cond, Cond) or (stmt.orelse and cond.kind != "nonempty"):
             self.refuse(stmt, "is a condition the proof does not know")
         if cond.kind in ("empty", "padding") and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Continue):
             return
         if cond.kind == "nonempty":
-            return self.body(stmt.body)
+            self.body(stmt.body)
+            if stmt.orelse and not self._touch(stmt.orelse):
+                self.refuse(stmt.orelse[0], "runs for an expert without tokens, which the proof does not know")
+            return
         self.refuse(stmt, "skips an expert that has tokens")
+
+    def _touch(self, stmts: list[ast.stmt]) -> bool:
+        """minimind's ``elif self.training: acc[0, 0] += 0 * sum(p.sum() for p in expert.parameters())`` for
+        an expert without tokens: it adds zero (finite weights) and gives that expert zero gradients, as the
+        exchange does; so it is left out."""
+        if len(stmts) == 1 and isinstance(stmts[0], ast.If) and not stmts[0].orelse:
+            test = stmts[0].test
+            if isinstance(test, ast.Attribute) and test.attr == "training" and isinstance(self.eval(test.value), SelfRef):
+                stmts = stmts[0].body
+        if len(stmts) != 1 or not isinstance(stmts[0], ast.AugAssign) or not isinstance(stmts[0].op, ast.Add):
+            return False
+        target, value = stmts[0].target, stmts[0].value
+        if not (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
+                and all(isinstance(i, ast.Constant) and i.value == 0 for i in getattr(target.slice, "elts", [target.slice]))):
+            return False
+        acc = self.eval(target.value)
+        if acc is not self.facts.acc or not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)
+                                             and isinstance(value.left, ast.Constant) and value.left.value == 0
+                                             and not isinstance(value.left.value, bool)):
+            return False
+        return self._sum_of_expert_params(value.right)
+
+    def _sum_of_expert_params(self, node: ast.AST) -> bool:
+        """``sum(p.sum() for p in <the loop's expert>.parameters())``."""
+        if not (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords
+                and isinstance(node.args[0], ast.GeneratorExp) and self.eval(node.func) == Obj(sum)):
+            return False
+        gen = node.args[0]
+        (comp,) = gen.generators if len(gen.generators) == 1 else (None,)
+        ok = comp is not None and not comp.ifs and isinstance(comp.target, ast.Name)
+        ok = ok and isinstance(gen.elt, ast.Call) and isinstance(gen.elt.func, ast.Attribute) and gen.elt.func.attr == "sum"
+        ok = ok and not gen.elt.args and not gen.elt.keywords and isinstance(gen.elt.func.value, ast.Name)
+        ok = ok and gen.elt.func.value.id == comp.target.id
+        it = comp.iter if ok else None
+        ok = ok and isinstance(it, ast.Call) and not it.args and not it.keywords and isinstance(it.func, ast.Attribute)
+        return ok and it.func.attr == "parameters" and isinstance(self.eval(it.func.value), ExpertMod)
 
     def _add_at_rows(self, stmt: ast.AugAssign) -> None:
         """``acc[tok] += rows`` (mistral-inference): the same as ``index_add_`` while a token meets an

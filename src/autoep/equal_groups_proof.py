@@ -252,7 +252,7 @@ class _Interpreter:
                 if -w.dim() <= i.value < w.dim():
                     dim = i.value % w.dim()
                     return _Num(("weight", base.of.path, dim), int(w.shape[dim]))
-            elif i.value in (-1, 1):
+            elif i.value == -1:  # (shape[1] is the width only of 2-D rows)
                 return _Num(("rows",), None)  # the rows' own width: equal to itself, checked where it is used
         if isinstance(base, tuple) and isinstance(i, _Num) and i.source[0] == "const" and 0 <= i.value < len(base):
             return base[i.value]

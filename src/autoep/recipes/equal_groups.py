@@ -67,6 +67,9 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> Equal
         proof = equal_groups_proof(experts)
     except Refusal as exc:
         raise UnsupportedModuleStructure(name, str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - any failure inside a proof is a refusal, as in the detector
+        raise UnsupportedModuleStructure(name, f"the proof could not follow the source ({type(exc).__name__}: "
+                                               f"{str(exc)[:120]})") from None
     given = {k: getattr(facts, k) for k in proof.grouped.facts}
     if given != proof.grouped.facts:
         raise UnsupportedModuleStructure(name, f"structure says {given} but the experts compute {proof.grouped.facts}")

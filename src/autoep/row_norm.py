@@ -39,6 +39,7 @@ TENSORS = ("row", "col", "vec")
 # Element-wise torch functions a norm may call on a tensor (besides the activations ``elementwise`` knows).
 _FUNCTIONS = {torch.rsqrt, torch.sqrt}
 _CASTS = ("float", "double", "half", "bfloat16")
+_ELEMENTWISE_METHODS = ("rsqrt", "sqrt", "abs", "neg", "exp")
 _REDUCTIONS = ("mean", "sum")
 _OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div)
 _MAX_DEPTH = 3
@@ -202,20 +203,32 @@ class _Interpreter:
 
     def _tensor_method(self, node: ast.Call, base: str, name: str):
         args, kws = node.args, {k.arg: k.value for k in node.keywords}
-        if name in _CASTS and not args and not kws:
+        if name in _ELEMENTWISE_METHODS and not args and not kws:
             return base
+        if name in _CASTS and not args and not kws:
+            return self._cast(node, base, {"float": torch.float32, "double": torch.float64}.get(name))
         if name == "type_as" and len(args) == 1 and not kws and self.eval(args[0]) in TENSORS:
             return base
         if name == "to" and len(args) == 1 and not kws:
             target = self.eval(args[0])
-            if target == "dtype" or (isinstance(target, Obj) and isinstance(target.value, torch.dtype)):
+            if target == "dtype":
                 return base
+            if isinstance(target, Obj) and isinstance(target.value, torch.dtype):
+                return self._cast(node, base, target.value if target.value in (torch.float32, torch.float64) else None)
             self.refuse(node, "is a cast the proof does not know")
         if name == "pow" and len(args) == 1 and not kws and self._number(self.eval(args[0])):
             return base
         if name in _REDUCTIONS and base in ("row", "col"):
             return self._reduction(node, args, kws)
         self.refuse(node, "is a tensor method the proof does not know")
+
+    def _cast(self, node: ast.Call, base: str, wide) -> str:
+        """A cast to a fixed dtype. Rows and columns round element by element, the same under EP; a (D,)
+        parameter may only widen: its gradient is summed over the rows of each call, and rounding those
+        per-call sums to a narrower dtype rounds one sum per expert in the model but one per rank under EP."""
+        if base == "vec" and wide is None:
+            self.refuse(node, "rounds a parameter to a narrower dtype (its gradient is rounded per call)")
+        return base
 
     def _reduction(self, node: ast.Call, args: list, kws: dict):
         """``mean(-1, keepdim=True)`` / ``sum(dim=-1, keepdim=True)``: one column per row."""

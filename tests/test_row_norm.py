@@ -1,0 +1,221 @@
+"""``autoep.row_norm``: a module the batched experts apply to their output rows is accepted only where its
+forward is proven row-local (MuseSpark's post-expert norm), and the batched recipe computes what the
+experts' own forward computes with it. Multi-rank parity: ``test_parity_hf`` (MuseSparkMoE is picked up
+from coverage); mutants: ``bench/soundness.py --target hf/muse_spark``."""
+from __future__ import annotations
+
+import copy
+import importlib
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autoep.archetypes import compute_fn_config
+from autoep.apply import import_target
+from autoep.errors import UnsupportedModuleStructure
+from autoep.row_norm import prove_row_local
+from autoep.source import Refusal
+from autoep.structure import detect_moe_structure
+from mutation_source import exec_subclass
+
+D = 8
+
+muse = pytest.importorskip("transformers.models.muse_spark.modeling_muse_spark")
+
+
+def muse_block() -> nn.Module:
+    from autoep.tiny import build_block, family_configs
+    from test_parity_hf import eager_experts_, randomize_
+
+    family = importlib.import_module("transformers.models.muse_spark")
+    block, _ = build_block(muse.MuseSparkMoE, list(family_configs(family)), tiny=True)
+    randomize_(block, 0)
+    eager_experts_(block)
+    return block.float().train()
+
+
+# ---------------------------------------------------------------- the norm's forward, on its own
+
+
+class ScaledRMSNorm(nn.Module):
+    """MuseSpark's norm, written again (scale, then normalise)."""
+
+    def __init__(self, dim: int = D, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = x.float() * (1.0 + self.weight).float()
+        output = self._norm(output.type_as(x).float())
+        return output.type_as(x)
+
+
+def _variant(body: str) -> nn.Module:
+    """``ScaledRMSNorm`` with its forward replaced by ``def forward(self, x): <body>`` (source readable)."""
+    src = textwrap.indent(f"def forward(self, x):\n    {body}\n", "    ")
+    return exec_subclass(ScaledRMSNorm, src, check="forward")()
+
+
+def test_the_norm_and_its_method_are_row_local():
+    prove_row_local(ScaledRMSNorm(), D, "norm")
+    prove_row_local(muse.MuseSparkTextInputScaledRMSNorm(D), D, "norm")
+    prove_row_local(_variant("return x / x.float().sum(dim=-1, keepdim=True).sqrt() * -self.weight"), D, "norm")
+    prove_row_local(_variant("return x.to(torch.bfloat16) * self.weight.to(torch.float64).type_as(x)"), D, "norm")
+
+
+@pytest.mark.parametrize("body, why", [
+    ("return x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + self.eps)", "reduction over dim -1"),
+    ("return x * torch.rsqrt(x.pow(2).mean(-1) + self.eps)", "reduction over dim -1"),
+    ("return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).mean(0, keepdim=True))", "reduction over dim -1"),
+    ("return x * torch.rsqrt(x.pow(2).mean() + self.eps)", "reduction over dim -1"),
+    ("return x[..., :4]", "not understood"),
+    ("return x.mean(-1, keepdim=True)", "does not return"),
+    ("return self.weight * 2.0", "does not return"),
+    ("return x * self.weight.sum(-1, keepdim=True)", "tensor method"),
+    ("return x.cumsum(-1)", "tensor method"),
+    ("return x.roll(1, 0)", "tensor method"),
+    ("return x * torch.ones_like(x)", "calls"),
+    ("return x * self.training", "bool"),
+    ("return x * (1.0 + self.weight).to(torch.bfloat16).float()", "narrower dtype"),
+    ("return x * self.weight.half()", "narrower dtype"),
+    ("x = x * 2.0\n    return x * (x > 0)", "not understood"),
+    ("if self.eps > 0:\n        x = x * 2.0\n    return x", "not an assignment"),
+    ("x.mul_(2.0)\n    return x", "not an assignment"),
+])
+def test_what_is_not_row_local_is_refused(body, why):
+    with pytest.raises(Refusal, match=why):
+        prove_row_local(_variant(body), D, "norm")
+
+
+def test_state_the_norm_forward_does_not_show_is_refused():
+    with_buffer = ScaledRMSNorm()
+    with_buffer.register_buffer("scale", torch.ones(D))
+    wide = ScaledRMSNorm(dim=D + 1)
+    hooked = ScaledRMSNorm()
+    hooked.register_forward_hook(lambda *_: None)
+    instance = ScaledRMSNorm()
+    instance.forward = lambda x: x.flip(0)
+    own_norm = ScaledRMSNorm()
+    own_norm._norm = lambda x: x.flip(0)
+    shadowed = ScaledRMSNorm()
+    shadowed.__dict__["weight"] = torch.ones(D)  # plain lookup finds it before nn.Module's parameters
+    tensor_eps = ScaledRMSNorm(eps=torch.tensor(1e-6))
+    nested = ScaledRMSNorm()
+    nested.inner = nn.Linear(D, D)
+    for module, why in [(with_buffer, "buffers"), (wide, r"not \(8,\)"), (hooked, "forward_hooks"),
+                        (instance, "instance-level forward"), (own_norm, "reads function"),
+                        (shadowed, "shadowed"), (tensor_eps, "Tensor"), (nested, "submodules")]:
+        with pytest.raises(Refusal, match=why):
+            prove_row_local(module, D, "norm")
+
+
+# ---------------------------------------------------------------- inside the experts
+
+
+def test_muse_spark_is_accepted_with_its_post_expert_norm():
+    s = detect_moe_structure(muse_block())
+    assert (s.expert_storage, s.post_expert_norm, s.gate_up_layout, s.activation) == (
+        "batched_parameters", "post_expert_norm", "concatenated", "glu")
+
+
+WEIGHTED = "current_hidden_states * top_k_weights[token_idx, top_k_pos, None]"
+
+
+def _experts_with(line: str, weighted: str = WEIGHTED) -> type:
+    """MuseSparkExperts whose loop computes its expert output as ``line`` (from ``h``, the gate's output)
+    and weights it as ``weighted``."""
+    src = f'''
+def forward(self, hidden_states, top_k_index, top_k_weights):
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)
+        expert_mask = expert_mask.permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        current_state = hidden_states[token_idx]
+        gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        current_hidden_states = {line}
+        current_hidden_states = {weighted}
+        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+    return final_hidden_states
+'''
+    return exec_subclass(muse.MuseSparkExperts, textwrap.indent(src, "    "), check="forward")
+
+
+def _reclassed(line: str, weighted: str = WEIGHTED) -> nn.Module:
+    block = muse_block()
+    block.experts.__class__ = _experts_with(line, weighted)
+    return block
+
+
+def test_the_norm_where_muse_spark_applies_it_is_accepted():
+    block = _reclassed("self.post_expert_norm(nn.functional.linear(h, self.down_proj[expert_idx]))")
+    assert detect_moe_structure(block).post_expert_norm == "post_expert_norm"
+    _assert_recipe_exact(block)
+
+
+def test_the_norm_applied_elsewhere_is_refused():
+    for line, why in [
+        ("self.post_expert_norm(self.post_expert_norm(nn.functional.linear(h, self.down_proj[expert_idx])))",
+         "more than once"),
+        ("nn.functional.linear(self.post_expert_norm(h), self.down_proj[expert_idx])", "down_proj"),
+        ("nn.functional.linear(h, self.down_proj[expert_idx]) + self.post_expert_norm(current_state)", ""),
+        ("self.post_expert_norm(current_state)", "down_proj"),
+        ("self.post_expert_norm(nn.functional.linear(h, self.down_proj[expert_idx]), 1e-6)", "rows alone"),
+    ]:
+        with pytest.raises(UnsupportedModuleStructure, match=why):
+            detect_moe_structure(_reclassed(line))
+
+
+def test_a_norm_after_the_routing_weight_is_refused():
+    line = "nn.functional.linear(h, self.down_proj[expert_idx])"
+    weighted = "self.post_expert_norm(current_hidden_states * top_k_weights[token_idx, top_k_pos, None])"
+    with pytest.raises(UnsupportedModuleStructure, match="routing weight"):
+        detect_moe_structure(_reclassed(line, weighted))
+
+
+def test_hooks_on_the_norm_are_refused():
+    block = muse_block()
+    block.experts.post_expert_norm.register_forward_pre_hook(lambda *_: None)
+    with pytest.raises(UnsupportedModuleStructure, match="forward_pre_hooks"):
+        detect_moe_structure(block)
+
+
+def test_a_frozen_norm_weight_is_still_dense_and_exact():
+    block = muse_block()
+    block.experts.post_expert_norm.weight.requires_grad_(False)
+    _assert_recipe_exact(block)
+
+
+def test_recipe_applies_the_blocks_own_norm_exactly():
+    _assert_recipe_exact(muse_block())
+
+
+def _assert_recipe_exact(block: nn.Module) -> None:
+    structure = detect_moe_structure(block)
+    fn = compute_fn_config(structure)
+    ep = copy.deepcopy(block)
+    import_target(fn.pop("_target_"), ["autoep.recipes."])(ep, ep_mesh=None, **fn)
+    x = torch.randn(2, 5, block.pre_expert_proj.in_features, generator=torch.Generator().manual_seed(0))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = block(xa), ep(xb)
+    torch.testing.assert_close(yb, ya)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad)
+    for (name, p), (_, q) in zip(block.named_parameters(), ep.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert ep.experts.post_expert_norm.weight is not block.experts.post_expert_norm.weight

@@ -175,7 +175,6 @@ def targets() -> list[Target]:
         ("flint", "FlintSparseMoeBlock"),  # a lone shared expert, added ungated
         ("phimoe", "PhimoeSparseMoeBlock"),  # a router that samples while training (seeded on both sides)
         ("muse_spark", "MuseSparkMoE"),  # a post-expert norm inside the experts, with a (D,) weight of its own
-        ("muse_spark", "MuseSparkMoE"),  # a post-expert norm inside the experts, with a (D,) weight of its own
     ]
     new_v4 = {
         "mistral_inference": lambda: MistralInferenceMoeLayer(hidden=16, num_experts=4, top_k=2),  # acc[i] += ...
@@ -239,7 +238,6 @@ NEW_TARGETS = frozenset({
     "hf/nemotron_h", "hf/inkling2", "hf/openai_privacy_filter", "hf/flint", "hf/phimoe",
     "v4/mistral_inference", "v4/capped_router", "v4/closure", "v5/float32_experts",
     "v4/titan_grouped", "v4/tune_grouped", "v4/aria_grouped", "v4/titan_padded_grouped", "hf/dbrx",
-    "hf/muse_spark",
     "hf/muse_spark",
     "v4/llama4_equal_groups", "hf/llama4",
 })

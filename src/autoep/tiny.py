@@ -60,8 +60,21 @@ def _candidate_configs(configs: list[type]):
                 if getattr(sub, "text_config", None) is not None:
                     nested.append(sub.text_config)
         for cfg in nested:
+            _checkpoint_keys(cfg)
             yield cfg
             yield from _layer_configs(cfg)
+
+
+# Keys a block reads that its config class does not define, so only a checkpoint's config.json sets them
+# (Qwen3-Omni's talker text config has no shared-expert width, yet its MoE block reads one): set where
+# absent, sized like the routed experts, so the class can be built here at all.
+CHECKPOINT_ONLY_KEYS = {"Qwen3OmniMoeTalkerTextConfig": ("shared_expert_intermediate_size",)}
+
+
+def _checkpoint_keys(config) -> None:
+    for key in CHECKPOINT_ONLY_KEYS.get(type(config).__name__, ()):
+        if not hasattr(config, key):
+            setattr(config, key, getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
 
 # Sizes that make any transformers MoE config tiny (only keys the config already has are set).

@@ -196,3 +196,15 @@ def test_rows_of_another_width_are_refused_at_run_time():
     ep_equal_group_experts(block, structure=detect_moe_structure(block).as_dict())
     with pytest.raises(ValueError, match="rows"):
         block.experts(torch.randn(8, 2 * D))  # its own view would reinterpret them as (E, 4, D): rows mixed
+
+
+def test_expert_load_counts_the_tokens_routed_to_each_group():
+    from autoep.loop import ExpertLoad
+
+    model = nn.ModuleDict({"mlp": _make("silu")})
+    apply_plan(model, _plan(model), None)
+    load = ExpertLoad(model, ["mlp"], E)
+    x = torch.randn(2, SEQ, D)
+    model["mlp"](x)
+    top_k_index = torch.topk(model["mlp"].router(x.reshape(-1, D)), TOP_K, dim=1).indices
+    assert load.counts_E.tolist() == torch.bincount(top_k_index.reshape(-1), minlength=E).tolist()

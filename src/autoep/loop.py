@@ -126,6 +126,8 @@ class ExpertLoad:
     call ``experts(x_SD, tokens_per_local_expert)`` on the rows the exchange brought to this rank's own
     experts: those counts land at the rank's expert offset. Blocks calling grouped experts
     ``experts(x_sorted, num_tokens_per_expert)`` pass this rank's counts per expert: added as they are.
+    Experts called on E equal groups of rows (Llama-4's ``experts(rows)``, each token once per expert,
+    pre-scaled by its score): the rows of group e that are not all zero are the tokens routed to e.
     Summed over the world, all give the same global tokens per expert (``edp`` replicas hold disjoint tokens).
     """
 
@@ -151,6 +153,14 @@ class ExpertLoad:
         spec = getattr(module, "_autoep_ep", None)  # the batched recipe binds the ids by the experts' signature
         roles, signature = getattr(spec, "roles", None), getattr(spec, "signature", None)
         proof = getattr(spec, "proof", None)
+        equal = getattr(spec, "equal", None)
+        if equal is not None and signature is not None:  # experts(rows) on E equal groups of rows
+            rows = signature.bind(module, *args, **kwargs).arguments.get(equal.grouped.x)
+            E = equal.grouped.num_experts
+            if isinstance(rows, Tensor) and rows.dim() >= 2 and rows.numel() and (rows.numel() // rows.shape[-1]) % E == 0:
+                routed_E = (rows.detach().reshape(E, -1, rows.shape[-1]) != 0).any(dim=-1).sum(dim=1)
+                self.counts_E[:E] += routed_E.cpu()  # NOTE: device-to-host copy of E counts per layer
+            return
         if proof is not None and signature is not None:  # grouped experts(x_sorted, num_tokens_per_expert)
             counts = signature.bind(module, *args, **kwargs).arguments.get(proof.counts)
             if isinstance(counts, Tensor):

@@ -331,6 +331,23 @@ class MoE(nn.Module):
         return out.view(bs, slen, dim)
 
 
+class DropoutFeedForward(FeedForward):
+    """fairseq/minimind-era experts: dropout on the expert's output (exact under EP only at p=0)."""
+
+    def __init__(self, dim: int, hidden_dim: int, dropout: float = 0.0):
+        super().__init__(dim, hidden_dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class DropoutExpertsMoE(MoE):
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2, dropout=0.0):
+        super().__init__(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k)
+        self.experts = nn.ModuleList([DropoutFeedForward(hidden, ffn, dropout) for _ in range(num_experts)])
+
+
 # ---------------------------------------------------------------------------------------------
 # Idioms the block's own code may use around its expert loop (they run as written under EP)
 # ---------------------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ def targets() -> list[Target]:
     """Every target, in the fixed order of the enumeration: the original ten, then ``NEW_TARGETS``."""
     from blocks import (CappedRouterMoE, DeepseekV3StyleMoE, MistralInferenceMoeLayer, MixtralStyleSparseMoeBlock,
                         MoE, Qwen2MoeStyleSparseMoeBlock, SortedSplitHostCountsMoE, SortedSplitMoE, ZeroExpertMoE,
-                        DeepseekRemoteMoE, MiniMindStyleMoE)
+                        DeepseekRemoteMoE, MiniMindStyleMoE, DropoutExpertsMoE)
 
     hf = [
         ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
@@ -184,6 +184,7 @@ def targets() -> list[Target]:
         "sorted_split_host_counts": lambda: SortedSplitHostCountsMoE(hidden=16, num_experts=4, top_k=2),
         "zero_experts": lambda: ZeroExpertMoE(hidden=16, num_experts=4, zero_experts=2, top_k=2),  # nn.Identity
         "deepseek_remote": lambda: DeepseekRemoteMoE(hidden=16, num_experts=4, top_k=2),  # masked assignment
+        "expert_dropout_p0": lambda: DropoutExpertsMoE(hidden=16, num_experts=4, top_k=2),  # nn.Dropout(0)
     }
     from blocks import AriaStyleMoELayer, TitanMoE, TitanPaddedMoE, TuneMoE
 
@@ -240,6 +241,8 @@ NEW_TARGETS = frozenset({
     "v4/titan_grouped", "v4/tune_grouped", "v4/aria_grouped", "v4/titan_padded_grouped", "hf/dbrx",
     "hf/muse_spark",
     "v4/llama4_equal_groups", "hf/llama4",
+    "v4/sorted_split", "v4/sorted_split_host_counts", "v4/zero_experts", "v4/deepseek_remote",
+    "v4/deepseek_remote_eval", "v4/minimind", "v4/expert_dropout_p0",
 })
 
 

@@ -34,6 +34,7 @@ from blocks import (
     CappedRouterMoE,
     DeepseekRemoteMoE,
     DeepseekV3StyleMoE,
+    DropoutExpertsMoE,
     MiniMindStyleMoE,
     MistralInferenceMoeLayer,
     MixtralStyleSparseMoeBlock,
@@ -80,6 +81,7 @@ BLOCKS = {
     "zero_experts": lambda: ZeroExpertMoE(hidden=D, num_experts=4, zero_experts=3, top_k=3),
     "deepseek_remote": lambda: DeepseekRemoteMoE(hidden=D, num_experts=4, top_k=2),
     "minimind": lambda: MiniMindStyleMoE(hidden=D, num_experts=8, top_k=2),  # some experts idle: the touch runs
+    "expert_dropout_p0": lambda: DropoutExpertsMoE(hidden=D, num_experts=4, top_k=2, dropout=0.0),
 }
 
 
@@ -285,6 +287,12 @@ def test_refuses_what_it_cannot_reproduce():
         ep_module_list_block(copy.deepcopy(block), ep_mesh=None, structure={**structure, "expert_act": "gelu"})
     with pytest.raises(UnsupportedModuleStructure, match="expert_projs"):
         ep_module_list_block(copy.deepcopy(block), ep_mesh=None, structure={**structure, "expert_projs": ""})
+    dropping = DropoutExpertsMoE(hidden=D, num_experts=4, top_k=2, dropout=0.1)
+    with pytest.raises(UnsupportedModuleStructure, match=r"dropout with p=0.1.*exact only at p=0"):
+        detect_moe_structure(dropping)
+    dropping.experts[2].dropout = nn.Dropout(0.0)  # one expert at p=0 is not enough: each is checked
+    with pytest.raises(UnsupportedModuleStructure, match=r"experts\[0\].*dropout with p=0.1"):
+        detect_moe_structure(dropping)
     biased = copy.deepcopy(block)
     biased.experts[1].w2 = nn.Linear(32, D, bias=True)
     with pytest.raises(UnsupportedModuleStructure, match=r"experts\[1\]"):

@@ -37,8 +37,9 @@ _FUNCTION_MODULES = {F.silu: nn.SiLU, F.relu: nn.ReLU, torch.relu: nn.ReLU, F.si
 
 
 @functools.lru_cache(maxsize=None)
-def _swiglu_shape(forward) -> tuple[str, str, str, object]:
-    """(gate, up, down attribute names, activation: "act_fn" or a function) of ``down(act(gate(x)) * up(x))``."""
+def _swiglu_shape(forward) -> tuple[str, str, str, object, tuple[str, ...]]:
+    """(gate, up, down attribute names, activation: "act_fn" or a function, dropout attribute names) of
+    ``down(act(gate(x)) * up(x))``, optionally ``self.d(...)`` around it or around the product."""
     if hasattr(forward, "__wrapped__"):
         raise Refusal(f"expert {forward.__qualname__} is wrapped by a decorator")
     tree = function_tree(forward)
@@ -72,9 +73,10 @@ def _swiglu_shape(forward) -> tuple[str, str, str, object]:
         env[stmt.targets[0].id] = ev(stmt.value)
     if not isinstance(body[-1], ast.Return) or body[-1].value is None:
         raise Refusal(f"expert {forward.__qualname__} does not end in a return")
-    out = ev(body[-1].value)
+    out, dropouts = _peel(ev(body[-1].value), (), around="call")
     try:
         kind, down, prod = out
+        prod, dropouts = _peel(prod, dropouts, around="mul")
         _, left, right = prod
         assert kind == "call" and prod[0] == "mul"
         for act_side, up_side in ((left, right), (right, left)):
@@ -84,11 +86,33 @@ def _swiglu_shape(forward) -> tuple[str, str, str, object]:
                 act, gate = act_side[1], act_side[2]
             else:
                 continue
-            if gate[2] == ("x",) and up_side[0] == "call" and up_side[2] == ("x",) and len({gate[1], up_side[1], down}) == 3:
-                return gate[1], up_side[1], down, act
+            names = {gate[1], up_side[1], down}
+            if gate[2] == ("x",) and up_side[0] == "call" and up_side[2] == ("x",) and len(names) == 3 \
+                    and not names & set(dropouts):
+                return gate[1], up_side[1], down, act, dropouts
     except (AssertionError, ValueError, TypeError, IndexError):
         pass
     raise Refusal(f"expert {forward.__qualname__} does not return down(act(gate(x)) * up(x))")
+
+
+def _peel(expr: tuple, dropouts: tuple, around: str) -> tuple[tuple, tuple]:
+    """``self.d(<around>)``, around the output (``down(...)``, a call) or the product before ``down`` (a
+    ``mul``): a module proven a no-op dropout per expert later (``_check_dropout``), peeled, its name kept."""
+    if isinstance(expr, tuple) and expr[0] == "call" and isinstance(expr[2], tuple) and expr[2][0] == around:
+        return expr[2], dropouts + (expr[1],)
+    return expr, dropouts
+
+
+def _check_dropout(expert: nn.Module, name: str, what: str) -> None:
+    """Dropout inside an expert draws its own mask per call, which an exchange cannot reproduce; at p=0 it
+    is the identity in training and eval alike, which the stacked experts compute."""
+    d = getattr(expert, name, None)
+    if type(d) is not nn.Dropout:
+        raise Refusal(f"{what}.{name} is a {type(d).__name__}, not the nn.Dropout the proof can leave out")
+    elementwise.runtime_clean(d, f"{what}.{name}")
+    if d.p != 0:
+        raise Refusal(f"{what}.{name} is dropout with p={d.p}: inside the experts it draws a mask per expert "
+                      "call, which EP cannot reproduce; exact only at p=0 (set it to 0, or opt out)")
 
 
 def module_list_facts(experts: nn.ModuleList) -> dict:
@@ -101,13 +125,15 @@ def module_list_facts(experts: nn.ModuleList) -> dict:
     if len(classes) != 1:
         raise Refusal(f"experts mix classes {sorted(c.__name__ for c in classes)}")
     cls = classes.pop()
-    gate, up, down, act = _swiglu_shape(cls.forward)
+    gate, up, down, act, dropouts = _swiglu_shape(cls.forward)
     first = experts[0]
     shapes = {n: tuple(getattr(first, n).weight.shape) if isinstance(getattr(first, n, None), nn.Linear) else None
               for n in (gate, up, down)}
     seen: set[int] = set()
     for e, expert in enumerate(routed):
         _check_expert(expert, e, cls, (gate, up, down), shapes, act, first, seen)
+        for name in dropouts:
+            _check_dropout(expert, name, f"experts[{e}] ({cls.__name__})")
     for e, expert in enumerate(identities, start=len(routed)):
         elementwise.runtime_clean(expert, f"experts[{e}] (Identity)")
     params = [p for expert in routed for p in expert.parameters()]

@@ -190,6 +190,13 @@ def test_hooks_on_the_norm_are_refused():
     block.experts.post_expert_norm.register_forward_pre_hook(lambda *_: None)
     with pytest.raises(UnsupportedModuleStructure, match="forward_pre_hooks"):
         detect_moe_structure(block)
+    handle = nn.modules.module.register_module_forward_hook(lambda *_: None)
+    try:
+        with pytest.raises(Refusal, match="global module hooks"):
+            prove_row_local(ScaledRMSNorm(), D, "norm")
+    finally:
+        handle.remove()
+    prove_row_local(ScaledRMSNorm(), D, "norm")
 
 
 def test_a_frozen_norm_weight_is_still_dense_and_exact():

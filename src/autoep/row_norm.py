@@ -32,6 +32,7 @@ from autoep import elementwise
 from autoep.expert_loop import local_names
 from autoep.loop_context import plain_method
 from autoep.loop_values import Obj
+from autoep.module_list_proof import global_hooks
 from autoep.names import Scope
 from autoep.source import Refusal, function_tree
 
@@ -55,6 +56,8 @@ def prove_row_local(module: nn.Module, hidden: int, what: str) -> None:
     """``module(rows)`` on ``(n, hidden)`` rows computes each output row from the same input row alone,
     proven from its class's forward; or ``Refusal``."""
     elementwise.runtime_clean(module, what)
+    if global_hooks():  # the model calls the module once per expert, EP once per rank: hooks would see that
+        raise Refusal(f"{what}: global module hooks are registered; they would run on other rows under EP")
     if module._modules:
         raise Refusal(f"{what} ({type(module).__name__}) holds submodules")
     if any(True for _ in module.buffers()):

@@ -52,7 +52,9 @@ class EqualGroupsProof:
 
 
 def takes_rows(experts: nn.Module) -> bool:
-    """The experts' forward takes one argument (the rows)."""
+    """The experts hold a 3-D weight of their own and their forward takes one argument (the rows)."""
+    if not any(p.dim() == 3 for p in experts._parameters.values() if p is not None):
+        return False
     try:
         return len(function_tree(type(experts).forward).args.args) == 2
     except Refusal:

@@ -109,7 +109,7 @@ def _check_rows(experts: nn.Module, equal: EqualGroupsProof, x) -> tuple[int, in
     now = {_read(experts, s) for s in equal.widths}
     if _read(experts, equal.groups) != E or now - {D}:
         raise ValueError(f"{type(experts).__name__} now views its rows as {_read(experts, equal.groups)} groups of "
-                         f"width {sorted(now)}; autoep proved {E} groups of width {D} (re-run detection)")
+                         f"width {sorted(map(repr, now))}; autoep proved {E} groups of width {D} (re-run detection)")
     if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[-1] != D or x.dtype != weight.dtype:
         raise ValueError(f"{type(experts).__name__} got rows {getattr(x, 'shape', x)!r}; they need (N, {D}) "
                          f"rows of their weights' dtype {weight.dtype}")

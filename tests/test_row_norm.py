@@ -226,3 +226,57 @@ def _assert_recipe_exact(block: nn.Module) -> None:
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, msg=name)
     assert ep.experts.post_expert_norm.weight is not block.experts.post_expert_norm.weight
+
+
+# ---------------------------------------------------------------- on ranks: the norm's weight is dense
+
+
+def dense_norm_case(rank: int, world_size: int) -> None:
+    """After ``apply_plan`` the norm's weight is a plain (dense) parameter, the experts' weights DTensors on
+    ``ep``; the trainer's ``reduce_grads`` sums the norm's grad over the world to the model's own grad."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoep.apply import apply_plan
+    from autoep.dense import is_expert
+    from autoep.loop import reduce_grads, split_params
+    from test_parity_hf import ep_plan
+
+    ref = muse_block()
+    holder = nn.Module()
+    holder.mlp = copy.deepcopy(ref)
+    apply_plan(holder, ep_plan(holder, ["mlp"]), init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)))
+    experts = holder.mlp.experts
+    dense, expert = split_params(holder)
+    assert any(p is experts.post_expert_norm.weight for p in dense)
+    assert not is_expert(experts.post_expert_norm.weight)
+    assert {id(p) for p in expert} == {id(experts.gate_up_proj), id(experts.down_proj)}
+
+    counts = [5, 2, 4, 1][:world_size]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, sum(counts), ref.pre_expert_proj.in_features, generator=g)
+    grad_out = torch.randn(x.shape, generator=g)
+    for r in range(world_size):  # the reference: each rank's slice on its own, grads summed
+        a, b = sum(counts[:r]), sum(counts[:r + 1])
+        (ref(x[:, a:b]) * grad_out[:, a:b]).sum().backward()
+    lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
+    (holder.mlp(x[:, lo:hi]) * grad_out[:, lo:hi]).sum().backward()
+    reduce_grads(dense, expert, dist.group.WORLD, None)  # NOTE: collective (dense grads over the world)
+    torch.testing.assert_close(experts.post_expert_norm.weight.grad, ref.experts.post_expert_norm.weight.grad)
+    torch.testing.assert_close(holder.mlp.pre_expert_proj.weight.grad, ref.pre_expert_proj.weight.grad)
+
+
+def norm_cases(rank: int, world_size: int) -> dict:
+    from distributed import guarded
+
+    results: dict = {}
+    guarded(results, "dense_norm", dense_norm_case, rank, world_size)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_norm_weight_stays_dense_and_its_grads_sum_over_the_world(world_size):
+    from distributed import run_cases
+
+    errors = run_cases(world_size, "test_row_norm:norm_cases")["dense_norm"]
+    assert not errors, "\n".join(errors)

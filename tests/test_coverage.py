@@ -49,9 +49,10 @@ def test_refusals_name_class_and_hint(rows):
         assert r.cls in msg and msg.endswith(OPT_OUT_HINT)
 
 
-def test_post_expert_norm_and_unknown_routers_are_refused(rows):
-    got = by_class(rows)
-    assert "post_expert_norm" in got["MuseSparkMoE"].reason
+def test_a_row_local_post_expert_norm_is_accepted(rows):
+    """MuseSparkExperts normalise each expert's output (a (D,)-weighted RMSNorm) before the routing weight."""
+    s = by_class(rows)["MuseSparkMoE"].structure
+    assert s is not None and (s.expert_storage, s.post_expert_norm) == ("batched_parameters", "post_expert_norm")
 
 
 def test_llama4_experts_on_equal_groups_of_rows_are_accepted(rows):

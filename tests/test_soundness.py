@@ -153,3 +153,14 @@ def test_the_rank_check_catches_a_wrong_rank():
         verdicts = {name: verdict for name, (verdict, _) in per_rank.items()}
         assert "accepted_wrong" in verdicts.values(), verdicts
         assert "accepted_exact" not in verdicts.values(), verdicts
+
+
+def test_nan_compares_equal_only_where_the_own_forward_has_it():
+    """A mutant whose own forward makes NaN (rsqrt of a negative mean) is exact where EP has NaN at the same
+    places, and wrong where EP has it elsewhere or not at all."""
+    import torch
+
+    a = torch.tensor([1.0, float("nan"), 3.0])
+    assert mutation._mismatch(a, a.clone()) == ""
+    assert mutation._mismatch(a, torch.tensor([float("nan"), 2.0, 3.0]))
+    assert mutation._mismatch(a, torch.tensor([1.0, 2.0, 3.0]))

@@ -41,6 +41,8 @@ def test_detection_accepts_the_module_list_era_classes(rows):
         assert s is not None and s.expert_storage == "module_list", (cls, got[cls].reason)
     aria = got["AriaTextMoELayer"].structure  # experts(permuted_tokens, tokens_per_expert), nested grouped GEMMs
     assert aria is not None and aria.expert_storage == "grouped", got["AriaTextMoELayer"].reason
+    llama4 = got["Llama4TextMoe"].structure  # experts(rows): every token once per expert, pre-scaled
+    assert llama4 is not None and llama4.expert_storage == "equal_groups", got["Llama4TextMoe"].reason
 
 
 def v4_block_cases(rank: int, world_size: int, classes: list) -> dict:

@@ -570,15 +570,17 @@ def evaluate(mutant: Mutant) -> Outcome:
     except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails
         return verdict("accepted_wrong", "EP path raised " + short_error(exc))
     diffs = differences(ref, got)
-    if diffs and _reads_uninitialised(block, x, flat, ref):
+    if diffs and reads_uninitialised(block, x, flat):
         return verdict("invalid", "own forward returns uninitialised memory (rows of an empty tensor it never "
                                   "writes): no value to compare against")
     return verdict("accepted_wrong", "; ".join(diffs[:3])) if diffs else verdict("accepted_exact")
 
 
-def _reads_uninitialised(block: nn.Module, x: torch.Tensor, flat: bool, ref: Run) -> bool:
+def reads_uninitialised(block: nn.Module, x: torch.Tensor, flat: bool) -> bool:
     """The block's own outputs change when torch fills uninitialised memory with NaN: they are garbage
-    (DeepSeek's ``torch.empty_like`` rows that no expert writes when a mutant's ids match none)."""
+    (DeepSeek's ``torch.empty_like`` rows that no expert writes when a mutant's ids match none), so there
+    is no value to compare an EP run against."""
+    ref = forward_backward(copy.deepcopy(block), x, seed=100, flat=flat)
     fill = torch.utils.deterministic.fill_uninitialized_memory
     was = torch.are_deterministic_algorithms_enabled()
     try:

@@ -76,6 +76,8 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
                 forward_backward(copy.deepcopy(block), s, seed=100 + r, flat=flat)
     except Exception as exc:  # noqa: BLE001 - the same on every rank: every rank computes every slice
         return "invalid", "own forward on a slice: " + short_error(exc), False
+    if mutation.reads_uninitialised(block, x, flat):  # the same on every rank: the same block and input
+        return "invalid", "own forward returns uninitialised memory: no value to compare against", False
     dist.barrier()  # NOTE: default group: the ep group's short timeout counts from a common start
     for split in splits:
         try:

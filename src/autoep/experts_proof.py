@@ -206,8 +206,9 @@ def _returned_dtype(p: Prover, stmt: ast.Return) -> str:
     return "float32" if p.acc_dtype is torch.float32 else "weights"
 
 
-def _no_grad_block(p: Prover, stmt: ast.With) -> None:
-    """``with torch.no_grad():`` around the mask computation (integer tensors: no gradient to lose)."""
+def _no_grad_block(p: Prover, stmt: ast.With, indices: tuple = (Mask, Hit)) -> None:
+    """``with torch.no_grad():`` around index computations only (by default the mask and the experts hit;
+    ``indices`` the abstract values allowed): integer tensors, so there is no gradient to lose."""
     if len(stmt.items) != 1 or stmt.items[0].optional_vars is not None:
         p.refuse(stmt)
     ctx = stmt.items[0].context_expr
@@ -217,7 +218,7 @@ def _no_grad_block(p: Prover, stmt: ast.With) -> None:
         if not isinstance(inner, ast.Assign):
             p.refuse(inner, "inside no_grad is not an assignment")
         value = p.eval(inner.value)
-        if not isinstance(value, (Mask, Hit)):
+        if not isinstance(value, indices):
             p.refuse(inner, "computes something with gradients switched off")
         p.assign(inner)
 

@@ -399,20 +399,9 @@ def no_grad_indices(p: Prover, stmt: ast.With) -> None:
     """``with torch.no_grad():`` around index computations only (the mask, the experts hit, the (slot,
     token) positions of one expert): integer tensors, so there is no gradient to lose."""
     from autoep.expert_loop import Hit, Index, Mask, Pairs
-    import torch
+    from autoep.experts_proof import _no_grad_block
 
-    if len(stmt.items) != 1 or stmt.items[0].optional_vars is not None:
-        p.refuse(stmt)
-    ctx = stmt.items[0].context_expr
-    if not (isinstance(ctx, ast.Call) and not ctx.args and not ctx.keywords and p.eval(ctx.func) == Obj(torch.no_grad)):
-        p.refuse(stmt, "is a context the proof does not know")
-    for inner in stmt.body:
-        if not isinstance(inner, ast.Assign):
-            p.refuse(inner, "inside no_grad is not an assignment")
-        value = p.eval(inner.value)
-        if not isinstance(value, (Mask, Hit, Pairs, Index)):
-            p.refuse(inner, "computes something with gradients switched off")
-        p.assign(inner)
+    _no_grad_block(p, stmt, indices=(Mask, Hit, Pairs, Index))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,6 +63,8 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> Equal
     if not isinstance(experts, nn.Module) or isinstance(experts, nn.ModuleList):
         raise UnsupportedModuleStructure(name, "the equal-groups recipe needs an experts module called as "
                                                "experts(rows) on num_experts equal groups of rows")
+    if type(experts).forward is nn.Module.forward:  # e.g. a ModuleDict
+        raise UnsupportedModuleStructure(name, f"experts is a {type(experts).__name__} with no forward of its own")
     try:
         proof = equal_groups_proof(experts)
     except Refusal as exc:

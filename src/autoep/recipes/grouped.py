@@ -66,6 +66,8 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> Group
     if not isinstance(experts, nn.Module) or isinstance(experts, nn.ModuleList):
         raise UnsupportedModuleStructure(name, "the grouped recipe needs an experts module called as "
                                                "experts(x_sorted, num_tokens_per_expert)")
+    if type(experts).forward is nn.Module.forward:  # e.g. a ModuleDict
+        raise UnsupportedModuleStructure(name, f"experts is a {type(experts).__name__} with no forward of its own")
     try:
         proof = grouped_proof(experts)
     except Refusal as exc:

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoep import elementwise
-from autoep.grouped_proof import GroupedProof, _check_params, _swiglu
+from autoep.grouped_proof import GroupedProof, _check_params, _swiglu, swiglu_facts
 from autoep.loop_context import plain_method
 from autoep.names import Scope
 from autoep.source import Refusal, function_tree
@@ -86,13 +86,7 @@ def equal_groups_proof(experts: nn.Module) -> EqualGroupsProof:
     bad = [w.value for w in interp.widths if w.value != hidden]
     if bad:
         raise Refusal(f"{fn.__qualname__} views rows of width {bad[0]}; the experts' hidden size is {hidden}")
-    facts = dict(
-        expert_transposed=not t,
-        gate_up_layout="concatenated" if gate == up else "separate",
-        activation="glu",
-        expert_projs=",".join(dict.fromkeys((gate, up, down))),
-        expert_act=act if isinstance(act, str) else act.__name__,
-    )
+    facts = swiglu_facts(gate, up, down, t, act)
     grouped = GroupedProof(interp.arg, "", gate, up, down, not t, act, "exact", num_experts, facts=facts)
     zero = _zero_at_zero(experts.get_submodule(act) if isinstance(act, str) else act)
     return EqualGroupsProof(grouped, interp.groups.source, tuple(dict.fromkeys(w.source for w in interp.widths)), zero)

@@ -68,15 +68,21 @@ def grouped_proof(experts: nn.Module) -> GroupedProof:
         elementwise.runtime_clean(m, f"experts {cls.__name__} submodule {type(m).__name__}")
     if global_hooks():  # the experts' own submodule calls (fc1, fc2) would run them; the exchange does not
         raise Refusal("global module hooks are registered; the grouped exchange would not run them")
-    facts = dict(
+    facts = swiglu_facts(gate, up, down, t, act)
+    tail = "exact" if "split" in loops else "zeros"
+    return GroupedProof(names[0], names[1], gate, up, down, not t, act, tail, num_experts, loops=loops, facts=facts)
+
+
+def swiglu_facts(gate: str, up: str, down: str, t: bool, act) -> dict:
+    """The MoeStructure layout facts of a proven per-group SwiGLU (``t``: weights applied transposed,
+    ``x @ w[e].T``; ``gate == up``: one fused weight chunked [gate | up])."""
+    return dict(
         expert_transposed=not t,
         gate_up_layout="concatenated" if gate == up else "separate",
         activation="glu",
         expert_projs=",".join(dict.fromkeys((gate, up, down))),
         expert_act=act if isinstance(act, str) else act.__name__,
     )
-    tail = "exact" if "split" in loops else "zeros"
-    return GroupedProof(names[0], names[1], gate, up, down, not t, act, tail, num_experts, loops=loops, facts=facts)
 
 
 def _swiglu(expr: tuple, where: str):

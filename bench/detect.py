@@ -13,7 +13,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     from autoep import detect_moe_structure
-    from autoep.structure import clear_caches
+    from autoep.detect.structure import clear_caches
 
     config = DeepseekV3Config()  # the published full-size shape: 61 layers, 256 routed experts
     t0 = time.perf_counter()

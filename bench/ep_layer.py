@@ -59,9 +59,9 @@ def build_block(args) -> nn.Module:
 
 
 def autoep_block(block, mesh):
-    from autoep.apply import apply_plan
-    from autoep.archetypes import compute_fn_config
-    from autoep.structure import detect_moe_structure
+    from autoep.detect.structure import detect_moe_structure
+    from autoep.plan.archetypes import compute_fn_config
+    from autoep.runtime.apply import apply_plan
 
     holder = nn.Module()
     holder.mlp = copy.deepcopy(block)

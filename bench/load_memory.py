@@ -1,7 +1,7 @@
 """Peak host memory per rank while loading a local HF checkpoint at ep=2: autoep's per-rank slice loading
 against a full load, side by side.
 
-- **slices**: ``autoep.train.build_model`` with ``model=hf_pretrained`` (meta -> resolve -> apply_plan ->
+- **slices**: ``autoep.train.trainer.build_model`` with ``model=hf_pretrained`` (meta -> resolve -> apply_plan ->
   each rank reads the dense tensors and only its own experts from the safetensors files).
 - **full**: each rank ``AutoModelForCausalLM.from_pretrained(path)`` (every expert), then ``apply_plan``
   keeps its half: what loading without slicing costs.
@@ -64,10 +64,10 @@ def rank_main(rank: int, world: int, port: int, variant: str, path: str, out_dir
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from autoep.apply import apply_plan
-    from autoep.plan import CONF_DIR
-    from autoep.resolve import resolve_plan
-    from autoep.train import build_model
+    from autoep.plan.resolve import resolve_plan
+    from autoep.runtime.apply import apply_plan
+    from autoep.train.config import CONF_DIR
+    from autoep.train.trainer import build_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

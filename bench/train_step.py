@@ -32,8 +32,8 @@ def one_run(rank: int, world: int, port: int, ep: int, dense: str, args, out_dir
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))
-    from autoep.plan import CONF_DIR
-    from autoep.train import train
+    from autoep.train.config import CONF_DIR
+    from autoep.train.trainer import train
 
     name = f"ep{ep}_{dense}"
     overrides = [f"parallel.ep_size={ep}", f"trainer.dense_sharding={dense}", f"trainer.steps={args.steps}", f"data.batch_size={args.batch_size * 2 // world}",

@@ -7,9 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from torch import nn
-
 from blocks import AriaStyleMoELayer, TitanPaddedMoE
+from torch import nn
 
 BLOCKS = {"titan_padded": TitanPaddedMoE, "aria_style": AriaStyleMoELayer}
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from torch import nn
-
 from blocks import MixtralStyleSparseMoeBlock
+from torch import nn
 
 
 class Layer(nn.Module):

@@ -48,15 +48,22 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from mutation_operators import SOURCE_OPERATORS, Edit
+from mutation_runtime import (
+    RUNTIME_OPERATORS,
+    act_roles,
+    experts_sub_roles,
+    is_module_list,
+    role_objects,
+    roles_of,
+    router_of,
+)
+from mutation_source import function_tree, self_attr, with_method
 from torch import nn
 
-from autoep.archetypes import compute_fn_config
+from autoep.detect.structure import detect_moe_structure
 from autoep.errors import UnsupportedModuleStructure
-from autoep.structure import detect_moe_structure
-from mutation_operators import SOURCE_OPERATORS, Edit
-from mutation_runtime import (RUNTIME_OPERATORS, act_roles, experts_sub_roles, is_module_list, role_objects, roles_of,
-                              router_of)
-from mutation_source import function_tree, self_attr, with_method
+from autoep.plan.archetypes import compute_fn_config
 
 BATCH, SEQ = 2, 3
 OPERATORS = [*SOURCE_OPERATORS, *RUNTIME_OPERATORS]
@@ -79,15 +86,16 @@ class Target:
 
 @functools.lru_cache(maxsize=None)
 def _family_configs(family: str) -> tuple:
-    from autoep.tiny import family_configs
+    from autoep.tools.tiny import family_configs
 
     return tuple(family_configs(importlib.import_module(f"transformers.models.{family}")))
 
 
 def _transformers_block(family: str, cls_name: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
-        from autoep.tiny import build_block
         from test_parity_hf import eager_experts_, randomize_
+
+        from autoep.tools.tiny import build_block
 
         cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), cls_name)
         block, _ = build_block(cls, list(_family_configs(family)), tiny=True)
@@ -150,9 +158,20 @@ def _dbrx_block() -> nn.Module:
 
 def targets() -> list[Target]:
     """Every target, in the fixed order of the enumeration: the original ten, then ``NEW_TARGETS``."""
-    from blocks import (CappedRouterMoE, DeepseekV3StyleMoE, MistralInferenceMoeLayer, MixtralStyleSparseMoeBlock,
-                        MoE, Qwen2MoeStyleSparseMoeBlock, SortedSplitHostCountsMoE, SortedSplitMoE, ZeroExpertMoE,
-                        DeepseekRemoteMoE, MiniMindStyleMoE, DropoutExpertsMoE)
+    from blocks import (
+        CappedRouterMoE,
+        DeepseekRemoteMoE,
+        DeepseekV3StyleMoE,
+        DropoutExpertsMoE,
+        MiniMindStyleMoE,
+        MistralInferenceMoeLayer,
+        MixtralStyleSparseMoeBlock,
+        MoE,
+        Qwen2MoeStyleSparseMoeBlock,
+        SortedSplitHostCountsMoE,
+        SortedSplitMoE,
+        ZeroExpertMoE,
+    )
 
     hf = [
         ("qwen3_moe", "Qwen3MoeSparseMoeBlock"),
@@ -452,7 +471,7 @@ def param_grads(block: nn.Module) -> dict:
             g = (g if g is not None else torch.zeros_like(p)).full_tensor()  # NOTE: collective over ep
         grads[name] = g
     if not is_module_list(block) and any(n.startswith("experts.") for n in grads) and _stacked(block):
-        from autoep.recipes.module_list import unstack_module_list_experts
+        from autoep.runtime.recipes.module_list import unstack_module_list_experts
 
         has_grad = block.experts.gate_up_proj.grad is not None
         per_expert = unstack_module_list_experts(block, grad=has_grad)  # NOTE: collective over ep
@@ -536,7 +555,7 @@ def detect(block: nn.Module):
 
 def make_ep(block: nn.Module, structure, ep_mesh) -> nn.Module:
     """A deep copy of ``block`` made expert-parallel in place by the recipe the table names."""
-    from autoep.apply import shard_experts
+    from autoep.runtime.apply import shard_experts
 
     cfg = dict(compute_fn_config(structure))
     module, _, attr = cfg.pop("_target_").rpartition(".")

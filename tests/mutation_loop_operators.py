@@ -16,8 +16,6 @@ import inspect
 import re
 from typing import Callable
 
-from torch import nn
-
 from mutation_source import (
     accumulated_index,
     accumulations,
@@ -40,6 +38,7 @@ from mutation_source import (
     swap,
     with_method,
 )
+from torch import nn
 
 
 def _after_loop(statement: str) -> Callable:

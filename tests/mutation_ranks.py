@@ -16,9 +16,8 @@ import datetime
 import itertools
 import re
 
-import torch
-
 import mutation
+import torch
 from mutation import Outcome, Run, detect, differences, forward_backward, inputs, param_grads, short_error
 from mutation_runtime import RUNTIME_OPERATORS
 

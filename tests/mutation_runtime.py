@@ -17,9 +17,8 @@ import types
 from typing import Callable
 
 import torch
-from torch import nn
-
 from mutation_source import SCALE, exec_subclass
+from torch import nn
 
 # ---------------------------------------------------------------------------------------------
 # Roles: the block, its router, its experts container, one expert

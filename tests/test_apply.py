@@ -8,17 +8,17 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import guarded, run_cases
+from test_parity_hf import BLOCK_TOKENS, build_tiny_lm, ep_plan
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from autoep.apply import apply_plan, import_target, shard_expert_tensor
 from autoep.errors import PlanError
-from distributed import guarded, run_cases
-from test_parity_hf import BLOCK_TOKENS, build_tiny_lm, ep_plan
+from autoep.runtime.apply import apply_plan, import_target, shard_expert_tensor
 
 
-def _plan(modules, target="autoep.recipes.batched.ep_batched_experts", **kwargs):
+def _plan(modules, target="autoep.runtime.recipes.batched.ep_batched_experts", **kwargs):
     return {"plan": [{"match": "*", "local_compute_fn": {"_target_": target, **kwargs}, "decision": {"modules": modules}}]}
 
 
@@ -28,7 +28,7 @@ def _qwen3_block():
 
 def test_target_outside_allowed_prefixes_is_refused():
     with pytest.raises(PlanError, match="not under an allowed prefix"):
-        import_target("os.system", ("autoep.recipes.",), key="parallel.plan.0.local_compute_fn._target_")
+        import_target("os.system", ("autoep.runtime.recipes.",), key="parallel.plan.0.local_compute_fn._target_")
 
 
 def test_allowed_targets_extend_the_prefixes():
@@ -46,12 +46,12 @@ def record_factory(module, *, ep_mesh, seen):
 
 
 def test_unimportable_target_names_the_key():
-    with pytest.raises(PlanError, match=r"parallel.plan.0.local_compute_fn._target_='autoep.recipes.nope.fn'"):
-        apply_plan(nn.Module(), _plan(["mlp"], "autoep.recipes.nope.fn"), None)
+    with pytest.raises(PlanError, match=r"parallel.plan.0.local_compute_fn._target_='autoep.runtime.recipes.nope.fn'"):
+        apply_plan(nn.Module(), _plan(["mlp"], "autoep.runtime.recipes.nope.fn"), None)
 
 
 def test_entry_without_decision_is_refused():
-    cfg = {"plan": [{"match": "*", "local_compute_fn": {"_target_": "autoep.recipes.batched.ep_batched_experts"}}]}
+    cfg = {"plan": [{"match": "*", "local_compute_fn": {"_target_": "autoep.runtime.recipes.batched.ep_batched_experts"}}]}
     with pytest.raises(PlanError, match="run resolve_plan"):
         apply_plan(nn.Module(), cfg, None)
 
@@ -64,8 +64,8 @@ def test_unknown_module_is_named():
 def test_dictconfig_plan_and_no_mesh_run_unsharded():
     from omegaconf import OmegaConf
 
-    from autoep.archetypes import compute_fn_config
-    from autoep.structure import detect_moe_structure
+    from autoep.detect.structure import detect_moe_structure
+    from autoep.plan.archetypes import compute_fn_config
 
     block = _qwen3_block()
     holder = nn.Module()

@@ -5,7 +5,7 @@ import inspect
 import pytest
 
 from autoep import MoeStructure, UnsupportedModuleStructure
-from autoep.archetypes import TABLE, compute_fn_config
+from autoep.plan.archetypes import TABLE, compute_fn_config
 
 
 @pytest.mark.parametrize("key", sorted(TABLE))

@@ -3,13 +3,13 @@ import os
 
 import pytest
 import yaml
+from distributed import spawn
 from omegaconf import OmegaConf
 
-from autoep import artifact
-from autoep.artifact import check_plan_consistent, load_resolved, plan_hash, write_resolved
-from autoep.config import TrainConfig
 from autoep.errors import PlanError
-from distributed import spawn
+from autoep.plan import artifact
+from autoep.plan.artifact import check_plan_consistent, load_resolved, plan_hash, write_resolved
+from autoep.train.config import ResolvedConfig, TrainConfig
 
 PARALLEL = {"ep_size": 2, "plan": [{"match": "model.layers.*.mlp", "local_compute_fn": {"_target_": "a.b"},
                                     "decision": {"source": "explicit", "modules": ["model.layers.0.mlp"],
@@ -31,7 +31,7 @@ def test_write_then_load_round_trips_resolved_and_location_free(tmp_path):
     raw = yaml.safe_load(text)
     assert raw["defaults"] == ["resolved_schema", "_self_"] and list(raw)[-1] == "artifact"
     assert "hydra" not in raw and raw["run_dir"] is None
-    cfg = load_resolved(path)
+    cfg = load_resolved(path, ResolvedConfig)
     assert OmegaConf.to_container(cfg.parallel) == OmegaConf.to_container(train_cfg().parallel)
     assert cfg.artifact.plan_hash == plan_hash(train_cfg().parallel)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resolved.yaml"]  # no temp file left
@@ -66,7 +66,7 @@ def test_truncated_file_is_refused_naming_it(tmp_path, cut):
     text = path.read_text()
     path.write_text(text[: int(len(text) * cut)])
     with pytest.raises(PlanError, match=rf"{path}: .*(truncated|regenerate it)"):
-        load_resolved(path)
+        load_resolved(path, ResolvedConfig)
 
 
 @pytest.mark.parametrize("content", ["model: [\n  {{{", "\x00\x01binary", "just a string", "- a\n- list\n", ""])
@@ -74,7 +74,7 @@ def test_non_yaml_or_non_mapping_is_refused_naming_it(tmp_path, content):
     path = tmp_path / "resolved.yaml"
     path.write_text(content)
     with pytest.raises(PlanError, match=rf"{path}: .*autoep-plan"):
-        load_resolved(path)
+        load_resolved(path, ResolvedConfig)
 
 
 def test_edited_parallel_section_or_hash_is_refused(tmp_path):
@@ -82,11 +82,11 @@ def test_edited_parallel_section_or_hash_is_refused(tmp_path):
     text = path.read_text()
     path.write_text(text.replace("ep_size: 2", "ep_size: 4"))
     with pytest.raises(PlanError, match=r"artifact.plan_hash=sha256:\w+\.\.\. does not match its parallel section"):
-        load_resolved(path)
+        load_resolved(path, ResolvedConfig)
     written = yaml.safe_load(text)["artifact"]["plan_hash"]
     path.write_text(text.replace(written, "sha256:" + "0" * 64))  # the hash itself edited
     with pytest.raises(PlanError, match=r"edited or damaged after autoep wrote it"):
-        load_resolved(path)
+        load_resolved(path, ResolvedConfig)
 
 
 def test_resolved_yaml_is_readable_by_others_as_open_would_make_it(tmp_path):

@@ -21,13 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from distributed import free_port
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from distributed import free_port
-
-from autoep.checkpoint import CheckpointError
-from autoep.plan import CONF_DIR
+from autoep.train.checkpoint import CheckpointError
+from autoep.train.config import CONF_DIR
 
 BIN = Path(sys.executable).parent
 HANG_GUARD_S = 180  # far above any case (a few seconds); reaching it is a hang
@@ -110,7 +109,7 @@ CASES = [
 ]
 
 
-# The same checks through the Python API: ``autoep.train.train(cfg)`` on the composed config, run_dir a finished
+# The same checks through the Python API: ``autoep.train.trainer.train(cfg)`` on the composed config, run_dir a finished
 # run's copy ({RUN}; {FRESH} a new dir, {W} the shared fixtures). Every one must raise the one-line error before
 # any work and change nothing.
 API_TRAIN_CASES = [
@@ -285,7 +284,7 @@ def _meta_model():
 
 
 def _train(cfg, *_):
-    from autoep.train import train
+    from autoep.train.trainer import train
 
     return train(cfg)
 
@@ -305,13 +304,12 @@ def _untyped(**trainer):
 def api_cases(world: Path) -> list[tuple]:
     """(id, call, error type name, what the message must contain)."""
     from autoep import apply_plan, detect_moe_structure, resolve_plan
-    from autoep.artifact import load_resolved
-    from autoep.config import check_config
-    from autoep.data import make_source
-    from autoep.models import build_hf_pretrained
-    from autoep.plan import plan
-
-    from autoep.export import check_exportable
+    from autoep.plan.artifact import load_resolved
+    from autoep.train.config import ResolvedConfig, check_config
+    from autoep.train.data import make_source
+    from autoep.train.dry_run import plan
+    from autoep.train.export import check_exportable
+    from autoep.train.models import build_hf_pretrained
 
     return [
         ("resolve_ep_size_zero", lambda r: resolve_plan({"ep_size": 0, "plan": []}, _meta_model()), "PlanError", "parallel.ep_size"),
@@ -339,7 +337,7 @@ def api_cases(world: Path) -> list[tuple]:
         ("train_nothing_left", lambda r: _train(_cfg(f"run_dir={r}", "trainer.resume=latest", "trainer.steps=1")),
          "ConfigError", "nothing is left to train"),
         ("train_betas", lambda r: check_config(_cfg("optim.betas=[0.9]")), "ConfigError", "optim.betas=[0.9]"),
-        ("load_resolved_edited", lambda r: load_resolved(world / "replay_hash" / "resolved.yaml"), "PlanError",
+        ("load_resolved_edited", lambda r: load_resolved(world / "replay_hash" / "resolved.yaml", ResolvedConfig), "PlanError",
          "artifact.plan_hash="),
         ("pretrained_hub_id", lambda r: build_hf_pretrained("Qwen/Qwen3-30B-A3B"), "PretrainedError",
          "model.pretrained_path=Qwen/Qwen3-30B-A3B"),
@@ -373,7 +371,7 @@ def test_api_case(case_id, world, tmp_path):
 @pytest.mark.parametrize("case_id, overrides, expect", API_TRAIN_CASES, ids=[c[0] for c in API_TRAIN_CASES])
 def test_api_train_case(case_id, overrides, expect, world, tmp_path):
     from autoep.errors import ConfigError
-    from autoep.train import train
+    from autoep.train.trainer import train
 
     root, _ = world
     run, fresh = Path(shutil.copytree(root / "run", tmp_path / "run")), tmp_path / "fresh"

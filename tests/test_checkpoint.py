@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoep import checkpoint
+from autoep.train import checkpoint
 
 
 def model_and_optim(seed: int):

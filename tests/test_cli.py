@@ -1,4 +1,4 @@
-"""autoep.cli: the exit codes the README documents are the ones the entry points return, and Hydra's
+"""autoep.train.command: the exit codes the README documents are the ones the entry points return, and Hydra's
 composition errors read as one line naming the key."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from autoep import cli
-from autoep.checkpoint import CheckpointError
-from autoep.config import CONF_DIR
 from autoep.errors import ConfigError, LaunchError, NonFiniteLoss, PeerFailure, PlanError, UnsupportedModuleStructure
+from autoep.train import command as cli
+from autoep.train.checkpoint import CheckpointError
+from autoep.train.config import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,10 +6,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from autoep.config import PlanEntry, ParallelConfig
-from autoep.models import check_config_kwargs, import_object
-from autoep.plan import CONF_DIR
-from autoep.resolve import check_compute_fn
+from autoep.plan.resolve import check_compute_fn
+from autoep.plan.schema import ParallelConfig, PlanEntry
+from autoep.targets import import_object
+from autoep.train.config import CONF_DIR
+from autoep.train.models import check_config_kwargs
 
 GROUPS = ("model", "parallel", "data", "optim", "trainer")
 
@@ -75,7 +76,7 @@ def test_model_kwarg_typo_is_caught_without_building():
 
 
 DOC_OVERRIDES = [
-    "parallel.plan.0.local_compute_fn={_target_:autoep.recipes.batched.ep_batched_experts,structure:{router:"
+    "parallel.plan.0.local_compute_fn={_target_:autoep.runtime.recipes.batched.ep_batched_experts,structure:{router:"
     "topk_router_module,shared_experts:none,expert_storage:batched_parameters,jitter:false}}",
     "parallel.plan.0.local_compute_fn=auto",
     "parallel.detect=false",

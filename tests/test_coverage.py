@@ -1,8 +1,8 @@
 """Detection over every MoE block class of the installed transformers, built on meta (issue 2 item 5)."""
 import pytest
 
-from autoep.coverage import markdown, survey
 from autoep.errors import OPT_OUT_HINT
+from autoep.tools.coverage import markdown, survey
 
 pytest.importorskip("transformers")
 
@@ -67,7 +67,7 @@ def test_a_row_local_post_expert_norm_is_accepted(rows):
 def test_llama4_experts_on_equal_groups_of_rows_are_accepted(rows):
     """Llama4TextExperts(rows): every token repeated once per expert, row block e for expert e."""
     s = by_class(rows)["Llama4TextMoe"].structure
-    assert s is not None and (s.expert_storage, s.expert_projs) == ("equal_groups", "gate_up_proj,down_proj")
+    assert s is not None and (s.expert_storage, s.expert_projs) == ("equal_groups", ("gate_up_proj", "down_proj"))
 
 
 def test_markdown_lists_every_class(rows):
@@ -77,7 +77,7 @@ def test_markdown_lists_every_class(rows):
 
 def test_every_accepted_class_is_parity_tested(rows):
     """tests/test_parity_hf.py runs every class coverage.parity_classes returns; none may fall out."""
-    from autoep.coverage import parity_classes
+    from autoep.tools.coverage import parity_classes
 
     accepted = [r for r in rows if r.structure is not None]
     assert [r.cls for r in parity_classes(rows)] == [r.cls for r in accepted], [

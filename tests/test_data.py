@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoep.data import Loader, SyntheticBigram, make_source
 from autoep.errors import ConfigError
+from autoep.train.data import Loader, SyntheticBigram, make_source
 
 
 def test_ranks_tile_the_single_process_batch():

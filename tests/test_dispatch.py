@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-from autoep.dispatch import ep_experts_forward
-from autoep.experts import glu_gate, grouped_swiglu
 from distributed import guarded, run_cases
+
+from autoep.runtime.dispatch import ep_experts_forward
+from autoep.runtime.experts import glu_gate, grouped_swiglu
 
 E, K = 8, 2
 GATE = glu_gate(F.silu)

@@ -11,19 +11,19 @@ import textwrap
 
 import pytest
 import torch
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-
-import autoep.dispatch
-from autoep.apply import apply_plan
-from autoep.equal_groups_proof import equal_groups_proof
-from autoep.recipes.equal_groups import ep_equal_group_experts
-from autoep.source import Refusal
-from autoep.structure import detect_moe_structure
 from blocks import EqualGroupExperts, EqualGroupsMoE
 from distributed import guarded, run_cases
 from mutation_source import with_method
 from test_grouped_recipe import _gathered, _plan
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import autoep.runtime.dispatch
+from autoep.detect.equal_groups_proof import equal_groups_proof
+from autoep.detect.source import Refusal
+from autoep.detect.structure import detect_moe_structure
+from autoep.runtime.apply import apply_plan
+from autoep.runtime.recipes.equal_groups import ep_equal_group_experts
 
 D, FFN, E, TOP_K, SEQ = 16, 24, 4, 2, 3
 BATCH_PER_RANK = {1: [4], 2: [3, 1], 4: [2, 1, 3, 1]}  # its own view(E, -1, D) cannot take an empty batch
@@ -72,12 +72,12 @@ def _check(name, rank, world_size):
     model = nn.ModuleDict({"mlp": _make(name)})
     apply_plan(model, _plan(model), mesh)
     sent = []
-    exchange = autoep.dispatch.all_to_all
-    autoep.dispatch.all_to_all = lambda x, *a: sent.append(x.shape[0]) or exchange(x, *a)
+    exchange = autoep.runtime.dispatch.all_to_all
+    autoep.runtime.dispatch.all_to_all = lambda x, *a: sent.append(x.shape[0]) or exchange(x, *a)
     try:
         out, x_grad = _run(model["mlp"], *slices[rank])
     finally:
-        autoep.dispatch.all_to_all = exchange
+        autoep.runtime.dispatch.all_to_all = exchange
     grads, weights = _gathered(model["mlp"], mesh)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(x_grad, ref_x_grad)
@@ -116,7 +116,7 @@ def test_proof_records_spellings_and_zero_at_zero():
     p = equal_groups_proof(_make("silu").experts)
     assert (p.groups, p.widths, p.zero_at_zero) == (("attr", "num_experts"), (("weight", "down_proj", 2),), True)
     assert p.grouped.facts == dict(expert_transposed=True, gate_up_layout="concatenated", activation="glu",
-                                   expert_projs="gate_up_proj,down_proj", expert_act="silu")
+                                   expert_projs=("gate_up_proj", "down_proj"), expert_act="silu")
     assert equal_groups_proof(_make("sigmoid_gate").experts).zero_at_zero is False
     assert detect_moe_structure(_make("silu")).expert_storage == "equal_groups"
 
@@ -127,7 +127,7 @@ def test_transformers_llama4_is_proven():
     with torch.device("meta"):
         block = modeling.Llama4TextMoe(config)
     s = detect_moe_structure(block)
-    assert (s.expert_storage, s.expert_projs, s.expert_act) == ("equal_groups", "gate_up_proj,down_proj", "act_fn")
+    assert (s.expert_storage, s.expert_projs, s.expert_act) == ("equal_groups", ("gate_up_proj", "down_proj"), "act_fn")
     p = equal_groups_proof(block.experts)
     assert (p.groups, p.widths, p.zero_at_zero) == (("weight", "gate_up_proj", 0), (("attr", "hidden_size"),), True)
 
@@ -199,7 +199,7 @@ def test_rows_of_another_width_are_refused_at_run_time():
 
 
 def test_expert_load_counts_the_tokens_routed_to_each_group():
-    from autoep.loop import ExpertLoad
+    from autoep.train.loop import ExpertLoad
 
     model = nn.ModuleDict({"mlp": _make("silu")})
     apply_plan(model, _plan(model), None)

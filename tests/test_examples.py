@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from distributed import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "research_moe" / "train.py"
@@ -33,7 +32,7 @@ def losses(stdout: str) -> list[float]:
 @pytest.mark.slow
 def test_auto_explicit_and_two_rank_ep_train_the_same(tmp_path):
     auto = run(tmp_path / "auto")
-    assert "decision: auto {'router': 'softmax_topk'" in auto and "'expert_projs': 'w1,w3,w2'" in auto
+    assert "decision: auto {'router': 'softmax_topk'" in auto and "'expert_projs': ['w1', 'w3', 'w2']" in auto
     explicit = run(tmp_path / "explicit", EXPLICIT)
     assert "decision: explicit" in explicit
     assert "tokens seen by the user's compute fn: [1024, 1024]" in explicit  # the user's fn really ran

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autoep.experts import can_use_grouped_mm, glu_gate, grouped_linear, grouped_swiglu
+from autoep.runtime.experts import can_use_grouped_mm, glu_gate, grouped_linear, grouped_swiglu
 
 GATE = glu_gate(F.silu)
 

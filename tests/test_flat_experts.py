@@ -1,4 +1,4 @@
-"""Batched experts with flattened ``(E*F, D)`` weights on a submodule (DBRX, ``autoep.flat_experts``), in
+"""Batched experts with flattened ``(E*F, D)`` weights on a submodule (DBRX, ``autoep.detect.flat_experts``), in
 the installed transformers (5.x: ``experts(hidden, top_k_index, top_k_weights)``, views per hit expert;
 4.57: ``experts(x, weights, top_weights, top_experts)``, per-expert chunks over ``range(E)``): what is
 proven, what is refused, and that an accepted edit is exact.
@@ -21,10 +21,10 @@ only_v4 = pytest.mark.skipif(V5, reason="transformers 4.x DBRX source")
 
 from transformers.models.dbrx import modeling_dbrx  # noqa: E402
 
-from autoep.archetypes import compute_fn_config  # noqa: E402
+from autoep.detect.structure import count_experts, detect_moe_structure  # noqa: E402
 from autoep.errors import PlanError, UnsupportedModuleStructure  # noqa: E402
-from autoep.models import import_object  # noqa: E402
-from autoep.structure import count_experts, detect_moe_structure  # noqa: E402
+from autoep.plan.archetypes import compute_fn_config  # noqa: E402
+from autoep.targets import import_object  # noqa: E402
 
 D, F, E = 32, 16, 4  # F != D: a transposed weight or a swapped view cannot pass on shapes alone
 
@@ -97,13 +97,13 @@ def test_dbrx_is_proven_with_its_flattened_layout():
     s = detect_moe_structure(block)
     assert (s.expert_storage, s.gate_up_layout, s.expert_transposed, s.expert_bias) == (
         "batched_parameters", "separate", False, False)
-    assert (s.expert_projs, s.expert_act) == ("mlp.w1,mlp.v1,mlp.w2", "mlp.activation_fn")
+    assert (s.expert_projs, s.expert_act) == (("mlp.w1", "mlp.v1", "mlp.w2"), "mlp.activation_fn")
     assert count_experts(block) == E
     assert_exact(block)
 
 
 def test_the_flattened_hidden_states_and_the_output_view_are_the_forwards_own():
-    from autoep.experts_proof import batched_proof
+    from autoep.detect.experts_proof import batched_proof
 
     roles = batched_proof(dbrx_block().experts)[1]
     # 5.x: reshape(-1, self.hidden_size), next_states.view(batch_size, -1, self.hidden_size);
@@ -229,7 +229,7 @@ def test_runtime_state_of_the_submodule_is_part_of_the_proof():
 
 
 def test_ep_size_must_divide_the_experts_not_only_the_rows():
-    from autoep.recipes.batched import ep_batched_experts
+    from autoep.runtime.recipes.batched import ep_batched_experts
 
     class Mesh:  # only the size is read before the check
         def size(self):
@@ -243,7 +243,7 @@ def test_ep_size_must_divide_the_experts_not_only_the_rows():
 # ---------------------------------------------------------------- checkpoints in the model's own layout
 
 DBRX_CONFIG = dict(d_model=D, n_heads=4, n_layers=2, vocab_size=128,
-                   attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},  # autoep.tiny: DBRX needs both
+                   attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},  # autoep.tools.tiny: DBRX needs both
                    ffn_config={"ffn_hidden_size": F, "moe_num_experts": E, "moe_top_k": 2})
 IDS = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
 
@@ -252,8 +252,8 @@ def pretrained_worker(rank: int, world_size: int, path: str) -> dict:
     from hydra import compose, initialize_config_dir
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoep.plan import CONF_DIR
-    from autoep.train import build_model
+    from autoep.train.config import CONF_DIR
+    from autoep.train.trainer import build_model
 
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["model=hf_pretrained", f"model.pretrained_path={path}", "parallel.ep_size=2",
@@ -267,9 +267,8 @@ def pretrained_worker(rank: int, world_size: int, path: str) -> dict:
 
 @only_v5
 def test_a_dbrx_checkpoint_loads_each_rank_its_whole_experts_and_computes_what_from_pretrained_does(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     from distributed import spawn
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     modeling_dbrx.DbrxForCausalLM(modeling_dbrx.DbrxConfig(**DBRX_CONFIG)).save_pretrained(tmp_path)

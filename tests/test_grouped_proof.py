@@ -12,15 +12,15 @@ import copy
 import inspect
 import textwrap
 
+import blocks
 import pytest
 import torch
 import torch.nn as nn
-
-import blocks
-from autoep import UnsupportedModuleStructure, detect_moe_structure
-from autoep.grouped_proof import grouped_proof
-from autoep.recipes.grouped import ep_grouped_experts
 from mutation_source import with_method
+
+from autoep import UnsupportedModuleStructure, detect_moe_structure
+from autoep.detect.grouped_proof import grouped_proof
+from autoep.runtime.recipes.grouped import ep_grouped_experts
 
 D = 16
 

@@ -16,16 +16,16 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from blocks import AriaStyleMoELayer, TitanMoE, TitanPaddedMoE, TuneMoE
+from distributed import guarded, run_cases, spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autoep.apply import apply_plan
-from autoep.archetypes import compute_fn_config
-from autoep.recipes.grouped import ep_grouped_experts
-from autoep.structure import detect_moe_structure
-from blocks import AriaStyleMoELayer, TitanMoE, TitanPaddedMoE, TuneMoE
-from distributed import guarded, run_cases, spawn
+from autoep.detect.structure import detect_moe_structure
+from autoep.plan.archetypes import compute_fn_config
+from autoep.runtime.apply import apply_plan
+from autoep.runtime.recipes.grouped import ep_grouped_experts
 
 D, SEQ = 16, 3
 BATCH_PER_RANK = {1: [4], 2: [3, 0], 4: [2, 0, 3, 1]}  # sequences per rank; uneven, one rank empty

@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autoep.loop import causal_lm_loss, warmup_cosine
-from autoep.models import build_hf_causal_lm
+from autoep.train.loop import causal_lm_loss, warmup_cosine
+from autoep.train.models import build_hf_causal_lm
 
 
 def tiny_qwen3():

@@ -17,19 +17,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-
-from autoep.apply import apply_plan
-from autoep.archetypes import compute_fn_config
-from autoep.errors import UnsupportedModuleStructure
-from autoep.recipes.module_list import (
-    ep_module_list_block,
-    load_module_list_state_dict,
-    module_list_state_dict,
-    unstack_module_list_experts,
-)
-from autoep.structure import detect_moe_structure
 from blocks import (
     CappedRouterMoE,
     DeepseekRemoteMoE,
@@ -46,6 +33,19 @@ from blocks import (
     make_closure_moe_class,
 )
 from distributed import guarded, run_cases
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from autoep.detect.structure import detect_moe_structure
+from autoep.errors import UnsupportedModuleStructure
+from autoep.plan.archetypes import compute_fn_config
+from autoep.runtime.apply import apply_plan
+from autoep.runtime.recipes.module_list import (
+    ep_module_list_block,
+    load_module_list_state_dict,
+    module_list_state_dict,
+    unstack_module_list_experts,
+)
 
 D, SEQ = 16, 3
 BATCH_PER_RANK = {1: [4], 2: [1, 3], 4: [2, 0, 3, 1]}  # sequences per rank; uneven, one rank empty

@@ -20,11 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
+from distributed import guarded, run_cases
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-
-from distributed import guarded, run_cases
 
 CONF = pathlib.Path(__file__).resolve().parents[1] / "src" / "autoep" / "conf" / "model"
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "gpt_oss"]
@@ -40,7 +39,7 @@ SEQ_LEN = 6
 
 def build_tiny_lm(family: str, seed: int = 0, dtype=torch.float32) -> nn.Module:
     """The family's tiny causal LM from ``conf/model/<family>.yaml``, random weights, eager experts."""
-    from autoep.models import build_hf_causal_lm
+    from autoep.train.models import build_hf_causal_lm
 
     cfg = yaml.safe_load((CONF / f"{family}.yaml").read_text())
     cfg.pop("_target_")
@@ -52,8 +51,8 @@ def build_tiny_lm(family: str, seed: int = 0, dtype=torch.float32) -> nn.Module:
 
 
 def build_tiny_family_lm(family: str, seed: int = 0) -> nn.Module:
-    """The family's own causal LM (or text model) from ``autoep.tiny.build_tiny_model``, random weights."""
-    from autoep.tiny import build_tiny_model
+    """The family's own causal LM (or text model) from ``autoep.tools.tiny.build_tiny_model``, random weights."""
+    from autoep.tools.tiny import build_tiny_model
 
     model, _ = build_tiny_model(family)
     randomize_(model, seed)
@@ -82,23 +81,23 @@ def eager_experts_(model: nn.Module) -> None:
 
 def accepted_hf_classes() -> list[tuple[str, str, str, list[str]]]:
     """(family, module, class, config paths) of every transformers MoE block class the detector accepts
-    and whose tiny CPU build keeps that decision (``autoep.coverage`` lists the others, with the reason)."""
-    from autoep.coverage import parity_classes, survey
+    and whose tiny CPU build keeps that decision (``autoep.tools.coverage`` lists the others, with the reason)."""
+    from autoep.tools.coverage import parity_classes, survey
 
     return [(r.family, r.module, r.cls, r.configs) for r in parity_classes(survey())]
 
 
 def model_families() -> list[str]:
-    """Families whose tiny whole model ``build_tiny_model`` builds (``autoep.coverage`` lists the others)."""
-    from autoep.coverage import parity_families, survey
+    """Families whose tiny whole model ``build_tiny_model`` builds (``autoep.tools.coverage`` lists the others)."""
+    from autoep.tools.coverage import parity_families, survey
 
     return parity_families(survey())
 
 
 def ep_plan(model: nn.Module, modules: list[str]) -> dict:
     """The resolved plan ``resolve_plan`` writes for these blocks (the detector's decision)."""
-    from autoep.archetypes import compute_fn_config
-    from autoep.structure import detect_moe_structure
+    from autoep.detect.structure import detect_moe_structure
+    from autoep.plan.archetypes import compute_fn_config
 
     groups: dict[str, list[str]] = {}  # one entry per decision (ernie's text and vision experts differ)
     for name in modules:
@@ -122,7 +121,7 @@ def moe_block_names(model: nn.Module) -> list[str]:
 def gathered_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's grad as the reference sees it: expert DTensors gathered, dense summed over ranks;
     ModuleList experts the module_list recipe stacked are written back in the model's own layout."""
-    from autoep.recipes.module_list import StackedSwiGLUExperts, unstack_module_list_experts
+    from autoep.runtime.recipes.module_list import StackedSwiGLUExperts, unstack_module_list_experts
 
     out, stacked = {}, set()
     for name, sub in model.named_modules():
@@ -170,7 +169,7 @@ def block_case(rank: int, world_size: int, family: str) -> None:
 def hf_class_case(rank: int, world_size: int, module_name: str, cls_name: str, config_paths: list[str]) -> None:
     import importlib
 
-    from autoep.tiny import build_block
+    from autoep.tools.tiny import build_block
 
     cls = getattr(importlib.import_module(module_name), cls_name)
     configs = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in config_paths]
@@ -181,7 +180,7 @@ def hf_class_case(rank: int, world_size: int, module_name: str, cls_name: str, c
 
 
 def _block_parity(rank: int, world_size: int, ref: nn.Module, D: int) -> None:
-    from autoep.apply import apply_plan
+    from autoep.runtime.apply import apply_plan
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     ref.train()
@@ -255,7 +254,7 @@ def hf_model_case(rank: int, world_size: int, family: str) -> None:
 def reached_moe_blocks(model: nn.Module, ids: torch.Tensor) -> list[str]:
     """The accepted MoE blocks a text forward calls (ernie's vision experts see no text token: an EP block
     never called exchanges nothing and has no grad, like the reference's)."""
-    from autoep.tiny import moe_blocks
+    from autoep.tools.tiny import moe_blocks
 
     model = copy.deepcopy(model)  # a forward may update buffers (routing bias): leave the caller's untouched
     called = []
@@ -288,7 +287,7 @@ def sliced_reference(ref: nn.Module, ids: torch.Tensor, seqs: list[int], num_tar
 
 
 def _model_parity(rank: int, world_size: int, ref: nn.Module, blocks_of, tol) -> None:
-    from autoep.apply import apply_plan
+    from autoep.runtime.apply import apply_plan
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     ref.train()
@@ -416,7 +415,7 @@ def test_every_accepted_family_whole_model(world_size):
 
 
 def test_whole_model_parity_covers_every_shipped_model_config():
-    from autoep.coverage import shipped_model_families
+    from autoep.tools.coverage import shipped_model_families
 
     assert sorted(FAMILIES) == shipped_model_families()  # docs/coverage.md claims model parity for these
 

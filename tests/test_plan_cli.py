@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from autoep.artifact import plan_hash
 from test_config import DOC_OVERRIDES
+
+from autoep.plan.artifact import plan_hash
 
 EXPLICIT, AUTO, NO_DETECT = DOC_OVERRIDES[0], DOC_OVERRIDES[1], DOC_OVERRIDES[2]
 SCRIPT = Path(sys.executable).parent / "autoep-plan"
 
 
 def command(*args):
-    entry = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "autoep.plan"]
+    entry = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "autoep.train.dry_run"]
     return entry + list(args)
 
 
@@ -75,7 +75,7 @@ def test_plan_prints_one_row_per_module_and_writes_resolved(cli):
     rows = [line.split() for line in stdout.splitlines() if line.startswith("model.layers.")]
     # Qwen3-MoE tiny: 8 experts x (gate_up 2*16*32 + down 32*16) fp32 = 49152 bytes per layer, ep_size 2.
     assert rows == [[f"model.layers.{i}.mlp", "topk_router_module/none/batched_parameters",
-                     "autoep.recipes.batched.ep_batched_experts", "4", "24576"] for i in (0, 1)]
+                     "autoep.runtime.recipes.batched.ep_batched_experts", "4", "24576"] for i in (0, 1)]
     cfg = resolved(tmp, "auto")
     assert cfg["parallel"]["plan"][0]["decision"]["source"] == "auto"
     assert f"wrote {tmp / 'auto' / 'resolved.yaml'}" in stdout

@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import spawn
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
-from distributed import spawn
-
-from autoep import pretrained
-from autoep.data import Loader, SyntheticBigram
-from autoep.loop import causal_lm_loss
-from autoep.plan import CONF_DIR
-from autoep.pretrained import PretrainedError
+from autoep.train import pretrained
+from autoep.train.config import CONF_DIR
+from autoep.train.data import Loader, SyntheticBigram
+from autoep.train.loop import causal_lm_loss
+from autoep.train.pretrained import PretrainedError
 
 TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             num_experts_per_tok=2)
@@ -47,7 +46,7 @@ def tokens() -> torch.Tensor:
 def load_worker(rank: int, world_size: int, paths: dict, tmp: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoep.train import build_model, train
+    from autoep.train.trainer import build_model, train
 
     reads = []
     real_read = pretrained.SafetensorsDir.read
@@ -60,8 +59,8 @@ def load_worker(rank: int, world_size: int, paths: dict, tmp: str) -> dict:
     logged = []
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("autoep.pretrained").addHandler(handler)
-    logging.getLogger("autoep.pretrained").setLevel(logging.INFO)
+    logging.getLogger("autoep.train.pretrained").addHandler(handler)
+    logging.getLogger("autoep.train.pretrained").setLevel(logging.INFO)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("edp", "ep"))
     out = {}
     for name, path in paths.items():
@@ -125,7 +124,7 @@ def test_each_rank_reads_only_its_own_experts_and_logs_what_it_read(checkpoints,
 
 
 def test_trained_from_checkpoint_ep2_equals_single_process_and_from_pretrained(checkpoints, ep2, tmp_path):
-    from autoep.train import train
+    from autoep.train.trainer import train
 
     _, paths = checkpoints
     path = paths["qwen3_moe_tied"]
@@ -151,7 +150,7 @@ def test_batched_keys_are_read_as_row_slices(tmp_path):
     key = "model.layers.1.mlp.experts.gate_up_proj"
     assert ckpt.read(key, slice(4, 8)).shape == (4, 32, 32)
     torch.testing.assert_close(ckpt.read(key, slice(4, 8)), state[key][4:8])
-    from autoep.train import build_model
+    from autoep.train.trainer import build_model
 
     loaded, _ = build_model(
         compose_cfg("model=hf_pretrained", f"model.pretrained_path={tmp_path}"), None, torch.device("cpu"))
@@ -160,7 +159,7 @@ def test_batched_keys_are_read_as_row_slices(tmp_path):
 
 
 def test_bad_directories_are_refused_by_name(checkpoints, tmp_path):
-    from autoep.train import build_model
+    from autoep.train.trainer import build_model
 
     _, paths = checkpoints
     with pytest.raises(PretrainedError, match="model.pretrained_path is required"):
@@ -183,7 +182,7 @@ def test_pretrained_path_is_local_only(checkpoints, tmp_path, monkeypatch):
     directory, and transformers only ever gets an absolute local directory with local_files_only=True."""
     import transformers
 
-    from autoep.models import build_hf_pretrained
+    from autoep.train.models import build_hf_pretrained
 
     root, paths = checkpoints
     asked = []

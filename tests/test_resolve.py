@@ -9,10 +9,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import autoep
-from autoep import structure
+from autoep.detect import structure
 from autoep.errors import DriftError, PlanError
-from autoep.plan import CONF_DIR
-from autoep.resolve import resolve_plan
+from autoep.plan.resolve import resolve_plan
+from autoep.train.config import CONF_DIR
 
 MLP = "model.layers.*.mlp"
 EXPECTED = {  # model config -> (shared_experts, num_experts), proven by the detector
@@ -53,7 +53,7 @@ def test_auto_freezes_a_decision_for_every_shipped_model(name):
     assert decision["num_experts"] == n
     assert decision["structure"]["shared_experts"] == shared
     assert decision["structure"] == structure.detect_moe_structure(model.model.layers[0].mlp).as_dict()
-    assert entry["local_compute_fn"]["_target_"] == "autoep.recipes.batched.ep_batched_experts"
+    assert entry["local_compute_fn"]["_target_"] == "autoep.runtime.recipes.batched.ep_batched_experts"
     assert decision["fingerprint"].startswith("sha256:")
     block = model.model.layers[0].mlp
     router = getattr(block, "gate", None) or block.router
@@ -122,21 +122,21 @@ def swap_in_qwen2_block(model):
     (plan(match="model.layers.*.self_attn"), r"matched model.layers.0.self_attn \(Qwen3MoeAttention\), which auto "
                                              r"cannot take: .*"
                                              r"Declare an explicit local_compute_fn._target_"),
-    (plan(fn="autoep.recipes.batched.ep_batched_experts"), r"local_compute_fn='autoep.recipes.batched.ep_batched"
+    (plan(fn="autoep.runtime.recipes.batched.ep_batched_experts"), r"local_compute_fn='autoep.runtime.recipes.batched.ep_batched"
                                                            r"_experts' must be 'auto' or a mapping with a _target_"),
     (plan(fn={"target": "x.y"}), r"must be 'auto' or a mapping with a _target_"),
     (plan(fn={"_target_": "os..system"}), r"_target_='os..system' is not a dotted import path"),
     (plan(fn={"_target_": 42}), r"_target_=42 is not a dotted import path"),
     (plan(fn={"_target_": "evil_pkg_never_imported.run"}), r"'evil_pkg_never_imported.run' is not under an "
-                                                           r"allowed prefix \['autoep.recipes'\].*allowed_targets"),
+                                                           r"allowed prefix \['autoep.runtime.recipes'\].*allowed_targets"),
     (plan(fn={"_target_": "plan_factories2.scaled_experts"}, allowed_targets=["plan_factories"]),
      r"not under an allowed prefix"),
     (plan(fn={"_target_": "plan_factories.scaled_experts", "scael": 2}, allowed_targets=["plan_factories"]),
      r"keys \['scael'\] do not bind to plan_factories.scaled_experts\(module, \*, ep_mesh, scale"),
     (plan(fn={"_target_": "plan_factories.no_such_fn"}, allowed_targets=["plan_factories"]),
      r"'plan_factories.no_such_fn' cannot be imported"),
-    (plan(fn={"_target_": "autoep.recipes.batched.ep_batched_experts"}),
-     r"do not bind to autoep.recipes.batched.ep_batched_experts.*missing a required argument: 'structure'"),
+    (plan(fn={"_target_": "autoep.runtime.recipes.batched.ep_batched_experts"}),
+     r"do not bind to autoep.runtime.recipes.batched.ep_batched_experts.*missing a required argument: 'structure'"),
 ])
 def test_bad_input_names_key_value_and_fix(bad, message):
     with pytest.raises(PlanError, match=message):
@@ -177,7 +177,7 @@ def resolved_qwen3():
     lambda e: e["decision"].update(num_experts=16),
     lambda e: e["decision"]["modules"].pop(),
     lambda e: e["decision"].update(source="explicit"),
-    lambda e: e["local_compute_fn"].update(_target_="autoep.recipes.module_list.ep_module_list_block"),
+    lambda e: e["local_compute_fn"].update(_target_="autoep.runtime.recipes.module_list.ep_module_list_block"),
     lambda e: e.update(match="model.layers.0.mlp"),
 ])
 def test_hand_edited_decision_is_refused(resolved_qwen3, edit):
@@ -228,7 +228,7 @@ def test_drift_redetects_when_asked(resolved_qwen3, caplog):
     with pytest.raises(DriftError, match=r"matched modules changed \(added \['model.layers.2.mlp'\], removed \[\]\)"):
         resolve_plan(resolved_qwen3, deeper)
     resolved_qwen3["on_drift"] = "redetect"
-    with caplog.at_level("WARNING", logger="autoep.resolve"):
+    with caplog.at_level("WARNING", logger="autoep.plan.resolve"):
         fresh = plain(resolve_plan(resolved_qwen3, deeper))
     assert fresh["plan"][0]["decision"]["modules"][-1] == "model.layers.2.mlp"
     assert fresh["plan"][0]["decision"]["source"] == "auto"
@@ -250,10 +250,10 @@ def _structure_of(name):
 
 @pytest.mark.parametrize("name, target, edit, message", [
     # the module_list recipe on batched experts: caught here, not as a traceback at run time
-    ("qwen3_moe", "autoep.recipes.module_list.ep_module_list_block", {}, "needs a ModuleList of experts"),
+    ("qwen3_moe", "autoep.runtime.recipes.module_list.ep_module_list_block", {}, "needs a ModuleList of experts"),
     # layout facts that differ from what the experts compute
-    ("gpt_oss", "autoep.recipes.batched.ep_batched_experts", {"expert_transposed": False}, "structure says"),
-    ("qwen3_moe", "autoep.recipes.batched.ep_batched_experts", {"activation": "clamped_glu"}, "structure says"),
+    ("gpt_oss", "autoep.runtime.recipes.batched.ep_batched_experts", {"expert_transposed": False}, "structure says"),
+    ("qwen3_moe", "autoep.runtime.recipes.batched.ep_batched_experts", {"activation": "clamped_glu"}, "structure says"),
 ])
 def test_an_explicit_recipe_that_does_not_fit_is_refused_at_resolve_time(name, target, edit, message):
     fn = {"_target_": target, "structure": {**_structure_of(name), **edit}}
@@ -263,7 +263,7 @@ def test_an_explicit_recipe_that_does_not_fit_is_refused_at_resolve_time(name, t
 
 
 def test_an_explicit_recipe_that_fits_resolves():
-    fn = {"_target_": "autoep.recipes.batched.ep_batched_experts", "structure": _structure_of("gpt_oss")}
+    fn = {"_target_": "autoep.runtime.recipes.batched.ep_batched_experts", "structure": _structure_of("gpt_oss")}
     assert plain(resolve_plan(plan(fn=fn), meta_model("gpt_oss")))["plan"][0]["decision"]["source"] == "explicit"
 
 

@@ -1,4 +1,4 @@
-"""``autoep.row_norm``: a module the batched experts apply to their output rows is accepted only where its
+"""``autoep.detect.row_norm``: a module the batched experts apply to their output rows is accepted only where its
 forward is proven row-local (MuseSpark's post-expert norm), and the batched recipe computes what the
 experts' own forward computes with it. Multi-rank parity: ``test_parity_hf`` (MuseSparkMoE is picked up
 from coverage); mutants: ``bench/soundness.py --target hf/muse_spark``."""
@@ -11,14 +11,14 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
-
-from autoep.archetypes import compute_fn_config
-from autoep.apply import import_target
-from autoep.errors import UnsupportedModuleStructure
-from autoep.row_norm import prove_row_local
-from autoep.source import Refusal
-from autoep.structure import detect_moe_structure
 from mutation_source import exec_subclass
+
+from autoep.detect.row_norm import prove_row_local
+from autoep.detect.source import Refusal
+from autoep.detect.structure import detect_moe_structure
+from autoep.errors import UnsupportedModuleStructure
+from autoep.plan.archetypes import compute_fn_config
+from autoep.runtime.apply import import_target
 
 D = 8
 
@@ -26,8 +26,9 @@ muse = pytest.importorskip("transformers.models.muse_spark.modeling_muse_spark")
 
 
 def muse_block() -> nn.Module:
-    from autoep.tiny import build_block, family_configs
     from test_parity_hf import eager_experts_, randomize_
+
+    from autoep.tools.tiny import build_block, family_configs
 
     family = importlib.import_module("transformers.models.muse_spark")
     block, _ = build_block(muse.MuseSparkMoE, list(family_configs(family)), tiny=True)
@@ -213,7 +214,7 @@ def _assert_recipe_exact(block: nn.Module) -> None:
     structure = detect_moe_structure(block)
     fn = compute_fn_config(structure)
     ep = copy.deepcopy(block)
-    import_target(fn.pop("_target_"), ["autoep.recipes."])(ep, ep_mesh=None, **fn)
+    import_target(fn.pop("_target_"), ["autoep.runtime.recipes."])(ep, ep_mesh=None, **fn)
     x = torch.randn(2, 5, block.pre_expert_proj.in_features, generator=torch.Generator().manual_seed(0))
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = block(xa), ep(xb)
@@ -235,12 +236,12 @@ def dense_norm_case(rank: int, world_size: int) -> None:
     """After ``apply_plan`` the norm's weight is a plain (dense) parameter, the experts' weights DTensors on
     ``ep``; the trainer's ``reduce_grads`` sums the norm's grad over the world to the model's own grad."""
     import torch.distributed as dist
+    from test_parity_hf import ep_plan
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoep.apply import apply_plan
-    from autoep.dense import is_expert
-    from autoep.loop import reduce_grads, split_params
-    from test_parity_hf import ep_plan
+    from autoep.runtime.apply import apply_plan
+    from autoep.runtime.dense import is_expert
+    from autoep.train.loop import reduce_grads, split_params
 
     ref = muse_block()
     holder = nn.Module()

@@ -1,4 +1,4 @@
-"""Run directories (autoep.rundir, README "Run directories"): one run per directory; resume continues this
+"""Run directories (autoep.train.rundir, README "Run directories"): one run per directory; resume continues this
 run and never repeats a step in metrics.jsonl; a run that is refused changes nothing already written; the
 README's resume example runs as written.
 
@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from autoep.checkpoint import CheckpointError
 from autoep.errors import ConfigError
-from autoep.plan import CONF_DIR
+from autoep.train.checkpoint import CheckpointError
+from autoep.train.config import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["optim.warmup_steps=2", "trainer.log_every=100", "data.seq_len=16", "data.batch_size=2", "trainer.device=cpu"]
 
 
 def train(run_dir, *overrides: str) -> dict:
-    from autoep.train import train as run
+    from autoep.train.trainer import train as run
 
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[*SMALL, f"run_dir={run_dir}", *overrides])

@@ -10,16 +10,16 @@ from __future__ import annotations
 import copy
 import functools
 
+import blocks
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import blocks
 from autoep import UnsupportedModuleStructure, detect_moe_structure
-from autoep.archetypes import compute_fn_config
-from autoep.models import import_object
 from autoep.errors import OPT_OUT_HINT
+from autoep.plan.archetypes import compute_fn_config
+from autoep.targets import import_object
 
 
 def refusal(module) -> str:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import mutation
 import mutation_ranks
+import pytest
 from distributed import spawn
 from mutation_runtime import scaled
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import inspect
 import textwrap
 
+import blocks
 import pytest
 import torch
+from mutation_source import exec_subclass
 from torch import nn
 
-import blocks
-from mutation_source import exec_subclass
+from autoep.detect.structure import detect_moe_structure
 from autoep.errors import UnsupportedModuleStructure
-from autoep.recipes.module_list import ep_module_list_block
-from autoep.structure import detect_moe_structure
+from autoep.runtime.recipes.module_list import ep_module_list_block
 
 
 def variant(cls: type, method: str, old: str, new: str) -> type:
@@ -118,7 +118,7 @@ def _noop_decorator(fn):
 
 
 def test_remote_code_records_both_regions_and_the_no_grad_helper():
-    from autoep.module_list_proof import module_list_plan
+    from autoep.detect.module_list_proof import module_list_plan
 
     plans = module_list_plan(REMOTE())
     assert [(p.method, p.kind, p.no_grad, bool(p.path)) for p in plans] == [
@@ -136,6 +136,6 @@ def test_identity_experts_must_trail_the_computing_ones():
 
 
 def test_identity_experts_are_not_sharded_and_ep_divides_the_computing_ones():
-    from autoep.structure import count_experts
+    from autoep.detect.structure import count_experts
 
     assert count_experts(blocks.ZeroExpertMoE(hidden=16, num_experts=4, zero_experts=3, top_k=2)) == 4

@@ -1,12 +1,12 @@
 """Detection semantics (issue 2): each rule of the contract, on meta modules, without calling a forward."""
 import inspect
 
+import blocks
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import blocks
 from autoep import MoeStructure, UnsupportedModuleStructure, detect_moe_structure, detect_router_kind
 from autoep.errors import OPT_OUT_HINT
 
@@ -181,13 +181,13 @@ def test_v4_and_research_style_blocks():
     mix = detect_moe_structure(blocks.MixtralStyleSparseMoeBlock(jitter_noise=0.1))
     assert (mix.router, mix.shared_experts, mix.expert_storage, mix.jitter) == (
         "softmax_topk", "none", "module_list", True)
-    assert (mix.expert_projs, mix.expert_act) == ("gate_proj,up_proj,down_proj", "act_fn")
+    assert (mix.expert_projs, mix.expert_act) == (("gate_proj", "up_proj", "down_proj"), "act_fn")
     qwen = detect_moe_structure(blocks.Qwen2MoeStyleSparseMoeBlock())
     assert qwen.shared_experts == "gated"
     ds = detect_moe_structure(blocks.DeepseekV3StyleMoE())
     assert (ds.router, ds.shared_experts) == ("sigmoid_group", "additive")
     titan = detect_moe_structure(blocks.MoE())
-    assert (titan.expert_projs, titan.expert_act) == ("w1,w3,w2", "silu")
+    assert (titan.expert_projs, titan.expert_act) == (("w1", "w3", "w2"), "silu")
 
 
 def test_meta_modules_allocate_nothing_and_call_nothing(monkeypatch):
@@ -378,7 +378,7 @@ def _variant_of(variant, block, old, new):
 
 @pytest.mark.parametrize("block, old, new", OWN_CODE_EDITS)
 def test_an_edit_outside_the_expert_loop_runs_as_written(variant, block, old, new):
-    from autoep.recipes.module_list import ep_module_list_block
+    from autoep.runtime.recipes.module_list import ep_module_list_block
 
     cls = _variant_of(variant, block, old, new)
     torch.manual_seed(0)
@@ -438,12 +438,12 @@ def test_float32_experts_are_all_or_nothing():
 
 
 @pytest.mark.parametrize("block,facts", [
-    (blocks.TitanMoE, dict(expert_transposed=False, gate_up_layout="separate", expert_projs="w1,w3,w2")),
-    (blocks.TitanPaddedMoE, dict(expert_transposed=False, gate_up_layout="separate", expert_projs="w1,w3,w2")),
+    (blocks.TitanMoE, dict(expert_transposed=False, gate_up_layout="separate", expert_projs=("w1", "w3", "w2"))),
+    (blocks.TitanPaddedMoE, dict(expert_transposed=False, gate_up_layout="separate", expert_projs=("w1", "w3", "w2"))),
     (blocks.TuneMoE, dict(expert_transposed=True, gate_up_layout="separate",
-                          expert_projs="gate_proj,up_proj,down_proj")),
+                          expert_projs=("gate_proj", "up_proj", "down_proj"))),
     (blocks.AriaStyleMoELayer, dict(expert_transposed=True, gate_up_layout="concatenated",
-                                    expert_projs="fc1.weight,fc2.weight")),
+                                    expert_projs=("fc1.weight", "fc2.weight"))),
 ])
 def test_grouped_experts_are_proven_with_their_layout(block, facts):
     """experts(x_sorted, num_tokens_per_expert): torchtitan (split loop, (E, out, in) weights transposed in

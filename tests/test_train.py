@@ -17,17 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import free_port, spawn
 from hydra import compose, initialize_config_dir
 from torch.distributed.tensor import DTensor
 
-from distributed import free_port, spawn
-
-from autoep.checkpoint import CheckpointError
 from autoep.errors import ConfigError, PlanError
-from autoep.plan import CONF_DIR
+from autoep.train.checkpoint import CheckpointError
+from autoep.train.config import CONF_DIR
 
 STEPS = 5
-# 2 rows per rank on 2 ranks == 4 rows in one process: the same global batches (autoep.data).
+# 2 rows per rank on 2 ranks == 4 rows in one process: the same global batches (autoep.train.data).
 SMALL = ["trainer.steps=5", "optim.warmup_steps=2", "trainer.log_every=100", "data.seq_len=16", "trainer.device=cpu"]
 
 
@@ -46,8 +45,8 @@ IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
 
 
 def run(*overrides: str) -> dict:
-    from autoep.dense import is_expert
-    from autoep.train import train
+    from autoep.runtime.dense import is_expert
+    from autoep.train.trainer import train
 
     result = train(compose_cfg(*overrides))
     model = result.pop("model")
@@ -234,7 +233,7 @@ def test_torchrun_two_ranks_ep2(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert "model.layers.0.mlp" in proc.stdout and "autoep.recipes.batched.ep_batched_experts  4" in proc.stdout
+    assert "model.layers.0.mlp" in proc.stdout and "autoep.runtime.recipes.batched.ep_batched_experts  4" in proc.stdout
 
 
 def test_torchrun_config_error_is_printed_once_and_named_in_torchrun_summary(tmp_path):
@@ -256,8 +255,8 @@ def test_non_finite_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path
     """Step 3's loss is not finite (made nan here): step 3 is not applied, nothing of it is saved, step 2 stays
     the newest checkpoint and the last metrics row, and resume=latest continues from it. With
     trainer.on_nonfinite=skip the run goes on: step 3 is logged as skipped and no weight turns nan."""
-    from autoep import loop
     from autoep.errors import NonFiniteLoss
+    from autoep.train import loop
 
     real, calls = loop.causal_lm_loss, []
 

@@ -3,7 +3,7 @@ resuming from the last checkpoint loses no completed step and continues the same
 
 Two ``python -m autoep.train`` processes are launched the way torchrun launches them (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR/PORT``), but without torchrun, whose agent would kill the survivor itself
-and hide what the trainer does. The test-only hook ``AUTOEP_FAULT_STEP=<rank>:<step>`` (autoep.train)
+and hide what the trainer does. The test-only hook ``AUTOEP_FAULT_STEP=<rank>:<step>`` (autoep.train.trainer)
 makes rank 1 ``os._exit(1)`` after its forward of step 3, while rank 0 waits in the backward's exchange
 (``1:3:hang``: rank 1 stays alive but silent, so only the collective timeout can end rank 0's wait).
 Launch failures: a missing peer fails fast saying how many ranks joined (exit 4); an error every rank
@@ -18,10 +18,10 @@ import sys
 import time
 
 import torch
+from distributed import free_port
 from hydra import compose, initialize_config_dir
 
-from autoep.plan import CONF_DIR
-from distributed import free_port
+from autoep.train.config import CONF_DIR
 
 TIMEOUT_S = 10
 COMMON = ["trainer.steps=5", "optim.warmup_steps=2", "data.seq_len=16", "trainer.device=cpu", "trainer.log_every=100"]
@@ -79,7 +79,7 @@ def test_dead_rank_fails_the_other_within_timeout_and_resume_loses_no_step(tmp_p
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
 
-    from autoep.train import train
+    from autoep.train.trainer import train
 
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[*COMMON, "data.batch_size=4", f"run_dir={tmp_path}/uninterrupted"])

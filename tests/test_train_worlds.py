@@ -13,21 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import spawn
 from hydra import compose, initialize_config_dir
+from module_list_lm import model_config
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
-from distributed import spawn
-from module_list_lm import model_config
-
-from autoep.plan import CONF_DIR
+from autoep.train.config import CONF_DIR
 
 SMALL = ["trainer.steps=5", "optim.warmup_steps=2", "trainer.log_every=100", "data.seq_len=16", "trainer.device=cpu"]
 GLOBAL_ROWS = 4
 
 
 def run(*overrides: str, model: dict | None = None) -> dict:
-    from autoep.train import train
+    from autoep.train.trainer import train
 
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[*SMALL, *overrides])

@@ -17,8 +17,9 @@ transformers = pytest.importorskip("transformers")
 if int(transformers.__version__.split(".")[0]) >= 5:
     pytest.skip("the transformers 4.x environment only (this is transformers 5)", allow_module_level=True)
 
-from autoep.coverage import survey  # noqa: E402
 from distributed import guarded, run_cases  # noqa: E402
+
+from autoep.tools.coverage import survey  # noqa: E402
 
 # Measured on transformers 4.57.1 (docs/coverage.md has the table); a drop is a regression.
 MIN_ACCEPTED = 22

@@ -1,6 +1,6 @@
 """The user's own compute function, declared with an explicit ``_target_`` (no detection).
 
-Factory contract (autoep.archetypes): ``factory(module, *, ep_mesh, **kwargs) -> None``, called by
+Factory contract (autoep.plan.archetypes): ``factory(module, *, ep_mesh, **kwargs) -> None``, called by
 ``apply_plan`` once per matched module; it makes the module EP-ready in place.
 """
 import torch.nn as nn

@@ -15,8 +15,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from autoep import apply_plan, resolve_plan
-from autoep.artifact import write_resolved
-from autoep.loop import reduce_grads, split_params
+from autoep.plan.artifact import write_resolved
+from autoep.train.loop import reduce_grads, split_params
 
 
 def batches(step: int, world: int, rank: int, cfg: DictConfig) -> torch.Tensor:

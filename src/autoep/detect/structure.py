@@ -1,0 +1,173 @@
+"""Recognise what kind of MoE block a module is by reading its source, never by running it.
+
+``detect_moe_structure(module)`` returns a ``MoeStructure`` or raises ``UnsupportedModuleStructure``.
+Rules: never call a forward, never allocate, never read a model's or class's name; refuse rather
+than guess. Source parsing and proofs are cached per class.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch.nn as nn
+
+from autoep.detect import equal_groups_proof, experts_proof, grouped_proof, module_list_proof, routing_proof, source
+from autoep.detect.source import Refusal
+from autoep.errors import UnsupportedModuleStructure
+
+DETECTOR_VERSION = "3"  # 3: expert_projs is a list of names (was one comma-joined string)
+
+ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
+SHARED_KINDS = ("none", "gated", "additive")
+STORAGE_KINDS = ("module_list", "batched_parameters", "grouped", "equal_groups")
+
+
+@dataclass(frozen=True)
+class MoeStructure:
+    """What a recipe needs to know about an MoE block, every field proven from source and attributes."""
+
+    router: str  # softmax_topk | sigmoid_group | topk_router_module | other (vocabulary: routing runs as written)
+    shared_experts: str  # none | gated | additive (vocabulary: the shared branch always runs as written)
+    expert_storage: str  # module_list | batched_parameters | grouped (experts(x_sorted, num_tokens_per_expert))
+    # | equal_groups (experts(rows): E equal groups of rows, row block e for expert e)
+    jitter: bool  # the block has ``jitter_noise`` (vocabulary: jitter always runs as written)
+    # Expert layout facts (batched_parameters; module_list experts are stacked to the default layout).
+    expert_bias: bool = False  # gate_up_proj_bias / down_proj_bias are added
+    expert_transposed: bool = False  # weights stored (E, in, out) and applied as x @ w
+    # concatenated [gate | up] | interleaved [g0, u0, g1, u1, ...] | separate (grouped, and batched flattened
+    # experts: two gate, up weights)
+    gate_up_layout: str = "concatenated"
+    # glu: the experts' forward computes act_fn(gate) * up itself | clamped_glu, own_gate: it calls its
+    # own proven-row-local ``_apply_gate`` (with a clamp / without), which the recipe then calls |
+    # plain: no gate half, down(act_fn(up(x))) with an ``up_proj`` (gate_up_layout "none").
+    activation: str = "glu"
+    # module_list experts: attribute names of the gate, up and down projections (e.g.
+    # ("gate_proj", "up_proj", "down_proj") or ("w1", "w3", "w2")), and the activation: "act_fn" = the expert's
+    # own ``act_fn`` module, else the name of the torch function written in its forward (e.g. "silu").
+    # grouped experts: the weights by path under ``experts`` (gate, up, down or gate_up, down), e.g.
+    # ("fc1.weight", "fc2.weight"). batched experts with flattened (E*F, D) weights on a submodule (DBRX):
+    # gate, up, down by path, e.g. ("mlp.w1", "mlp.v1", "mlp.w2") (gate, up applied as x @ w[e].T, down as h @ w[e]), and expert_act the path of
+    # their activation module ("mlp.activation_fn").
+    expert_projs: tuple[str, ...] = ()
+    expert_act: str = ""
+    # param: the experts compute in their weights' dtype | float32: their forward upcasts the routed rows
+    # and every expert weight to float32 (the recipe does the same).
+    expert_dtype: str = "param"
+    # module_list: trailing ``nn.Identity`` experts (zero-compute experts, LongCat-Flash): ids past the
+    # computing experts add ``w * x`` where the token is; they are not sharded.
+    identity_experts: int = 0
+    # batched experts: the attribute name of their submodule applied to each expert's output rows after the
+    # down projection and before the routing weight (a post-expert norm, proven row-local: ``autoep.detect.row_norm``;
+    # its parameters stay dense), "" for none. The recipe calls that module on the rows it computes.
+    post_expert_norm: str = ""
+
+    def __post_init__(self):
+        # A resolved config gives the names back as a list (YAML has no tuples): held as a tuple, so two
+        # structures compare and hash by value.
+        if isinstance(self.expert_projs, str):
+            raise ValueError(f"expert_projs={self.expert_projs!r} is one comma-joined string, as detector version 2 "
+                             f"wrote it; it is a list of names now: regenerate the resolved config with autoep-plan")
+        if not isinstance(self.expert_projs, tuple):
+            object.__setattr__(self, "expert_projs", tuple(self.expert_projs))
+
+    def as_dict(self) -> dict:
+        """Every field as plain YAML values (the names as a list)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+def _refuse(module: nn.Module, exc: Refusal) -> UnsupportedModuleStructure:
+    return UnsupportedModuleStructure(type(module).__name__, str(exc))
+
+
+def detect_router_kind(module: nn.Module) -> str:
+    """``softmax_topk`` | ``sigmoid_group`` | ``topk_router_module``, proven from source; never calls the gate."""
+    try:
+        return routing_proof.router_kind(module)
+    except Refusal as exc:
+        raise _refuse(module, exc) from None
+    except Exception as exc:  # noqa: BLE001 - the detector raises nothing but UnsupportedModuleStructure
+        raise UnsupportedModuleStructure(type(module).__name__, f"router proof failed ({type(exc).__name__}: {exc})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The public detector
+# ---------------------------------------------------------------------------------------------
+
+
+def _structure(module: nn.Module) -> MoeStructure:
+    router = routing_proof.router_kind(module)
+    shared = routing_proof.shared_kind(module)
+    experts = getattr(module, "experts", None)
+    if isinstance(experts, nn.ModuleList):
+        storage = "module_list"
+        facts = module_list_proof.module_list_facts(experts)
+        module_list_proof.module_list_plan(module)  # the expert regions autoep splices out
+    elif isinstance(experts, nn.Module) and grouped_proof.takes_groups(experts):
+        storage = "grouped"
+        facts = grouped_proof.grouped_experts_facts(experts)
+        routing_proof.experts_call(module)
+    elif isinstance(experts, nn.Module) and equal_groups_proof.takes_rows(experts):
+        storage = "equal_groups"  # experts(rows) on E equal groups of rows (Llama-4)
+        facts = equal_groups_proof.equal_groups_facts(experts)
+        routing_proof.experts_call(module)
+    elif isinstance(experts, nn.Module):
+        storage = "batched_parameters"
+        facts = experts_proof.batched_experts_facts(experts)
+        routing_proof.experts_call(module)
+    else:
+        raise Refusal("no `experts` submodule")
+    structure = MoeStructure(
+        router=router, shared_experts=shared, expert_storage=storage, jitter=hasattr(module, "jitter_noise"), **facts
+    )
+    # The vocabulary is closed: autoep.plan.archetypes.TABLE has a row for every (router, storage) pair of it
+    # (tests/plan/test_archetypes.py), so a structure outside it is refused here, before any plan is made.
+    if router not in ROUTER_KINDS or storage not in STORAGE_KINDS:
+        raise Refusal(f"router={router} with expert_storage={storage} is outside the detector's vocabulary")
+    return structure
+
+
+def detect_moe_structure(module: nn.Module) -> MoeStructure:
+    """What kind of MoE block ``module`` is, proven from its source and attributes.
+
+    Never calls a forward and allocates nothing (works on ``torch.device("meta")`` modules).
+    Raises ``UnsupportedModuleStructure`` naming the class, the failed proof and the opt-out hint.
+    """
+    try:
+        return _structure(module)
+    except Refusal as exc:
+        raise _refuse(module, exc) from None
+    except UnsupportedModuleStructure:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure inside a proof is a refusal, never a crash
+        reason = f"the proof could not follow the source ({type(exc).__name__}: {str(exc)[:120]})"
+        raise UnsupportedModuleStructure(type(module).__name__, reason) from None
+
+
+def count_experts(module: nn.Module) -> int:
+    """Number of routed experts of an MoE block (from the experts' shapes; reads no data)."""
+    experts = getattr(module, "experts", None)
+    if isinstance(experts, nn.ModuleList):
+        return sum(type(e) is not nn.Identity for e in experts)  # identity experts are not sharded
+    p = getattr(experts, "down_proj", None)
+    if isinstance(experts, nn.Module) and not isinstance(p, nn.Parameter) and grouped_proof.takes_groups(experts):
+        # grouped experts: the weights may live on submodules (experts.fc1.weight); all are (E, ., .)
+        p = next((w for w in experts.parameters() if w.dim() == 3), None)
+    if isinstance(p, nn.Parameter) and p.dim() == 3:
+        return int(p.shape[0])
+    if isinstance(experts, nn.Module) and not experts._parameters:  # flattened (E*F, D) weights (DBRX): as proven
+        try:
+            flat = experts_proof.batched_proof(experts)[1].flat
+        except Refusal:
+            flat = None
+        if flat is not None:
+            return flat.num_experts
+    raise UnsupportedModuleStructure(type(module).__name__, "cannot count experts: no ModuleList or 3-D down_proj")
+
+
+def clear_caches() -> None:
+    """Forget every per-function proof (benchmarks measure a cold detection with this)."""
+    from autoep.detect import expert_loop, loop_context
+
+    for fn in (source.function_tree, routing_proof._router_module_proof, routing_proof._experts_call_source,
+               module_list_proof._swiglu_shape, expert_loop.local_names, expert_loop.stored_names,
+               loop_context.self_reads):
+        fn.cache_clear()

@@ -1,0 +1,315 @@
+"""Freeze a parallel plan: every entry's compute fn decided once and recorded with its evidence.
+
+``resolve_plan(parallel_cfg, model)`` takes the ``parallel`` section (DictConfig or plain dict; keys
+it omits take ``autoep.plan.schema.ParallelConfig``'s defaults) and a model (on meta is enough: nothing
+here runs a forward or allocates) and returns the typed section with every plan entry carrying a
+``decision``. An entry that already carries one (a replay of resolved.yaml) is not decided again:
+its seal and its code fingerprint are recomputed and compared.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib
+import inspect
+import logging
+import re
+from collections.abc import Mapping
+
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from autoep.detect import structure
+from autoep.errors import OPT_OUT_HINT, DriftError, PlanError, UnsupportedModuleStructure, UnsupportedPlanEntry
+from autoep.plan import archetypes
+from autoep.plan.fingerprint import class_hashes, seal
+from autoep.plan.schema import ON_DRIFT, ParallelConfig, PlanEntry
+from autoep.targets import check_not_moved, import_object
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+SEALED_FIELDS = ("source", "structure", "modules", "num_experts", "classes", "detector_version")
+
+
+def resolve_plan(parallel_cfg, model: nn.Module) -> DictConfig:
+    """The ``parallel`` section with every plan entry frozen; raises ``PlanError`` naming key, value, fix."""
+    cfg = typed_parallel(parallel_cfg)
+    if cfg.ep_size < 1:
+        raise PlanError(f"parallel.ep_size={cfg.ep_size} must be a positive integer; use 1 to run without EP")
+    if cfg.on_drift not in ON_DRIFT:
+        raise PlanError(f"parallel.on_drift={cfg.on_drift!r} is not one of {list(ON_DRIFT)}")
+    modules = dict(model.named_modules())
+    owner: dict[str, int] = {}
+    plan = []
+    for i, entry in enumerate(cfg.plan):
+        resolved = resolve_entry(f"parallel.plan.{i}", _plain(entry), cfg, modules)
+        for name in resolved["decision"]["modules"]:
+            if name in owner:
+                raise PlanError(f"{name} is matched by parallel.plan.{owner[name]} and parallel.plan.{i}; "
+                                f"narrow one of the match patterns so each module has one entry")
+            owner[name] = i
+        plan.append(resolved)
+    return OmegaConf.merge(cfg, {"plan": plan})  # merge, not assignment: validates the dicts as PlanEntry
+
+
+def typed_parallel(parallel_cfg) -> DictConfig:
+    """Merge onto the schema: unknown keys and wrong types become a ``PlanError`` naming the key."""
+    raw = _plain(parallel_cfg if parallel_cfg is not None else {}, "parallel")
+    plan = raw.pop("plan", None) or []
+    cfg = _merge_typed(ParallelConfig, raw, "parallel")
+    if not isinstance(plan, (list, tuple)):
+        raise PlanError(f"parallel.plan={plan!r} must be a list of {{match, local_compute_fn}} entries")
+    entries = [_merge_typed(PlanEntry, _plain(e, f"parallel.plan.{i}"), f"parallel.plan.{i}") for i, e in enumerate(plan)]
+    for i, entry in enumerate(entries):
+        if OmegaConf.is_missing(entry, "match"):
+            raise PlanError(f"parallel.plan.{i}.match is required: an fnmatch pattern such as 'model.layers.*.mlp'")
+    return OmegaConf.merge(cfg, {"plan": entries})
+
+
+def _merge_typed(schema: type, raw: dict, where: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), raw)
+    except OmegaConfBaseException as e:
+        key = f"{where}.{e.full_key}" if getattr(e, "full_key", None) else where
+        first_line = str(getattr(e, "msg", e)).splitlines()[0]
+        fields = schema.__dataclass_fields__
+        fix = (f"valid keys of {where}: {', '.join(fields)}" if isinstance(e, ConfigKeyError)
+               else f"give a value of the type autoep.plan.schema.{schema.__name__} declares")
+        raise PlanError(f"{key}: {first_line}; {fix}") from None
+
+
+def _plain(node, where: str = "plan entry") -> dict:
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True)
+    if not isinstance(node, Mapping):
+        raise PlanError(f"{where} must be a mapping, got {type(node).__name__}: {node!r}")
+    return dict(node)
+
+
+def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str, nn.Module]) -> dict:
+    matched = match_modules(key, entry["match"], modules)
+    skipped: list[str] = []
+    if entry.get("moe_only"):
+        matched, skipped = split_moe(key, entry["match"], matched, modules)
+    if entry.get("decision") is not None:
+        return replay_entry(key, entry, parallel, modules, matched, skipped)
+    return decide_entry(key, entry, parallel, modules, matched, skipped)
+
+
+def split_moe(key: str, pattern: str, matched: list[str], modules: dict) -> tuple[list[str], list[str]]:
+    """(modules with an ``experts`` submodule, the others): what a ``moe_only`` entry takes and skips."""
+    moe = [n for n in matched if isinstance(getattr(modules[n], "experts", None), nn.Module)]
+    if not moe:
+        raise PlanError(f"{key}.match={pattern!r} with moe_only=true matches {len(matched)} modules and none has an "
+                        f"`experts` submodule; point the match at the MoE blocks (e.g. 'model.layers.*.mlp')")
+    return moe, [n for n in matched if n not in moe]
+
+
+def match_modules(key: str, pattern: str, modules: dict[str, nn.Module]) -> list[str]:
+    """Module names ``pattern`` matches (fnmatch), or a ``PlanError`` listing the closest MoE-looking names."""
+    matched = [name for name in modules if fnmatch.fnmatchcase(name, pattern)]
+    if matched:
+        return matched
+    moe_like = [name for name, m in modules.items() if hasattr(m, "experts")]
+    close = difflib.get_close_matches(pattern, moe_like or list(modules), n=5, cutoff=0.0)
+    kind = "modules that look like MoE blocks" if moe_like else "module names (none has an `experts` attribute)"
+    raise PlanError(f"{key}.match={pattern!r} matches no module of the model; closest {kind}: {close}. "
+                    f"Fix the pattern (fnmatch over model.named_modules(), e.g. 'model.layers.*.mlp')")
+
+
+def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, matched: list[str],
+                 skipped: list[str] | None = None) -> dict:
+    fn = entry.get("local_compute_fn", AUTO)
+    if fn == AUTO:
+        if not parallel.detect:
+            raise PlanError(f"{key}.local_compute_fn=auto but parallel.detect=false, so nothing may be detected. "
+                            f"Name the factory ('{key}.local_compute_fn={{_target_:pkg.fn}}') or remove the entry")
+        structure_dict, num_experts = _detect_group(key, entry["match"], modules, matched)
+        cls_name = type(modules[matched[0]]).__name__
+        fn = archetypes.compute_fn_config(structure.MoeStructure(**structure_dict), cls_name)
+        source = "auto"
+    else:
+        structure_dict, num_experts, source = None, _count_explicit(modules, matched), "explicit"
+    check_compute_fn(key, fn, parallel.allowed_targets)
+    check_ep_size(parallel.ep_size, num_experts, matched)
+    if source == "explicit":
+        check_recipe_fits(key, fn, modules, matched)
+    decision = {
+        "source": source,
+        "structure": structure_dict,
+        "modules": matched,
+        "num_experts": num_experts,
+        "classes": class_hashes([modules[n] for n in matched]),
+        "detector_version": structure.DETECTOR_VERSION,
+        "skipped": list(skipped or []),
+    }
+    decision["fingerprint"] = seal_entry(entry["match"], fn, decision)
+    out = {"match": entry["match"], "local_compute_fn": fn, "decision": decision}
+    return out | ({"moe_only": True} if entry.get("moe_only") else {})
+
+
+def seal_entry(match: str, fn, decision: Mapping) -> str:
+    sealed = {"match": match, "local_compute_fn": fn, **{k: decision.get(k) for k in SEALED_FIELDS}}
+    if decision.get("skipped"):  # sealed only when present, so plans resolved before it replay unchanged
+        sealed["skipped"] = list(decision["skipped"])
+    return seal(sealed)
+
+
+def _detect_group(key: str, pattern: str, modules: dict, matched: list[str]) -> tuple[dict, int]:
+    """One (structure, expert count) for every matched module, or an error naming the groups."""
+    groups: dict[tuple[structure.MoeStructure, int], list[str]] = {}
+    for name in matched:
+        try:
+            found = structure.detect_moe_structure(modules[name])
+            n = structure.count_experts(modules[name])
+        except UnsupportedModuleStructure as e:
+            raise UnsupportedPlanEntry(
+                f"{key}.match={pattern!r} matched {name} ({e.cls_name}), which auto cannot take: {e.reason}. "
+                f"Narrow the match to MoE blocks, or opt out. {OPT_OUT_HINT}", e.cls_name, e.reason) from e
+        groups.setdefault((found, n), []).append(name)
+    if len(groups) > 1:
+        shown = "; ".join(f"{names[:3]}{' ...' if len(names) > 3 else ''} -> {s.as_dict()} with {n} experts"
+                          for (s, n), names in groups.items())
+        raise PlanError(f"{key}.match={pattern!r} matches modules that resolve differently: {shown}. "
+                        f"Split the glob into one entry per group, or declare {key}.local_compute_fn explicitly")
+    (found, n), = groups
+    return found.as_dict(), n
+
+
+def _count_explicit(modules: dict, matched: list[str]) -> int | None:
+    """Expert count of an explicit entry's modules; None when they are not countable (the user's own)."""
+    counts = set()
+    for name in matched:
+        try:
+            counts.add(structure.count_experts(modules[name]))
+        except UnsupportedModuleStructure:
+            return None
+    return counts.pop() if len(counts) == 1 else None
+
+
+def check_ep_size(ep_size: int, num_experts: int | None, matched: list[str]) -> None:
+    if num_experts is None or num_experts % ep_size == 0:
+        return
+    valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+    raise PlanError(f"parallel.ep_size={ep_size} does not divide num_experts={num_experts} of {matched[0]}; "
+                    f"pick one of {valid}")
+
+
+def check_compute_fn(key: str, fn, allowed_targets) -> None:
+    """A well-formed, allowed ``_target_`` whose kwargs bind to the factory; nothing disallowed is imported."""
+    if not isinstance(fn, Mapping) or "_target_" not in fn:
+        raise PlanError(f"{key}.local_compute_fn={fn!r} must be 'auto' or a mapping with a _target_, "
+                        f"e.g. '{key}.local_compute_fn={{_target_:my_pkg.ep.my_factory}}'")
+    target = fn["_target_"]
+    check_not_moved(target, f"{key}.local_compute_fn._target_")
+    if not isinstance(target, str) or not DOTTED.fullmatch(target):
+        raise PlanError(f"{key}.local_compute_fn._target_={target!r} is not a dotted import path "
+                        f"like 'my_pkg.module.factory'")
+    prefixes = [archetypes.RECIPES, *allowed_targets]
+    if not any(target == p or target.startswith(p.rstrip(".") + ".") for p in prefixes):
+        raise PlanError(f"{key}.local_compute_fn._target_={target!r} is not under an allowed prefix {prefixes}; "
+                        f"add its package to parallel.allowed_targets (e.g. 'parallel.allowed_targets="
+                        f"[{target.rsplit('.', 1)[0]}]') if you trust that code")
+    _check_binds(key, target, {k: v for k, v in fn.items() if k != "_target_"})
+
+
+def _check_binds(key: str, target: str, kwargs: dict) -> None:
+    try:
+        factory = import_object(target)
+    except (ImportError, AttributeError) as e:
+        if target in archetypes.known_targets():
+            # The table names it but the runtime has not shipped it in this install; apply_plan will say so.
+            log.debug("%s: cannot import %s yet (%s); skipping the kwargs check", key, target, e)
+            return
+        raise PlanError(f"{key}.local_compute_fn._target_={target!r} cannot be imported ({e}); "
+                        f"check the spelling and that its package is installed") from None
+    try:
+        inspect.signature(factory).bind(nn.Module(), ep_mesh=None, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"{key}.local_compute_fn: keys {sorted(kwargs)} do not bind to "
+                        f"{target}{_signature(factory)} ({e}); the factory contract is "
+                        f"factory(module, *, ep_mesh, **kwargs): make the keys next to _target_ its keyword parameters") from None
+
+
+def check_recipe_fits(key: str, fn: Mapping, modules: dict, matched: list[str]) -> None:
+    """An explicit shipped recipe must fit every module it will bind to (proofs, facts, parameters), so
+    a misfit is an error here, naming the module, not a traceback at run time."""
+    target = fn["_target_"]
+    if not target.startswith(archetypes.RECIPES + "."):
+        return  # the user's own factory: their contract
+    validate = getattr(importlib.import_module(target.rsplit(".", 1)[0]), "validate", None)
+    if validate is None:
+        return
+    kwargs = {k: v for k, v in fn.items() if k != "_target_"}
+    for name in matched:
+        try:
+            validate(modules[name], **kwargs)
+        except (UnsupportedModuleStructure, TypeError, ValueError, KeyError) as e:
+            raise PlanError(f"{key}.local_compute_fn._target_={target!r} does not fit {name} "
+                            f"({type(modules[name]).__name__}): {getattr(e, 'reason', e)}. Use "
+                            f"'{key}.local_compute_fn=auto' to let autoep decide, or name a factory that fits") from None
+
+
+def _signature(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(?)"
+
+
+def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, matched: list[str],
+                 skipped: list[str]) -> dict:
+    """Keep a recorded decision if its seal holds and its code has not drifted; else error or redetect."""
+    decision, fn = entry["decision"], entry["local_compute_fn"]
+    if isinstance(fn, Mapping):
+        check_not_moved(fn.get("_target_"), f"{key}.local_compute_fn._target_")  # an artifact from before the move
+    if seal_entry(entry["match"], fn, decision) != decision["fingerprint"]:
+        raise PlanError(f"{key}: match/local_compute_fn/decision were changed after the plan was resolved "
+                        f"(decision.fingerprint no longer matches them); a decision is written by autoep, never "
+                        f"by hand. To change the plan, drop the decision so it is decided afresh "
+                        f"({key}.decision=null on the command line, or delete the block), or restore the file")
+    drift = drift_reasons(decision, modules, matched, skipped)
+    if drift:
+        where = f"{key} ({decision['modules'][0]}{' ...' if len(decision['modules']) > 1 else ''})"
+        if parallel.on_drift == "error":
+            raise DriftError(f"{where}: the model's code changed since this plan was resolved: {'; '.join(drift)}. "
+                             f"Run the code it was resolved against, or set parallel.on_drift=redetect to decide afresh")
+        log.warning("%s: drift (%s); parallel.on_drift=redetect, deciding afresh", where, "; ".join(drift))
+        fresh = {"match": entry["match"], "local_compute_fn": AUTO if decision["source"] == "auto" else fn,
+                 "moe_only": entry.get("moe_only", False)}
+        return decide_entry(key, fresh, parallel, modules, matched, skipped)
+    check_compute_fn(key, fn, parallel.allowed_targets)
+    check_ep_size(parallel.ep_size, decision["num_experts"], matched)
+    return entry
+
+
+def drift_reasons(decision: Mapping, modules: dict, matched: list[str], skipped: list[str] = ()) -> list[str]:
+    """What differs between a recorded decision and the model now; empty when nothing does."""
+    reasons = []
+    if list(decision.get("skipped") or []) != list(skipped):
+        reasons.append(f"dense modules skipped by moe_only changed ({list(decision.get('skipped') or [])} -> "
+                       f"{list(skipped)})")
+    if decision["modules"] != matched:
+        added = sorted(set(matched) - set(decision["modules"]))
+        removed = sorted(set(decision["modules"]) - set(matched))
+        reasons.append(f"matched modules changed (added {added}, removed {removed})")
+    now = class_hashes([modules[n] for n in matched])
+    before = decision["classes"]
+    for cls in sorted(set(now) | set(before)):
+        if cls not in now:
+            reasons.append(f"class {cls} is no longer used")
+        elif cls not in before:
+            reasons.append(f"class {cls} is new")
+        elif now[cls] != before[cls]:
+            reasons.append(f"source of {cls} changed ({before[cls]} -> {now[cls]})")
+    if decision["source"] == "auto" and decision["detector_version"] != structure.DETECTOR_VERSION:
+        reasons.append(f"detector version {decision['detector_version']} -> {structure.DETECTOR_VERSION} (the recorded "
+                       f"structure is in an older vocabulary: regenerate the resolved config with autoep-plan)")
+    if decision["num_experts"] is not None and not reasons:
+        counts = {structure.count_experts(modules[n]) for n in matched}
+        if counts != {decision["num_experts"]}:
+            reasons.append(f"num_experts {decision['num_experts']} -> {sorted(counts)}")
+    return reasons

@@ -1,0 +1,47 @@
+"""The plan table: one row per matched module (structure, compute fn, experts and expert bytes per rank),
+then the per-rank totals. ``autoep-plan`` prints it, the trainer and the integrations log it."""
+from __future__ import annotations
+
+import torch.nn as nn
+from omegaconf import DictConfig
+
+COLUMNS = ("module", "structure", "compute fn", "experts/rank", "expert bytes/rank")
+
+
+def structure_label(decision) -> str:
+    """``router/shared/storage`` plus the facts that differ from the defaults; ``explicit`` if not detected."""
+    s = decision.structure
+    if s is None:
+        return "explicit"
+    flags = [k for k in ("jitter", "expert_bias", "expert_transposed") if s.get(k)]
+    flags += [f"{k}={s[k]}" for k, default in (("gate_up_layout", "concatenated"), ("activation", "glu"))
+              if s.get(k, default) != default]
+    return "/".join([s["router"], s["shared_experts"], s["expert_storage"], *flags])
+
+
+def plan_rows(model: nn.Module, parallel: DictConfig) -> list[tuple]:
+    """One row per matched module (skipped dense ones say so), then the per-rank totals; bytes are of the
+    parameters as built (dtype as built): expert ones split over ep, every other one replicated."""
+    rows, expert_ids = [], set()
+    for entry in parallel.plan:
+        decision, n = entry.decision, entry.decision.num_experts
+        for name in decision.modules:
+            experts = getattr(model.get_submodule(name), "experts", None)
+            params = list(experts.parameters()) if experts is not None else []
+            expert_ids |= {id(p) for p in params}
+            total = sum(p.numel() * p.element_size() for p in params)
+            per_rank = n // parallel.ep_size if n else "?"
+            rows.append((name, structure_label(decision), entry.local_compute_fn._target_, per_rank,
+                         total // parallel.ep_size))
+        rows += [(name, "skipped: no experts (dense, moe_only)", "-", "-", "-") for name in decision.get("skipped") or []]
+    expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in expert_ids)
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_ids)
+    rows.append(("total per rank", f"dense bytes {dense_bytes} (replicated)", "-", "-",
+                 expert_bytes // parallel.ep_size))
+    return rows
+
+
+def format_table(rows: list[tuple]) -> str:
+    cells = [COLUMNS, *[tuple(str(c) for c in row) for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)

@@ -1,0 +1,129 @@
+"""Execute a frozen plan: shard each decided block's experts over the ``ep`` mesh dim and bind its recipe.
+
+``apply_plan(model, resolved_parallel_cfg, mesh)`` never re-decides anything: it reads the
+``decision`` that ``resolve_plan`` wrote (modules, compute fn) and executes it.
+
+Parameters after ``apply_plan``:
+  - expert parameters (every parameter registered directly on ``block.experts``, dim 0 = expert) are
+    ``nn.Parameter(DTensor)`` placed ``Shard(0)`` on ``ep`` (``Replicate()`` on ``edp``); each rank
+    holds ``num_experts // ep_size`` whole experts; names are unchanged; ``.full_tensor()`` gathers.
+    ModuleList experts hold no direct parameters: their recipe stacks them and calls
+    ``shard_expert_tensor`` itself.
+  - every other parameter stays a plain tensor (replicated; the trainer's FSDP/DDP owns it).
+
+Materialising after ``apply_plan`` (the trainer's job): a model built on ``meta`` gets meta DTensor
+shards of the local shape. Allocate with ``model.to_empty(device=...)``, then fill each expert
+DTensor's local shard from the full checkpoint tensor with
+``p.to_local().copy_(full.chunk(ep_size, 0)[ep_rank])`` (or DCP, which understands DTensors), and
+re-run ``model.init_weights``-style init on plain params only. A model whose weights are already
+materialised (tests) is sliced locally here: no communication.
+
+Gradients: expert grads are DTensors over ``ep`` and must be all-reduced over ``edp`` only; dense
+grads over the whole world.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autoep.errors import PlanError
+from autoep.targets import RECIPES, check_not_moved
+
+ALLOWED_PREFIXES = (RECIPES + ".",)
+
+
+def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets: Iterable[str] = ()) -> nn.Module:
+    """Make ``model`` EP-ready in place per the frozen plan and return it.
+
+    ``mesh``: a ``DeviceMesh`` with dims ``("edp", "ep")`` or a 1-D mesh named ``"ep"``; ``None`` binds the
+    recipes without sharding or exchange (single process). ``allowed_targets``: extra ``_target_``
+    prefixes that may be imported besides ``autoep.runtime.recipes.`` (also read from the config's
+    ``allowed_targets``).
+    """
+    cfg = _plain(resolved_parallel_cfg)
+    allowed = ALLOWED_PREFIXES + tuple(allowed_targets) + tuple(cfg.get("allowed_targets") or ())
+    ep_mesh = ep_mesh_of(mesh)
+    named = dict(model.named_modules())
+    for i, entry in enumerate(cfg.get("plan") or []):
+        decision = entry.get("decision")
+        if not decision:
+            raise PlanError(f"parallel.plan.{i} has no decision; run resolve_plan on the config before apply_plan")
+        fn_cfg = dict(entry["local_compute_fn"])
+        factory = import_target(fn_cfg.pop("_target_"), allowed, key=f"parallel.plan.{i}.local_compute_fn._target_")
+        for name in decision["modules"]:
+            if name not in named:
+                raise PlanError(f"parallel.plan.{i}.decision.modules names {name!r}, which the model does not have")
+            block = named[name]
+            shard_experts(block, mesh, name=name)
+            factory(block, ep_mesh=ep_mesh, **fn_cfg)
+    return model
+
+
+def ep_mesh_of(mesh):
+    """The 1-D ``ep`` sub-mesh of ``mesh`` (or ``mesh`` itself when 1-D), ``None`` for no mesh."""
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    if "ep" not in names:
+        raise PlanError(f"mesh dims {names} have no 'ep'; build it with dims ('edp', 'ep') or ('ep',)")
+    return mesh if mesh.ndim == 1 else mesh["ep"]
+
+
+def import_target(target: str, allowed: Iterable[str], *, key: str = "_target_"):
+    """Import the callable ``target`` if it starts with an allowed prefix (configs are code to import)."""
+    allowed = tuple(allowed)
+    check_not_moved(target, key)
+    if not any(target.startswith(p) for p in allowed):
+        raise PlanError(f"{key}={target!r} is not under an allowed prefix {allowed}; add its prefix to allowed_targets")
+    module_name, _, attr = target.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise PlanError(f"{key}={target!r} cannot be imported: {exc}") from exc
+
+
+def shard_experts(block: nn.Module, mesh, *, name: str = "block") -> None:
+    """Turn every parameter registered directly on ``block.experts`` into a ``Shard(0)`` DTensor over ``ep``."""
+    experts = getattr(block, "experts", None)
+    if mesh is None or experts is None:
+        return
+    for pname, param in list(experts.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            continue  # already sharded (apply_plan run twice on shared modules)
+        setattr(experts, pname, shard_expert_tensor(param, mesh, name=f"{name}.experts.{pname}"))
+
+
+def shard_expert_tensor(full: torch.Tensor, mesh, *, name: str = "expert param") -> nn.Parameter:
+    """``nn.Parameter(DTensor)`` holding this rank's contiguous slice of ``full`` along dim 0 (experts).
+
+    Slices locally (no communication; every rank must hold the same ``full``). A meta ``full`` gives a
+    meta local shard of the right shape, to be filled after ``to_empty`` (see module docstring).
+    """
+    ep_mesh = ep_mesh_of(mesh)
+    ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    num_experts = full.shape[0]
+    if num_experts % ep_size:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise PlanError(f"parallel.ep_size={ep_size} does not divide num_experts={num_experts} of {name}; pick one of {divisors}")
+    local = full.detach().chunk(ep_size, dim=0)[ep_rank].clone()
+    placements = [Shard(0) if d == "ep" else Replicate() for d in mesh.mesh_dim_names]
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    return nn.Parameter(dt, requires_grad=full.requires_grad)
+
+
+def _plain(cfg):
+    """A mapping (an OmegaConf ``DictConfig`` too: it is one) as plain dicts and lists, read through the
+    mapping and sequence protocols: the runtime never imports Hydra or OmegaConf. Plain dicts and lists are
+    taken as they are (a factory's kwargs may hold objects the caller keeps)."""
+    if isinstance(cfg, (dict, list)):
+        return cfg
+    if isinstance(cfg, Mapping):
+        return {k: _plain(v) for k, v in cfg.items()}
+    if isinstance(cfg, Sequence) and not isinstance(cfg, (str, bytes)):
+        return [_plain(v) for v in cfg]
+    return cfg

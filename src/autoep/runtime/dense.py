@@ -1,0 +1,53 @@
+"""How dense (non-expert) parameters live across ranks: replicated, or sharded with FSDP2.
+
+``replicate``: every rank holds every dense parameter; ``loop.reduce_grads`` sums their grads over the
+world with one all-reduce after backward. ``fsdp2``: ``fully_shard`` each decoder layer (the parent of
+every planned MoE block) and then the root over a 1-D ``dp`` mesh of the whole world; dense parameters
+become ``Shard(0)`` DTensors on ``dp``, gathered per layer for forward/backward and reduce-scattered in
+backward. Expert parameters (``Shard(0)`` on ``ep``, placed by ``apply_plan``) are handed to FSDP as
+``ignored_params``: FSDP never gathers or reduces them, and ``loop.reduce_grads`` still sums their grads
+over ``edp``.
+
+Gradient scale: each rank backpropagates ``loss_r / (W * accum)`` (see ``autoep.train.loop``), so dense grads
+must be *summed* over the world, not averaged. FSDP2 averages by default; the divide factor is set to 1
+and comms forced to plain ``SUM`` (gloo has neither ``AVG`` nor ``PREMUL_SUM``; NCCL runs the same).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """An expert parameter: a DTensor on a mesh with an ``ep`` dim (``apply_plan``'s sharding)."""
+    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+
+
+def shard_dense(model: nn.Module, block_names: list[str], world: int, device: torch.device) -> nn.Module:
+    """``fully_shard`` the decoder layers holding ``block_names`` and the root, experts ignored; in place.
+
+    Collective (builds the ``dp`` mesh). Call after ``apply_plan`` and after the weights are final
+    (seeded or loaded), before the optimiser is built: FSDP2 replaces the dense parameters.
+    """
+    # NOTE: collective; a 1-D mesh over the world (one new process group) for the dense shards.
+    dp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    ignored = {p for p in model.parameters() if is_expert(p)}
+    layers = {name.rpartition(".")[0] for name in block_names if "." in name}
+    for name in sorted(layers):
+        fully_shard(model.get_submodule(name), mesh=dp_mesh, ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, ignored_params=ignored)  # the rest: embeddings, final norm, lm_head
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum, not mean: the loss is already scaled by 1/W
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def set_grad_sync(model: nn.Module, sync: bool) -> None:
+    """FSDP2: reduce-scatter dense grads in this backward (the last micro-batch) or keep accumulating
+    them unsharded (earlier micro-batches). No-op for a replicated model."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)

@@ -1,0 +1,96 @@
+"""Compute-fn factories named by the archetype table (``autoep.plan.archetypes.TABLE``).
+
+Every factory follows one contract (see ``autoep.plan.archetypes``)::
+
+    factory(module: nn.Module, *, ep_mesh: DeviceMesh | None, **kwargs) -> None
+
+It is called once per matched block by ``autoep.runtime.apply.apply_plan`` after the block's expert
+parameters have become ``Shard(0)`` DTensors over ``ep_mesh`` (the 1-D ``ep`` mesh; ``None`` runs
+without exchange). It makes the block EP-ready in place and returns nothing. ``kwargs`` are the keys
+written next to ``_target_`` in the resolved config (for auto decisions ``structure``, the
+``MoeStructure`` as a dict).
+
+- ``batched.ep_batched_experts``: v5-style blocks; keeps the block forward, replaces the experts'.
+- ``module_list.ep_module_list_block``: v4-style blocks; runs the block's own forward with only its
+  proven expert loop spliced out and replaced by the exchange.
+- ``grouped.ep_grouped_experts``: blocks calling ``experts(x_sorted, num_tokens_per_expert)``; keeps the
+  block forward, replaces the experts' (each group's rows go to the rank owning that expert).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable, TypeVar
+
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from autoep.detect.source import Refusal
+from autoep.detect.structure import MoeStructure
+from autoep.errors import UnsupportedModuleStructure
+from autoep.runtime.apply import shard_expert_tensor
+
+Proof = TypeVar("Proof")
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's shard of an expert parameter (a ``Shard(0)`` DTensor), differentiably; plain tensors pass."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def ep_group_of(ep_mesh):
+    """The process group of the 1-D ``ep`` mesh, or ``None`` (no exchange) for no mesh."""
+    return None if ep_mesh is None else ep_mesh.get_group()
+
+
+def as_structure(structure: dict | MoeStructure) -> MoeStructure:
+    """The ``structure`` kwarg of a factory (a dict when it comes from YAML) as a ``MoeStructure``."""
+    return structure if isinstance(structure, MoeStructure) else MoeStructure(**structure)
+
+
+def proven_experts(module: nn.Module, structure: dict | MoeStructure, prove: Callable[[nn.Module], Proof], *,
+                   recipe: str, needs: str, facts_of: Callable[[Proof], dict] = lambda proof: proof.facts) -> Proof:
+    """What every experts-module recipe's ``validate`` checks (an explicit ``_target_`` included): ``module``
+    has an experts module with a forward of its own, ``prove`` proves that forward (any failure inside the
+    proof is a refusal, as in the detector), and the layout facts it proves are the ones ``structure`` gives.
+    Returns the proof; raises ``UnsupportedModuleStructure`` naming the class and what failed."""
+    facts, name = as_structure(structure), type(module).__name__
+    experts = getattr(module, "experts", None)
+    if not isinstance(experts, nn.Module) or isinstance(experts, nn.ModuleList):
+        raise UnsupportedModuleStructure(name, f"the {recipe} recipe needs {needs}")
+    if type(experts).forward is nn.Module.forward:  # e.g. a ModuleDict
+        raise UnsupportedModuleStructure(name, f"experts is a {type(experts).__name__} with no forward of its own")
+    try:
+        proof = prove(experts)
+    except Refusal as exc:
+        raise UnsupportedModuleStructure(name, str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - any failure inside a proof is a refusal, as in the detector
+        raise UnsupportedModuleStructure(name, f"the proof could not follow the source ({type(exc).__name__}: "
+                                               f"{str(exc)[:120]})") from None
+    proven = facts_of(proof)
+    given = {k: getattr(facts, k) for k in proven}
+    if given != proven:
+        raise UnsupportedModuleStructure(name, f"structure says {given} but the experts compute {proven}")
+    return proof
+
+
+def bind_experts_forward(experts: nn.Module, spec, forward: Callable) -> None:
+    """Replace ``experts.forward`` (on the instance) by ``forward``, which reads what it needs from
+    ``experts._autoep_ep = spec`` (fixed at apply time)."""
+    experts._autoep_ep = spec
+    experts.forward = types.MethodType(forward, experts)
+
+
+def shard_weights_at(experts: nn.Module, paths, ep_mesh, *, name: str) -> None:
+    """Make each expert weight named by a path under ``experts`` (``fc1.weight``, ``mlp.w1``) a ``Shard(0)``
+    DTensor over ``ep_mesh`` where it lives (local slice, no communication); those already sharded (registered
+    directly on the experts: ``apply_plan`` did them) are left as they are."""
+    if ep_mesh is None:
+        return
+    for path in dict.fromkeys(paths):
+        owner_path, _, attr = path.rpartition(".")
+        owner = experts.get_submodule(owner_path)
+        param = owner._parameters[attr]
+        if not isinstance(param, DTensor):
+            setattr(owner, attr, shard_expert_tensor(param, ep_mesh, name=f"{name}.experts.{path}"))

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+__import__("testpaths").add()  # the tests' package folders too (mutation.py imports test_parity_hf)
 
 BYTES = {"a2a": 0}
 

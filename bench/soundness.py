@@ -21,6 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+__import__("testpaths").add()  # the tests' package folders too (mutation.py imports test_parity_hf)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import mutation  # noqa: E402 - after the tests dir is on the path

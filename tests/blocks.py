@@ -7,8 +7,8 @@ transformers 4.x ``DeepseekV3MoE`` (sigmoid scores, group-limited top-k on bias-
 ``routed_scaling_factor``, additive ``shared_experts``), and a research block with
 torchtitan/Mixtral ``w1``/``w2``/``w3`` experts.
 
-Used by the detector tests (``tests/test_structure.py``) and the recipe parity tests
-(``tests/test_module_list_recipe.py``); keep class and attribute spellings realistic. Every block
+Used by the detector tests (``tests/detect/test_structure.py``) and the recipe parity tests
+(``tests/runtime/test_module_list_recipe.py``); keep class and attribute spellings realistic. Every block
 takes simple keyword arguments and keeps a tiny config object as ``self.config``.
 """
 
@@ -688,7 +688,7 @@ class DeepseekRemoteMoE(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Idioms autoep does not take yet (tests/test_structure.py holds them as strict xfails)
+# Idioms autoep does not take yet (tests/detect/test_structure.py holds them as strict xfails)
 # ---------------------------------------------------------------------------------------------
 
 

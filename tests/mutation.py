@@ -2,7 +2,7 @@
 exact parity with its own forward and backward (issue 8, "How it is proven").
 
 A **target** builds a fresh tiny fp32 block in train mode, seeded (transformers 5.x classes, the
-hand-written v4-style blocks of ``tests/blocks.py`` and a v5-style block of ``tests/test_structure.py``).
+hand-written v4-style blocks of ``tests/blocks.py`` and a v5-style block of ``tests/detect/test_structure.py``).
 The first ten are the original set; ``NEW_TARGETS`` are the idioms accepted since (float32, non-gated,
 soft-capped-gate and shared-expert experts, a sampling router; ``acc[idx] += ...`` loops, a padding id the
 loop skips, a class a function builds; grouped experts called as ``experts(x_sorted, counts)``). A

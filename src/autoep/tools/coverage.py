@@ -160,14 +160,14 @@ def survey(tiny: bool = True) -> list[Row]:
 
 _V5_PARITY = (
     "Parity (outputs, input grads, router/shared grads summed over ranks, expert grads gathered; fp32,",
-    "default `assert_close`) is asserted in CI by `tests/test_parity_hf.py` on 2 and 4 gloo ranks with",
+    "default `assert_close`) is asserted in CI by `tests/runtime/test_parity_hf.py` on 2 and 4 gloo ranks with",
     "uneven tokens per rank: *block* for every accepted class built tiny from its own config, *model*",
     "(loss and every parameter gradient of a 2-layer causal LM, every layer MoE) for every family with",
     "an accepted class: its `conf/model/` config where one ships, else its own causal LM (or text model)",
     "class built by `autoep.tools.tiny.build_tiny_model`. Refused classes run nothing.",
 )
 _V4_PARITY = (
-    "Parity (the same comparison) is asserted in CI's second environment by `tests/test_transformers_v4.py`:",
+    "Parity (the same comparison) is asserted in CI's second environment by `tests/tools/test_transformers_v4.py`:",
     "*block* parity on 2 gloo ranks with uneven tokens for every accepted class built tiny from its own config.",
 )
 

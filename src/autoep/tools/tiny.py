@@ -1,7 +1,7 @@
 """Building any transformers MoE family without downloading anything: one block class on the meta
 device at the config's own sizes, or a tiny CPU block or whole causal LM with real tensors for parity.
 
-Used by ``autoep.tools.coverage`` (the detection table) and the parity suite (tests/test_parity_hf.py).
+Used by ``autoep.tools.coverage`` (the detection table) and the parity suite (tests/runtime/test_parity_hf.py).
 """
 from __future__ import annotations
 

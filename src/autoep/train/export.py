@@ -4,7 +4,7 @@
 persistent buffer under the model's own names and in its own layout: batched experts as the model stores
 them (``mlp.experts.gate_up_proj``), experts a ``module_list`` recipe stacked back in the model's
 ``experts.{e}.{proj}.weight`` form, tied parameters once. ``AutoModelForCausalLM.from_pretrained(dir)``
-loads it to the same logits (tests/test_train.py), and so does ``model=hf_pretrained
+loads it to the same logits (tests/train/test_train.py), and so does ``model=hf_pretrained
 model.pretrained_path=<run_dir>/hf``.
 
 Expert shards (and FSDP2 dense shards) are gathered: a collective, every rank calls ``export_hf``; rank 0

@@ -24,7 +24,7 @@ from autoep.errors import ConfigError
 from autoep.train.checkpoint import CheckpointError
 from autoep.train.config import CONF_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["optim.warmup_steps=2", "trainer.log_every=100", "data.seq_len=16", "data.batch_size=2", "trainer.device=cpu"]
 
 

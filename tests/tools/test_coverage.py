@@ -76,7 +76,7 @@ def test_markdown_lists_every_class(rows):
 
 
 def test_every_accepted_class_is_parity_tested(rows):
-    """tests/test_parity_hf.py runs every class coverage.parity_classes returns; none may fall out."""
+    """tests/runtime/test_parity_hf.py runs every class coverage.parity_classes returns; none may fall out."""
     from autoep.tools.coverage import parity_classes
 
     accepted = [r for r in rows if r.structure is not None]

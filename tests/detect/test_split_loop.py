@@ -5,7 +5,7 @@ Each variant is the accepted test block with one edit to its source (the class i
 method source with the block module's globals); an edit that changes what the region computes, or lets a
 rank skip or repeat the exchange, must be refused, naming the construct. Accepted edits are checked exact
 by the fuzzer (``bench/soundness.py``; targets ``v4/sorted_split*``, ``v4/deepseek_remote*``,
-``v4/zero_experts``); parity on 2 and 4 ranks lives in ``tests/test_module_list_recipe.py``.
+``v4/zero_experts``); parity on 2 and 4 ranks lives in ``tests/runtime/test_module_list_recipe.py``.
 """
 from __future__ import annotations
 

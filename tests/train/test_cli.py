@@ -13,7 +13,7 @@ from autoep.train import command as cli
 from autoep.train.checkpoint import CheckpointError
 from autoep.train.config import CONF_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_readme_exit_codes_are_the_ones_returned():

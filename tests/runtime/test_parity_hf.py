@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-CONF = pathlib.Path(__file__).resolve().parents[1] / "src" / "autoep" / "conf" / "model"
+CONF = pathlib.Path(__file__).resolve().parents[2] / "src" / "autoep" / "conf" / "model"
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "gpt_oss"]
 # Uneven tokens per rank for blocks (one rank with a single token: it reaches at most top_k owners,
 # so it sends zero rows to some peer), sequences per rank for whole models.

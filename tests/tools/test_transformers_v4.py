@@ -5,9 +5,9 @@ Runs only where transformers < 5 is installed (CI's second environment, see READ
 
     python -m venv .venv-tf4 && . .venv-tf4/bin/activate && pip install torch==2.13.0 \\
       && pip install transformers==4.57.1 safetensors pytest hydra-core omegaconf && pip install --no-deps -e . \\
-      && python -m pytest -q tests/test_transformers_v4.py
+      && python -m pytest -q tests/tools/test_transformers_v4.py
 
-Elsewhere it skips. The v5 suite (tests/test_parity_hf.py) covers transformers 5.x the same way.
+Elsewhere it skips. The v5 suite (tests/runtime/test_parity_hf.py) covers transformers 5.x the same way.
 """
 from __future__ import annotations
 

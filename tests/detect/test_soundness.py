@@ -10,7 +10,7 @@ Measured on 2 CPU cores shared with other work (load 3-6): 19 targets, ~3250 mut
 (in-process ~60 s, ranks ~0.07 s per mutant + ~8 s per spawn); with every 3rd of the new targets' on the
 ranks, 2.4 min; the original ten alone, 2.0 min. A target whose control breaks its process group adds ~25 s.
 
-    pytest tests/test_soundness.py
+    pytest tests/detect/test_soundness.py
     python bench/soundness.py --ranks 2      # the same mutants, every accepted one on 2 ranks, listed
 """
 

@@ -87,7 +87,7 @@ DOC_OVERRIDES = [
 
 
 def test_documented_overrides_are_in_the_doc_and_compose():
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "overrides.md")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "overrides.md")
     if doc.exists():  # the docs ship with the repo, not the wheel
         for override in DOC_OVERRIDES:
             assert override in doc.read_text(), override

@@ -208,6 +208,7 @@ def test_expert_bias_on_module_list_is_refused():
 
 def test_structure_is_hashable_and_round_trips():
     s = detect_moe_structure(blocks.MoE())
+    assert (s.experts_path, s.expert_kind) == ("experts", "swiglu")
     assert MoeStructure(**s.as_dict()) == s and hash(s) == hash(MoeStructure(**s.as_dict()))
 
 

@@ -14,11 +14,12 @@ from autoep.detect import equal_groups_proof, experts_proof, grouped_proof, modu
 from autoep.detect.source import Refusal
 from autoep.errors import UnsupportedModuleStructure
 
-DETECTOR_VERSION = "3"  # 3: expert_projs is a list of names (was one comma-joined string)
+DETECTOR_VERSION = "4"  # 3: expert_projs is a list of names (was one comma-joined string); 4: experts_path, expert_kind
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")
 STORAGE_KINDS = ("module_list", "batched_parameters", "grouped", "equal_groups")
+EXPERT_KINDS = ("swiglu", "row_local")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,14 @@ class MoeStructure:
     # down projection and before the routing weight (a post-expert norm, proven row-local: ``autoep.detect.row_norm``;
     # its parameters stay dense), "" for none. The recipe calls that module on the rows it computes.
     post_expert_norm: str = ""
+    # The attribute path of the experts (the ModuleList/ModuleDict the proven region indexes by expert id, or the
+    # module holding the 3-D expert parameters) inside the block, found by data flow. Runtime code reaches the
+    # experts only through ``autoep.runtime.recipes.experts_of(block, structure)``.
+    experts_path: str = "experts"
+    # swiglu: every expert is proven the bias-free SwiGLU the grouped-GEMM fast path computes (expert_projs,
+    # expert_act filled) | row_local: proven row-local, deterministic and stateless only (``autoep.detect.row_local``);
+    # only the experts' own forward may run it (expert_projs=(), expert_act="").
+    expert_kind: str = "swiglu"
 
     def __post_init__(self):
         # A resolved config gives the names back as a list (YAML has no tuples): held as a tuple, so two
@@ -120,7 +129,7 @@ def _structure(module: nn.Module) -> MoeStructure:
     )
     # The vocabulary is closed: autoep.plan.archetypes.TABLE has a row for every (router, storage) pair of it
     # (tests/plan/test_archetypes.py), so a structure outside it is refused here, before any plan is made.
-    if router not in ROUTER_KINDS or storage not in STORAGE_KINDS:
+    if router not in ROUTER_KINDS or storage not in STORAGE_KINDS or structure.expert_kind not in EXPERT_KINDS:
         raise Refusal(f"router={router} with expert_storage={storage} is outside the detector's vocabulary")
     return structure
 

@@ -49,6 +49,12 @@ def as_structure(structure: dict | MoeStructure) -> MoeStructure:
     return structure if isinstance(structure, MoeStructure) else MoeStructure(**structure)
 
 
+def experts_of(block: nn.Module, structure: dict | MoeStructure) -> nn.Module:
+    """The block's experts (container or batched-experts module) at the path the detector proved
+    (``MoeStructure.experts_path``); runtime code never reads ``block.experts`` by name."""
+    return block.get_submodule(as_structure(structure).experts_path)
+
+
 def proven_experts(module: nn.Module, structure: dict | MoeStructure, prove: Callable[[nn.Module], Proof], *,
                    recipe: str, needs: str, facts_of: Callable[[Proof], dict] = lambda proof: proof.facts) -> Proof:
     """What every experts-module recipe's ``validate`` checks (an explicit ``_target_`` included): ``module``

@@ -72,14 +72,17 @@ def full(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def ep_run(rank, world, mode: str):
+def ep_run(rank, world, mode: str, ep_size: int | None = None):
     """Train with the handle in ``mode``: "ddp" (DDP averages dense grads, grad_convention "mean"), "sum" (no DDP,
-    each rank back-propagates loss / W and sums) or "mean" (no DDP, plain loss, averaged)."""
+    each rank back-propagates loss / W and sums) or "mean" (no DDP, plain loss, averaged). ``ep_size`` below the
+    world size gives ``edp`` replicas of every expert (their grads summed over ``edp``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     model = tiny_moe()
     ref = copy.deepcopy(model)
-    ep = ExpertParallel(model, {"ep_size": world, "plan": PLAN}, grad_convention="sum" if mode == "sum" else "mean")
+    ep = ExpertParallel(model, {"ep_size": ep_size or world, "plan": PLAN},
+                        grad_convention="sum" if mode == "sum" else "mean")
+    assert ep.mesh.mesh_dim_names == ("edp", "ep") and ep.mesh["ep"].size() == (ep_size or world)
     net = DistributedDataParallel(model) if mode == "ddp" else model
     opt = torch.optim.SGD(ep.param_groups(lr=LR))
     ep.attach(opt)
@@ -263,7 +266,26 @@ def handle_cases(rank, world, tmp):
     return results
 
 
+def four_rank_cases(rank, world, tmp):
+    """(edp, ep) = (2, 2): expert grads summed over edp too; and ep over all 4 ranks."""
+    results = {}
+    for mode in ("ddp", "sum"):
+        guarded(results, f"edp2_sgd_{mode}", ep_run, rank, world, mode, 2)
+    guarded(results, "ep4_sgd_mean", ep_run, rank, world, "mean", 4)
+    return results
+
+
 _RESULTS: dict = {}
+_RESULTS4: dict = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["edp2_sgd_ddp", "edp2_sgd_sum", "ep4_sgd_mean"])
+def test_four_ranks(case, tmp_path_factory):
+    if not _RESULTS4:
+        _RESULTS4.update(run_cases(4, "test_handle:four_rank_cases", str(tmp_path_factory.mktemp("handle4"))))
+    errors = _RESULTS4[case]
+    assert not errors, "\n".join(errors)
 
 
 @pytest.mark.parametrize("case", ["sgd_ddp", "sgd_sum", "sgd_mean", "expert_hooks", "guard", "refusals", "artifact",

@@ -37,9 +37,6 @@ SEALED_FIELDS = ("source", "structure", "modules", "num_experts", "classes", "de
 def resolve_plan(parallel_cfg, model: nn.Module) -> DictConfig:
     """The ``parallel`` section with every plan entry frozen; raises ``PlanError`` naming key, value, fix."""
     cfg = typed_parallel(parallel_cfg)
-    frozen = replay.replayed(cfg, _load_plan)
-    if frozen is not None:
-        cfg = typed_parallel(frozen)
     if cfg.ep_size < 1:
         raise PlanError(f"parallel.ep_size={cfg.ep_size} must be a positive integer; use 1 to run without EP")
     if cfg.on_drift not in ON_DRIFT:
@@ -65,7 +62,14 @@ def _load_plan(path) -> DictConfig:
 
 
 def typed_parallel(parallel_cfg) -> DictConfig:
-    """Merge onto the schema: unknown keys and wrong types become a ``PlanError`` naming the key."""
+    """Merge onto the schema: unknown keys and wrong types become a ``PlanError`` naming the key. A section
+    with ``replay: <resolved.yaml>`` becomes that file's frozen section (``autoep.plan.replay``)."""
+    cfg = _typed(parallel_cfg)
+    frozen = replay.replayed(cfg, _load_plan)
+    return cfg if frozen is None else _typed(frozen)
+
+
+def _typed(parallel_cfg) -> DictConfig:
     raw = _plain(parallel_cfg if parallel_cfg is not None else {}, "parallel")
     plan = raw.pop("plan", None) or []
     cfg = _merge_typed(ParallelConfig, raw, "parallel")

@@ -114,3 +114,29 @@ def test_each_package_says_its_job():
     for pkg in ("detect", "plan", "runtime", "train", "integrations", "tools"):
         doc = ast.get_docstring(ast.parse((PKG / pkg / "__init__.py").read_text()))
         assert doc and "import" in doc, f"autoep/{pkg}/__init__.py must say its job and what it may import"
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((PKG.parents[1] / "pyproject.toml").read_text())
+
+
+def test_console_scripts_name_callables():
+    """``[project.scripts]`` is what ``pip install`` writes into bin/: each must import (an editable install made
+    before a move keeps the old entry points, so this is checked against the file, not the installed scripts)."""
+    import importlib
+
+    scripts = _pyproject()["project"]["scripts"]
+    assert set(scripts) == {"autoep-plan", "autoep-train"}
+    for name, spec in scripts.items():
+        module, _, attr = spec.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), f"{name} = {spec}"
+
+
+def test_every_shipped_yaml_is_package_data():
+    """A wheel carries only what ``package-data`` globs match: every YAML under src/autoep must be matched."""
+    globs = _pyproject()["tool"]["setuptools"]["package-data"]["autoep"]
+    shipped = {p.relative_to(PKG) for g in globs for p in PKG.glob(g)}
+    missing = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.yaml") if p.relative_to(PKG) not in shipped)
+    assert not missing, f"YAML files a wheel would leave out (add them to package-data): {missing}"

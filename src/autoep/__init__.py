@@ -16,6 +16,8 @@ __all__ = [
     "detect_moe_structure",
     "resolve_plan",
     "apply_plan",
+    "ExpertParallel",
+    "load_plan",
 ]
 
 
@@ -34,4 +36,8 @@ def __getattr__(name):
         from autoep.runtime.apply import apply_plan
 
         return apply_plan
+    if name in ("ExpertParallel", "load_plan"):
+        from autoep.integrations import handle
+
+        return getattr(handle, name)
     raise AttributeError(name)

@@ -49,3 +49,8 @@ class PeerFailure(RuntimeError):
 
 class NonFiniteLoss(RuntimeError):
     """A step's loss or gradient norm was not finite; the step was not applied and nothing of it saved."""
+
+
+class GradientsNotFinished(RuntimeError):
+    """An optimizer step or a gradient clip came after a backward whose gradients were not finished for EP
+    (expert grads not reduced over ``edp`` nor scaled to the loss's convention): it would apply wrong gradients."""

@@ -241,7 +241,7 @@ def dense_norm_case(rank: int, world_size: int) -> None:
 
     from autoep.runtime.apply import apply_plan
     from autoep.runtime.dense import is_expert
-    from autoep.train.loop import reduce_grads, split_params
+    from autoep.runtime.grads import reduce_grads, split_params
 
     ref = muse_block()
     holder = nn.Module()

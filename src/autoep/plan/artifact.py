@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from autoep.errors import PlanError
+from autoep.plan import replay
 
 RESOLVED_NAME = "resolved.yaml"
 HEADER = ("# autoep resolved config: written by autoep, decisions are never edited by hand.\n"
@@ -40,7 +41,8 @@ def artifact_text(cfg: DictConfig) -> str:
     """The YAML of a resolved.yaml for ``cfg``: resolved, location-free, end marker last."""
     data = OmegaConf.to_container(cfg, resolve=True)
     data.pop("artifact", None)
-    data["run_dir"] = None  # the artifact is location-free: a replay writes to its own run dir
+    if "run_dir" in data:
+        data["run_dir"] = None  # the artifact is location-free: a replay writes to its own run dir (no key is added)
     body = {"defaults": ["resolved_schema", "_self_"], **data,
             "artifact": {"format": 1, "plan_hash": plan_hash(data["parallel"])}}
     return yaml.safe_dump(body, sort_keys=False)
@@ -57,10 +59,24 @@ def write_resolved(cfg: DictConfig, run_dir) -> Path:
     """Write ``<run_dir>/resolved.yaml`` on rank 0 (write-then-rename, mode as ``open()`` would give it,
     e.g. 0644); every rank gets the path back."""
     path = Path(run_dir) / RESOLVED_NAME
+    return write_atomic(path, HEADER.format(run_dir=path.parent) + artifact_text(cfg))
+
+
+def write_plan(parallel_cfg, run_dir) -> Path:
+    """Write ``<run_dir>/resolved.yaml`` holding only a resolved ``parallel`` section and its end marker (what a
+    foreign app's ``autoep.ExpertParallel(..., run_dir=...)`` records; ``load_plan`` reads it back). Rank 0 only,
+    write-then-rename; every rank gets the path back."""
+    path = Path(run_dir) / RESOLVED_NAME
+    parallel = OmegaConf.to_container(parallel_cfg, resolve=True) if isinstance(parallel_cfg, DictConfig) else parallel_cfg
+    body = {"parallel": parallel, "artifact": {"format": 1, "plan_hash": plan_hash(parallel)}}
+    return write_atomic(path, replay.host_header(path) + yaml.safe_dump(body, sort_keys=False))
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """``path`` gets ``text`` on rank 0 only (temp file in the same directory, fsync, ``os.replace``)."""
     if _rank() != 0:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = HEADER.format(run_dir=path.parent) + artifact_text(cfg)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".resolved.", suffix=".yaml.tmp")
     try:
         os.fchmod(fd, file_mode())  # mkstemp creates 0600: readable by its owner only
@@ -73,6 +89,34 @@ def write_resolved(cfg: DictConfig, run_dir) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def load_plan(path) -> DictConfig:
+    """The resolved ``parallel`` section of a ``resolved.yaml`` (autoep's own, or any app's ``write_plan``),
+    checked: a YAML mapping with a ``parallel`` section and its ``artifact`` end marker whose plan hash matches.
+    Replaying it (``resolve_plan`` / ``autoep.ExpertParallel``) re-checks each decision's fingerprint."""
+    path = Path(path)
+    fix = "regenerate it (autoep-plan, or a run with run_dir=...) or restore the file"
+    if not path.is_file():
+        raise PlanError(f"{path}: no such resolved.yaml; {fix}")
+    data = read_yaml(path)
+    if data is None:
+        raise PlanError(f"{path} is empty, so it holds no resolved plan (a write was cut short, or the file was "
+                        f"emptied); {fix}")
+    if not isinstance(data, dict) or not isinstance(data.get("parallel"), dict):
+        what = f"keys {sorted(data)[:6]}" if isinstance(data, dict) else type(data).__name__
+        raise PlanError(f"{path} holds no `parallel:` section ({what}); it is not a resolved.yaml autoep wrote; {fix}")
+    marker = data.get("artifact")
+    if not isinstance(marker, dict) or "plan_hash" not in marker:
+        raise PlanError(f"{path}: the resolved config ends before its `artifact:` end marker, so it was truncated; {fix}")
+    written = plan_hash(data["parallel"])
+    if marker["plan_hash"] != written:
+        raise PlanError(f"{path}: artifact.plan_hash={str(marker['plan_hash'])[:19]}... does not match its parallel "
+                        f"section ({written[:19]}...), so the file was edited or damaged after autoep wrote it; {fix}")
+    missing = [i for i, e in enumerate(data["parallel"].get("plan") or []) if not (e or {}).get("decision")]
+    if missing:
+        raise PlanError(f"{path}: parallel.plan.{missing[0]} has no decision, so this is not a resolved plan; {fix}")
+    return OmegaConf.create(data["parallel"])
 
 
 def check_complete(cfg: DictConfig, source: str = "the config") -> None:

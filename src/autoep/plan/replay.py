@@ -115,15 +115,3 @@ def _absolute(path) -> Path:
         return Path(to_absolute_path(str(path)))
     return Path(path).resolve()
 
-
-def load_plan_stub(path) -> DictConfig:  # TODO(merge ep-handle): artifact.load_plan replaces this
-    from omegaconf import OmegaConf
-
-    from autoep.plan.artifact import plan_hash, read_yaml
-
-    data = read_yaml(path)
-    if not isinstance(data, dict) or not isinstance(data.get("parallel"), dict) or "artifact" not in data:
-        raise PlanError(f"{path}: not a resolved.yaml autoep wrote (no parallel section or end marker)")
-    if data["artifact"].get("plan_hash") != plan_hash(data["parallel"]):
-        raise PlanError(f"{path}: artifact.plan_hash does not match its parallel section")
-    return OmegaConf.create(data["parallel"])

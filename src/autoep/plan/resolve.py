@@ -23,6 +23,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from autoep.detect import structure
 from autoep.errors import OPT_OUT_HINT, DriftError, PlanError, UnsupportedModuleStructure, UnsupportedPlanEntry
 from autoep.plan import archetypes, replay
+from autoep.plan.artifact import load_plan
 from autoep.plan.fingerprint import class_hashes, seal
 from autoep.plan.schema import ON_DRIFT, ParallelConfig, PlanEntry
 from autoep.targets import FACTORY_KEY, check_not_moved, factory_key, factory_spec, import_object
@@ -55,17 +56,11 @@ def resolve_plan(parallel_cfg, model: nn.Module) -> DictConfig:
     return OmegaConf.merge(cfg, {"plan": plan})  # merge, not assignment: validates the dicts as PlanEntry
 
 
-def _load_plan(path) -> DictConfig:
-    from autoep.plan import artifact
-
-    return artifact.load_plan(path) if hasattr(artifact, "load_plan") else replay.load_plan_stub(path)  # TODO(merge ep-handle)
-
-
 def typed_parallel(parallel_cfg) -> DictConfig:
     """Merge onto the schema: unknown keys and wrong types become a ``PlanError`` naming the key. A section
     with ``replay: <resolved.yaml>`` becomes that file's frozen section (``autoep.plan.replay``)."""
     cfg = _typed(parallel_cfg)
-    frozen = replay.replayed(cfg, _load_plan)
+    frozen = replay.replayed(cfg, load_plan)
     return cfg if frozen is None else _typed(frozen)
 
 

@@ -1,14 +1,14 @@
 """How dense (non-expert) parameters live across ranks: replicated, or sharded with FSDP2.
 
-``replicate``: every rank holds every dense parameter; ``loop.reduce_grads`` sums their grads over the
+``replicate``: every rank holds every dense parameter; ``grads.reduce_grads`` sums their grads over the
 world with one all-reduce after backward. ``fsdp2``: ``fully_shard`` each decoder layer (the parent of
 every planned MoE block) and then the root over a 1-D ``dp`` mesh of the whole world; dense parameters
 become ``Shard(0)`` DTensors on ``dp``, gathered per layer for forward/backward and reduce-scattered in
 backward. Expert parameters (``Shard(0)`` on ``ep``, placed by ``apply_plan``) are handed to FSDP as
-``ignored_params``: FSDP never gathers or reduces them, and ``loop.reduce_grads`` still sums their grads
+``ignored_params``: FSDP never gathers or reduces them, and ``grads.reduce_grads`` still sums their grads
 over ``edp``.
 
-Gradient scale: each rank backpropagates ``loss_r / (W * accum)`` (see ``autoep.train.loop``), so dense grads
+Gradient scale: each rank backpropagates ``loss_r / (W * accum)`` (see ``autoep.runtime.grads``), so dense grads
 must be *summed* over the world, not averaged. FSDP2 averages by default; the divide factor is set to 1
 and comms forced to plain ``SUM`` (gloo has neither ``AVG`` nor ``PREMUL_SUM``; NCCL runs the same).
 """

@@ -4,49 +4,20 @@ Layout: ``<run_dir>/checkpoints/step_00000010/`` holds DCP's files (model and op
 params as ``Shard(0)`` DTensors, so a load at another ``ep_size`` reshards) and one
 ``trainer_rank<r>.pt`` per rank (step, scheduler, data position, RNG, model signature). Every rank
 writes into ``.tmp-step_...`` first; rank 0 renames it to ``step_...`` after all ranks finished, so
-a directory named ``step_*`` is always complete and a crash mid-save leaves only a ``.tmp-`` dir.
+a directory named ``step_*`` is always complete and a crash mid-save leaves only a ``.tmp-`` dir
+(``autoep.runtime.state.save_sharded``, shared with ``autoep.integrations``).
 """
 from __future__ import annotations
 
-import os
-import shutil
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from autoep.errors import CheckpointError  # noqa: F401  (raised here; importers read it from here too)
+from autoep.runtime.state import load_sharded, rank, save_sharded
 
 PREFIX = "step_"
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
-
-
-def _barrier() -> None:
-    if _dist():
-        dist.barrier()  # NOTE: collective; orders the rename after every rank's writes
-
-
-@contextmanager
-def _single_process_quiet():
-    """DCP warns on every save and load without a process group that it assumes one process: that is
-    exactly the single-process case, so the warning is dropped there (and only that warning)."""
-    with warnings.catch_warnings():
-        if not _dist():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def model_signature(model: nn.Module) -> dict[str, list[int]]:
@@ -67,23 +38,10 @@ def latest(root) -> Path | None:
 
 def save(root, step: int, model: nn.Module, optimizer, trainer_state: dict) -> Path:
     """Collective: every rank writes its shards and its trainer state; returns the final directory."""
-    final = step_dir(root, step)
-    tmp = final.with_name(".tmp-" + final.name)
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save
-        tmp.mkdir(parents=True)
-    _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _single_process_quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    state = {**trainer_state, "rng": torch.get_rng_state(), "signature": model_signature(model)}
-    torch.save(state, tmp / f"trainer_rank{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # atomic: the step_ name appears only once every file is in place
-    _barrier()
-    return final
+    def state() -> dict:
+        return {**trainer_state, "rng": torch.get_rng_state(), "signature": model_signature(model)}
+
+    return save_sharded(step_dir(root, step), model, optimizer, per_rank=state, per_rank_name="trainer_rank{rank}.pt")
 
 
 def load(path, model: nn.Module, optimizer) -> dict:
@@ -99,14 +57,7 @@ def load(path, model: nn.Module, optimizer) -> dict:
         diff = [f"{k}: {saved.get(k)} -> {mine.get(k)}" for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
         raise CheckpointError(f"trainer.resume={str(path)!r} was saved from a different model ({len(diff)} parameters "
                               f"differ, e.g. {diff[:2]}); resume with the model config it was trained with, or start fresh")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    try:
-        with _single_process_quiet():
-            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own error is a BaseException
-        raise CheckpointError(f"trainer.resume={str(path)!r}: DCP load failed, the checkpoint is damaged "
-                              f"({type(e).__name__}); {FIX}") from None
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    load_sharded(path, model, optimizer, key="trainer.resume", fix=FIX)
     return state
 
 
@@ -121,7 +72,7 @@ def read_state(path) -> dict:
         raise CheckpointError(f"trainer.resume={str(path)!r}: no such checkpoint directory; {FIX}")
     if not (path / ".metadata").is_file() or not (path / "trainer_rank0.pt").is_file():
         raise CheckpointError(f"trainer.resume={str(path)!r} is incomplete (no DCP .metadata or trainer_rank0.pt); {FIX}")
-    own = path / f"trainer_rank{_rank()}.pt"
+    own = path / f"trainer_rank{rank()}.pt"
     try:
         state = torch.load(own if own.is_file() else path / "trainer_rank0.pt", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged

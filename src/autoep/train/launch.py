@@ -1,4 +1,5 @@
-"""Joining the ranks of a launch: a rendezvous that fails fast, the process group, the ``(edp, ep)`` mesh.
+"""Joining the ranks of a launch: a rendezvous that fails fast, the process group (the ``(edp, ep)`` mesh:
+``autoep.runtime.mesh``).
 
 ``torchrun`` (or any launcher that sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) starts
 one process per rank. Before the process group is built every rank checks in at rank 0's TCP store and
@@ -15,9 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
-from autoep.errors import LaunchError, PlanError
+from autoep.errors import LaunchError
 
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -96,23 +96,9 @@ def _env_int(name: str, default):
         raise LaunchError(f"{name}={value!r} is not an integer; the launcher (torchrun) sets it") from None
 
 
-def check_world(ep_size: int, world: int) -> None:
-    if ep_size < 1 or world % ep_size:
-        fits = [d for d in range(1, world + 1) if world % d == 0]
-        raise PlanError(f"parallel.ep_size={ep_size} does not divide the world size {world} (processes launched); "
-                        f"pick parallel.ep_size from {fits} or launch a multiple of {ep_size} processes "
-                        f"(torchrun --nproc-per-node)")
-
-
 def agree_run_dir(run_dir: Path) -> Path:
     """Rank 0's run directory, on every rank (Hydra's per-process timestamps may differ)."""
     chosen = [str(run_dir)]
     if dist.is_initialized():
         dist.broadcast_object_list(chosen, src=0)  # NOTE: collective; one small pickle from rank 0
     return Path(chosen[0])
-
-
-def make_mesh(world: int, ep_size: int, device: torch.device):
-    if world == 1:
-        return None  # single process: recipes run without exchange, params stay plain tensors
-    return init_device_mesh(device.type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))

@@ -1,14 +1,8 @@
-"""One optimiser step of EP training: loss, gradient reduction, clipping, schedule, router load.
+"""autoep's own training step pieces: the loss, the learning-rate schedule, the router load.
 
-Gradient scaling (what makes EP training equal single-process training on the concatenated batch):
-the global loss is the mean of the ranks' losses, ``(1/W) sum_r loss_r`` (every rank has the same
-token count). Each rank backpropagates ``loss_r / (W * accum)``. A dense parameter's grad on rank r is
-then its share of the global grad, so dense grads are *summed* over the world. An expert shard's grad
-already holds the contributions of every rank of its ``ep`` group (the all-to-all backward brought
-them home), so expert grads are *summed* over ``edp`` only. Averaging over ``edp`` instead would be
-``ep`` times too large.
-
-Helpers take models, meshes, groups and plain values; only ``autoep.train.trainer`` reads the config.
+Gradient reduction and clipping (and why dense grads are summed over the world and expert grads over ``edp``)
+live in ``autoep.runtime.grads``, shared with ``autoep.integrations``. Helpers take models, meshes, groups and
+plain values; only ``autoep.train.trainer`` reads the config.
 """
 from __future__ import annotations
 
@@ -19,12 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
 
 from autoep.errors import ConfigError
-from autoep.runtime.dense import is_expert
-from autoep.runtime.recipes import local_tensor
 from autoep.runtime.recipes.module_list import StackedSwiGLUExperts
 from autoep.train.pretrained import expert_rows
 
@@ -43,71 +33,6 @@ def causal_lm_loss(model: nn.Module, input_ids_BL: Tensor, aux_loss_coef: float 
                               f"with output_router_logits=True; set optim.aux_loss_coef=0")
         loss = loss + aux_loss_coef * aux
     return loss
-
-
-def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense, expert) trainable parameters; experts are the DTensors ``apply_plan`` sharded on ``ep``
-    (dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under ``trainer.dense_sharding=fsdp2``)."""
-    dense, expert = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (expert if is_expert(p) else dense).append(p)
-    return dense, expert
-
-
-def reduce_grads(dense: list[nn.Parameter], expert: list[nn.Parameter], world_group, edp_group) -> None:
-    """Sum dense grads over the world and expert grads over ``edp`` (one flat bucket each).
-
-    Dense parameters FSDP2 sharded (``trainer.dense_sharding=fsdp2``, ``autoep.runtime.dense``) are skipped: FSDP
-    already reduce-scattered their grads over the world in backward. Replicated dense params (the
-    default, and the only choice for one process) take the plain all-reduce here.
-    """
-    dense = [p for p in dense if not isinstance(p, DTensor)]
-    for params, group in ((dense, world_group), (expert, edp_group)):
-        if not params or group is None or dist.get_world_size(group) == 1:
-            continue
-        grads = []
-        for p in params:
-            if p.grad is None:  # a parameter no token reached still joins the collective, with zeros
-                p.grad = torch.zeros_like(p)
-            grads.append(local_tensor(p.grad))
-        flat = _flatten_dense_tensors(grads)
-        # NOTE: collective. One all-reduce per parameter kind and step; every rank calls both in order.
-        dist.all_reduce(flat, group=group)
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
-
-
-@torch.no_grad()
-def clip_grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], max_norm: float, ep_group) -> float:
-    """Clip to a global L2 norm (replicated dense counted once, FSDP2 dense shards summed over their ``dp``
-    mesh, expert shards summed over ``ep``); returns the norm, the same on every rank."""
-    sq = torch.zeros((), dtype=torch.float64)
-    sharded_sq, sharded_group = torch.zeros((), dtype=torch.float64), None
-    for p in dense:
-        if p.grad is None:
-            continue
-        if isinstance(p.grad, DTensor):  # an FSDP2 shard (Shard(0) on the 1-D dp mesh; padding excluded)
-            sharded_sq += p.grad.to_local().double().pow(2).sum()
-            sharded_group = p.grad.device_mesh.get_group()
-        else:
-            sq += p.grad.double().pow(2).sum()
-    if sharded_group is not None:
-        dist.all_reduce(sharded_sq, group=sharded_group)  # NOTE: collective; each rank holds 1/W of every dense grad
-    expert_sq = torch.zeros((), dtype=torch.float64)
-    for p in expert:
-        if p.grad is not None:
-            expert_sq += local_tensor(p.grad).double().pow(2).sum()
-    if ep_group is not None and dist.get_world_size(ep_group) > 1:
-        dist.all_reduce(expert_sq, group=ep_group)  # NOTE: collective; each ep rank holds other experts
-    norm = float((sq + sharded_sq + expert_sq).sqrt())
-    if max_norm and max_norm > 0:
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for p in dense + expert:
-                if p.grad is not None:
-                    local_tensor(p.grad).mul_(coef)
-    return norm
 
 
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -42,13 +42,16 @@ from autoep.errors import ConfigError, NonFiniteLoss, PeerFailure
 from autoep.plan.artifact import check_complete, check_plan_consistent, write_resolved
 from autoep.plan.resolve import resolve_plan
 from autoep.plan.table import format_table, plan_rows
+from autoep.runtime import grads
 from autoep.runtime.apply import apply_plan
 from autoep.runtime.dense import set_grad_sync, shard_dense
+from autoep.runtime.export import export_hf
+from autoep.runtime.mesh import check_world, make_mesh
 from autoep.train import checkpoint, launch, loop, rundir
 from autoep.train import command as cli
 from autoep.train.config import CONF_DIR, check_config
 from autoep.train.data import Loader, make_source
-from autoep.train.export import check_exportable, export_hf
+from autoep.train.export import check_exportable
 from autoep.train.models import MODEL_CONFIG_ERRORS, check_model_config, check_top_k, instantiate_model
 from autoep.train.pretrained import PretrainedError, load_pretrained, local_checkpoint_dir, parameters_on_meta
 
@@ -124,9 +127,9 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
     t = cfg.trainer
     rank, world, device, created = launch.init_distributed(t.device, t.timeout_s, t.join_timeout_s)
     try:
-        launch.check_world(cfg.parallel.ep_size, world)
+        check_world(cfg.parallel.ep_size, world)
         out = launch.agree_run_dir(out)
-        mesh = launch.make_mesh(world, cfg.parallel.ep_size, device)
+        mesh = make_mesh(world, cfg.parallel.ep_size, device)
         model, cfg.parallel = build_model(cfg, mesh, device)
         if not cfg.parallel.plan and rank == 0:
             log.warning("parallel.plan is empty: no module gets expert parallelism (every expert on every rank)")
@@ -220,8 +223,8 @@ def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig, first: boo
         die_if_fault_injected(run.rank, step + 1)
         (loss / (run.world * t.grad_accum)).backward()
         loss_sum += loss.detach().double().cpu()
-    loop.reduce_grads(dense, expert, world_group, edp_group)
-    grad_norm = loop.clip_grad_norm(dense, expert, o.grad_clip, ep_group)
+    grads.reduce_grads(dense, expert, world_group, edp_group)
+    grad_norm = grads.clip_grad_norm(dense, expert, o.grad_clip, ep_group)
     if world_group is not None:
         dist.all_reduce(loss_sum, group=world_group)  # NOTE: collective; the global mean loss
     step_loss = loss_sum.item() / (run.world * t.grad_accum)
@@ -253,7 +256,7 @@ def run_loop(cfg: DictConfig, model, mesh, run: Run) -> dict:
     t, o, d = cfg.trainer, cfg.optim, cfg.data
     world_group = dist.group.WORLD if run.world > 1 else None
     groups = (world_group, *(mesh[n].get_group() if mesh is not None else None for n in ("edp", "ep")))
-    dense, expert = loop.split_params(model)
+    dense, expert = grads.split_params(model)
     # foreach=False: dense tensors and expert DTensors share one optimiser; the per-tensor path handles both.
     optimizer = torch.optim.AdamW(dense + expert, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                   weight_decay=o.weight_decay, foreach=False)

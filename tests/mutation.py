@@ -558,7 +558,7 @@ def make_ep(block: nn.Module, structure, ep_mesh) -> nn.Module:
     from autoep.runtime.apply import shard_experts
 
     cfg = dict(compute_fn_config(structure))
-    module, _, attr = cfg.pop("_target_").rpartition(".")
+    module, _, attr = cfg.pop("_factory_").rpartition(".")
     factory = getattr(importlib.import_module(module), attr)
     ep = copy.deepcopy(block)
     if ep_mesh is not None:

@@ -12,6 +12,14 @@ from autoep.errors import PlanError
 
 RECIPES = "autoep.runtime.recipes"  # the compute-fn factories the archetype table names
 
+# How a plan entry names its compute-fn factory: ``local_compute_fn: {_factory_: pkg.fn, **kwargs}``.
+# ``_factory_`` is what autoep writes (resolve_plan, resolved.yaml): a host app that runs Hydra's recursive
+# ``instantiate`` over its whole config calls every mapping holding a ``_target_``, and a compute-fn
+# factory must never be called that way (it needs the module and the mesh). ``_target_`` stays valid
+# input (the command line, configs and artifacts written before ``_factory_``), read the same way.
+FACTORY_KEY = "_factory_"
+FACTORY_KEYS = (FACTORY_KEY, "_target_")
+
 # Old prefix -> new prefix, for paths that a config or a resolved.yaml may hold (recipes, model builders,
 # the tiny-model builder the docs show).
 MOVED = {
@@ -37,6 +45,27 @@ def check_not_moved(path: str, key: str) -> None:
     if new is not None:
         raise PlanError(f"{key}={path!r}: autoep's modules moved into packages and this path is gone; write "
                         f"{key}={new!r} (a resolved.yaml written before the move: regenerate it with autoep-plan)")
+
+
+def factory_key(fn, where: str = "local_compute_fn") -> str | None:
+    """The key of the mapping ``fn`` that names its factory (``_factory_`` or ``_target_``); None when it has
+    neither (``fn`` is ``auto``, or not a mapping). Both at once is a ``PlanError``: which one runs is unclear."""
+    if not hasattr(fn, "keys"):
+        return None
+    present = [k for k in FACTORY_KEYS if k in fn.keys()]
+    if len(present) > 1:
+        raise PlanError(f"{where} names its factory twice ({FACTORY_KEY}={fn[FACTORY_KEY]!r} and "
+                        f"_target_={fn['_target_']!r}); keep one of them")
+    return present[0] if present else None
+
+
+def factory_spec(fn, where: str = "local_compute_fn") -> tuple[str, str, dict]:
+    """``(key, dotted path, kwargs)`` of a ``local_compute_fn`` mapping naming its factory with ``_factory_``
+    or ``_target_`` (``factory_key``); the kwargs are every other key."""
+    key = factory_key(fn, where)
+    if key is None:
+        raise PlanError(f"{where}={fn!r} names no factory: give it a {FACTORY_KEY} (or _target_)")
+    return key, fn[key], {k: v for k, v in fn.items() if k != key}
 
 
 def import_object(path: str):

@@ -70,7 +70,7 @@ def assert_exact(block: torch.nn.Module) -> None:
     structure = detect_moe_structure(block)
     cfg = dict(compute_fn_config(structure))
     ep = copy.deepcopy(block)
-    import_object(cfg.pop("_target_"))(ep, ep_mesh=None, **cfg)
+    import_object(cfg.pop("_factory_"))(ep, ep_mesh=None, **cfg)
     x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(1))
     runs = []
     for m in (block, ep):

@@ -214,7 +214,7 @@ def _assert_recipe_exact(block: nn.Module) -> None:
     structure = detect_moe_structure(block)
     fn = compute_fn_config(structure)
     ep = copy.deepcopy(block)
-    import_target(fn.pop("_target_"), ["autoep.runtime.recipes."])(ep, ep_mesh=None, **fn)
+    import_target(fn.pop("_factory_"), ["autoep.runtime.recipes."])(ep, ep_mesh=None, **fn)
     x = torch.randn(2, 5, block.pre_expert_proj.in_features, generator=torch.Generator().manual_seed(0))
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = block(xa), ep(xb)

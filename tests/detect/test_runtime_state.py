@@ -132,7 +132,7 @@ def _ep1(block):
     structure = detect_moe_structure(block)
     fn = compute_fn_config(structure)
     ep = copy.deepcopy(block)
-    import_object(fn.pop("_target_"))(ep, ep_mesh=None, **fn)
+    import_object(fn.pop("_factory_"))(ep, ep_mesh=None, **fn)
     return ep
 
 

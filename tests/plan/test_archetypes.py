@@ -13,7 +13,7 @@ def test_every_row_imports_and_binds(key):
     router, storage = key
     structure = MoeStructure(router=router, shared_experts="none", expert_storage=storage, jitter=False)
     fn = compute_fn_config(structure)
-    module_name, _, attr = fn.pop("_target_").rpartition(".")
+    module_name, _, attr = fn.pop("_factory_").rpartition(".")
     factory = getattr(importlib.import_module(module_name), attr)
     inspect.signature(factory).bind(object(), ep_mesh=None, **fn)  # the contract apply_plan calls
     assert fn["structure"] == structure.as_dict()

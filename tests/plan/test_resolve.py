@@ -53,7 +53,7 @@ def test_auto_freezes_a_decision_for_every_shipped_model(name):
     assert decision["num_experts"] == n
     assert decision["structure"]["shared_experts"] == shared
     assert decision["structure"] == structure.detect_moe_structure(model.model.layers[0].mlp).as_dict()
-    assert entry["local_compute_fn"]["_target_"] == "autoep.runtime.recipes.batched.ep_batched_experts"
+    assert entry["local_compute_fn"]["_factory_"] == "autoep.runtime.recipes.batched.ep_batched_experts"
     assert decision["fingerprint"].startswith("sha256:")
     block = model.model.layers[0].mlp
     router = getattr(block, "gate", None) or block.router
@@ -83,7 +83,8 @@ def test_explicit_target_is_kept_not_detected_and_still_recorded(monkeypatch):
     fn = {"_target_": "plan_factories.scaled_experts", "scale": 2.0}
     resolved = plain(resolve_plan(plan(ep_size=4, fn=fn, allowed_targets=["plan_factories"]), meta_model()))
     entry = resolved["plan"][0]
-    assert entry["local_compute_fn"] == fn
+    # recorded under _factory_ (a host's recursive instantiate never calls it), kwargs kept
+    assert entry["local_compute_fn"] == {"_factory_": fn["_target_"], "scale": 2.0}
     assert entry["decision"]["source"] == "explicit" and entry["decision"]["structure"] is None
     assert entry["decision"]["num_experts"] == 8 and len(entry["decision"]["modules"]) == 2
     assert entry["decision"]["fingerprint"].startswith("sha256:")
@@ -177,7 +178,7 @@ def resolved_qwen3():
     lambda e: e["decision"].update(num_experts=16),
     lambda e: e["decision"]["modules"].pop(),
     lambda e: e["decision"].update(source="explicit"),
-    lambda e: e["local_compute_fn"].update(_target_="autoep.runtime.recipes.module_list.ep_module_list_block"),
+    lambda e: e["local_compute_fn"].update(_factory_="autoep.runtime.recipes.module_list.ep_module_list_block"),
     lambda e: e.update(match="model.layers.0.mlp"),
 ])
 def test_hand_edited_decision_is_refused(resolved_qwen3, edit):

@@ -9,14 +9,14 @@ from omegaconf import OmegaConf
 from autoep.plan.resolve import check_compute_fn
 from autoep.plan.schema import ParallelConfig, PlanEntry
 from autoep.targets import import_object
-from autoep.train.config import CONF_DIR
+from autoep.train.config import CONF_DIR, PLAN_CONF_DIR
 from autoep.train.models import check_config_kwargs
 
 GROUPS = ("model", "parallel", "data", "optim", "trainer")
 
 
 def options(group):
-    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+    return sorted({p.stem for root in (CONF_DIR, PLAN_CONF_DIR) for p in (Path(root) / group).glob("*.yaml")})
 
 
 def compose_train(overrides=()):

@@ -3,7 +3,7 @@
 Every consumer (``resolve_plan``, the ``autoep-plan`` printer, ``apply_plan``) reads only this table.
 A structure with no row is refused with the opt-out hint.
 
-Compute-fn factory contract (what a ``local_compute_fn._target_`` names):
+Compute-fn factory contract (what a ``local_compute_fn._factory_`` or ``._target_`` names):
 
     factory(module: nn.Module, *, ep_mesh: DeviceMesh, **kwargs) -> None
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
-from autoep.targets import RECIPES  # noqa: F401  (resolve reads archetypes.RECIPES)
+from autoep.targets import FACTORY_KEY, RECIPES  # noqa: F401  (resolve reads archetypes.RECIPES)
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,9 @@ def archetype_for(structure: MoeStructure, cls_name: str = "module") -> Archetyp
 
 
 def compute_fn_config(structure: MoeStructure, cls_name: str = "module") -> dict:
-    """The ``local_compute_fn`` mapping an auto decision writes: ``_target_`` plus its kwargs."""
+    """The ``local_compute_fn`` mapping an auto decision writes: ``_factory_`` plus its kwargs."""
     row = archetype_for(structure, cls_name)
-    return {"_target_": row.target, **row.kwargs, "structure": structure.as_dict()}
+    return {FACTORY_KEY: row.target, **row.kwargs, "structure": structure.as_dict()}
 
 
 def known_targets() -> set[str]:

@@ -18,12 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from autoep.errors import PlanError
+from autoep.plan import replay
 
 RESOLVED_NAME = "resolved.yaml"
 HEADER = ("# autoep resolved config: written by autoep, decisions are never edited by hand.\n"
           "# Replay: autoep-plan --config-dir {run_dir} --config-name resolved\n")
-PLAN_HEADER = ("# autoep resolved plan: written by autoep, decisions are never edited by hand.\n"
-               "# Replay in the app that wrote it: autoep.ExpertParallel(model, autoep.load_plan('{path}'))\n")
 
 
 def plan_hash(parallel_cfg) -> str:
@@ -70,7 +69,7 @@ def write_plan(parallel_cfg, run_dir) -> Path:
     path = Path(run_dir) / RESOLVED_NAME
     parallel = OmegaConf.to_container(parallel_cfg, resolve=True) if isinstance(parallel_cfg, DictConfig) else parallel_cfg
     body = {"parallel": parallel, "artifact": {"format": 1, "plan_hash": plan_hash(parallel)}}
-    return write_atomic(path, PLAN_HEADER.format(path=path) + yaml.safe_dump(body, sort_keys=False))
+    return write_atomic(path, replay.host_header(path) + yaml.safe_dump(body, sort_keys=False))
 
 
 def write_atomic(path: Path, text: str) -> Path:

@@ -22,10 +22,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from autoep.detect import structure
 from autoep.errors import OPT_OUT_HINT, DriftError, PlanError, UnsupportedModuleStructure, UnsupportedPlanEntry
-from autoep.plan import archetypes
+from autoep.plan import archetypes, replay
+from autoep.plan.artifact import load_plan
 from autoep.plan.fingerprint import class_hashes, seal
 from autoep.plan.schema import ON_DRIFT, ParallelConfig, PlanEntry
-from autoep.targets import check_not_moved, import_object
+from autoep.targets import FACTORY_KEY, check_not_moved, factory_key, factory_spec, import_object
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,14 @@ def resolve_plan(parallel_cfg, model: nn.Module) -> DictConfig:
 
 
 def typed_parallel(parallel_cfg) -> DictConfig:
-    """Merge onto the schema: unknown keys and wrong types become a ``PlanError`` naming the key."""
+    """Merge onto the schema: unknown keys and wrong types become a ``PlanError`` naming the key. A section
+    with ``replay: <resolved.yaml>`` becomes that file's frozen section (``autoep.plan.replay``)."""
+    cfg = _typed(parallel_cfg)
+    frozen = replay.replayed(cfg, load_plan)
+    return cfg if frozen is None else _typed(frozen)
+
+
+def _typed(parallel_cfg) -> DictConfig:
     raw = _plain(parallel_cfg if parallel_cfg is not None else {}, "parallel")
     plan = raw.pop("plan", None) or []
     cfg = _merge_typed(ParallelConfig, raw, "parallel")
@@ -137,6 +145,7 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
     check_ep_size(parallel.ep_size, num_experts, matched)
     if source == "explicit":
         check_recipe_fits(key, fn, modules, matched)
+    fn = as_factory(fn)
     decision = {
         "source": source,
         "structure": structure_dict,
@@ -149,6 +158,12 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
     decision["fingerprint"] = seal_entry(entry["match"], fn, decision)
     out = {"match": entry["match"], "local_compute_fn": fn, "decision": decision}
     return out | ({"moe_only": True} if entry.get("moe_only") else {})
+
+
+def as_factory(fn: Mapping) -> dict:
+    """``fn`` with its factory under ``_factory_`` (the key Hydra's ``instantiate`` never calls), first."""
+    _, target, kwargs = factory_spec(fn)
+    return {FACTORY_KEY: target, **kwargs}
 
 
 def seal_entry(match: str, fn, decision: Mapping) -> str:
@@ -199,56 +214,57 @@ def check_ep_size(ep_size: int, num_experts: int | None, matched: list[str]) -> 
 
 
 def check_compute_fn(key: str, fn, allowed_targets) -> None:
-    """A well-formed, allowed ``_target_`` whose kwargs bind to the factory; nothing disallowed is imported."""
-    if not isinstance(fn, Mapping) or "_target_" not in fn:
-        raise PlanError(f"{key}.local_compute_fn={fn!r} must be 'auto' or a mapping with a _target_, "
-                        f"e.g. '{key}.local_compute_fn={{_target_:my_pkg.ep.my_factory}}'")
-    target = fn["_target_"]
-    check_not_moved(target, f"{key}.local_compute_fn._target_")
+    """A well-formed, allowed factory path (``_factory_`` or ``_target_``) whose kwargs bind to the factory;
+    nothing disallowed is imported."""
+    name = factory_key(fn, f"{key}.local_compute_fn") if isinstance(fn, Mapping) else None
+    if name is None:
+        raise PlanError(f"{key}.local_compute_fn={fn!r} must be 'auto' or a mapping with a _target_ (or "
+                        f"{FACTORY_KEY}), e.g. '{key}.local_compute_fn={{_target_:my_pkg.ep.my_factory}}'")
+    _, target, kwargs = factory_spec(fn)
+    where = f"{key}.local_compute_fn.{name}"
+    check_not_moved(target, where)
     if not isinstance(target, str) or not DOTTED.fullmatch(target):
-        raise PlanError(f"{key}.local_compute_fn._target_={target!r} is not a dotted import path "
-                        f"like 'my_pkg.module.factory'")
+        raise PlanError(f"{where}={target!r} is not a dotted import path like 'my_pkg.module.factory'")
     prefixes = [archetypes.RECIPES, *allowed_targets]
     if not any(target == p or target.startswith(p.rstrip(".") + ".") for p in prefixes):
-        raise PlanError(f"{key}.local_compute_fn._target_={target!r} is not under an allowed prefix {prefixes}; "
+        raise PlanError(f"{where}={target!r} is not under an allowed prefix {prefixes}; "
                         f"add its package to parallel.allowed_targets (e.g. 'parallel.allowed_targets="
                         f"[{target.rsplit('.', 1)[0]}]') if you trust that code")
-    _check_binds(key, target, {k: v for k, v in fn.items() if k != "_target_"})
+    _check_binds(where, target, kwargs)
 
 
-def _check_binds(key: str, target: str, kwargs: dict) -> None:
+def _check_binds(where: str, target: str, kwargs: dict) -> None:
     try:
         factory = import_object(target)
     except (ImportError, AttributeError) as e:
         if target in archetypes.known_targets():
             # The table names it but the runtime has not shipped it in this install; apply_plan will say so.
-            log.debug("%s: cannot import %s yet (%s); skipping the kwargs check", key, target, e)
+            log.debug("%s: cannot import %s yet (%s); skipping the kwargs check", where, target, e)
             return
-        raise PlanError(f"{key}.local_compute_fn._target_={target!r} cannot be imported ({e}); "
+        raise PlanError(f"{where}={target!r} cannot be imported ({e}); "
                         f"check the spelling and that its package is installed") from None
     try:
         inspect.signature(factory).bind(nn.Module(), ep_mesh=None, **kwargs)
     except (TypeError, ValueError) as e:
-        raise PlanError(f"{key}.local_compute_fn: keys {sorted(kwargs)} do not bind to "
-                        f"{target}{_signature(factory)} ({e}); the factory contract is "
-                        f"factory(module, *, ep_mesh, **kwargs): make the keys next to _target_ its keyword parameters") from None
+        raise PlanError(f"{where.rpartition('.')[0]}: keys {sorted(kwargs)} do not bind to "
+                        f"{target}{_signature(factory)} ({e}); the factory contract is factory(module, *, ep_mesh, "
+                        f"**kwargs): make the keys next to {where.rpartition('.')[2]} its keyword parameters") from None
 
 
 def check_recipe_fits(key: str, fn: Mapping, modules: dict, matched: list[str]) -> None:
     """An explicit shipped recipe must fit every module it will bind to (proofs, facts, parameters), so
     a misfit is an error here, naming the module, not a traceback at run time."""
-    target = fn["_target_"]
+    key_name, target, kwargs = factory_spec(fn)
     if not target.startswith(archetypes.RECIPES + "."):
         return  # the user's own factory: their contract
     validate = getattr(importlib.import_module(target.rsplit(".", 1)[0]), "validate", None)
     if validate is None:
         return
-    kwargs = {k: v for k, v in fn.items() if k != "_target_"}
     for name in matched:
         try:
             validate(modules[name], **kwargs)
         except (UnsupportedModuleStructure, TypeError, ValueError, KeyError) as e:
-            raise PlanError(f"{key}.local_compute_fn._target_={target!r} does not fit {name} "
+            raise PlanError(f"{key}.local_compute_fn.{key_name}={target!r} does not fit {name} "
                             f"({type(modules[name]).__name__}): {getattr(e, 'reason', e)}. Use "
                             f"'{key}.local_compute_fn=auto' to let autoep decide, or name a factory that fits") from None
 
@@ -264,8 +280,9 @@ def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
                  skipped: list[str]) -> dict:
     """Keep a recorded decision if its seal holds and its code has not drifted; else error or redetect."""
     decision, fn = entry["decision"], entry["local_compute_fn"]
-    if isinstance(fn, Mapping):
-        check_not_moved(fn.get("_target_"), f"{key}.local_compute_fn._target_")  # an artifact from before the move
+    name = factory_key(fn, f"{key}.local_compute_fn") if isinstance(fn, Mapping) else None
+    if name is not None:  # an artifact from before the move; one from before _factory_ replays as written
+        check_not_moved(fn[name], f"{key}.local_compute_fn.{name}")
     if seal_entry(entry["match"], fn, decision) != decision["fingerprint"]:
         raise PlanError(f"{key}: match/local_compute_fn/decision were changed after the plan was resolved "
                         f"(decision.fingerprint no longer matches them); a decision is written by autoep, never "

@@ -84,6 +84,8 @@ class ParallelConfig:
     on_drift: str = field(default="error", metadata=one_of(ON_DRIFT, "what a replay does when the model's code changed"))
     detect: bool = True  # false: never run structure detection; every entry must name its _target_
     allowed_targets: List[str] = field(default_factory=list)  # import prefixes allowed besides autoep.runtime.recipes
+    # a resolved.yaml whose frozen parallel section replaces this one (resolve_plan reads it; autoep.plan.replay)
+    replay: Optional[str] = None
     plan: List[PlanEntry] = field(default_factory=list)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from autoep.targets import factory_spec
+
 COLUMNS = ("module", "structure", "compute fn", "experts/rank", "expert bytes/rank")
 
 
@@ -31,7 +33,7 @@ def plan_rows(model: nn.Module, parallel: DictConfig) -> list[tuple]:
             expert_ids |= {id(p) for p in params}
             total = sum(p.numel() * p.element_size() for p in params)
             per_rank = n // parallel.ep_size if n else "?"
-            rows.append((name, structure_label(decision), entry.local_compute_fn._target_, per_rank,
+            rows.append((name, structure_label(decision), factory_spec(entry.local_compute_fn)[1], per_rank,
                          total // parallel.ep_size))
         rows += [(name, "skipped: no experts (dense, moe_only)", "-", "-", "-") for name in decision.get("skipped") or []]
     expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in expert_ids)

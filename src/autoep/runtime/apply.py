@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoep.errors import PlanError
-from autoep.targets import RECIPES, check_not_moved
+from autoep.targets import RECIPES, check_not_moved, factory_spec
 
 ALLOWED_PREFIXES = (RECIPES + ".",)
 
@@ -53,8 +53,8 @@ def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets
         decision = entry.get("decision")
         if not decision:
             raise PlanError(f"parallel.plan.{i} has no decision; run resolve_plan on the config before apply_plan")
-        fn_cfg = dict(entry["local_compute_fn"])
-        factory = import_target(fn_cfg.pop("_target_"), allowed, key=f"parallel.plan.{i}.local_compute_fn._target_")
+        name, target, fn_cfg = factory_spec(entry["local_compute_fn"], f"parallel.plan.{i}.local_compute_fn")  # _factory_, or _target_ as older plans wrote
+        factory = import_target(target, allowed, key=f"parallel.plan.{i}.local_compute_fn.{name}")
         for name in decision["modules"]:
             if name not in named:
                 raise PlanError(f"parallel.plan.{i}.decision.modules names {name!r}, which the model does not have")

@@ -158,6 +158,7 @@ def main(prog: str, hydra_main) -> None:
             from autoep.train.config import ResolvedConfig
 
             data = read_yaml(path)  # a file that is not YAML gets our error, not Hydra's parser traceback
+            check_primary(path, data, prog)
             if isinstance(data, dict) and "resolved_schema" in (data.get("defaults") or []):
                 load_resolved(path, ResolvedConfig)  # a replay: cut short or hand-edited (artifact.plan_hash) is refused by name
     except PlanError as e:
@@ -174,6 +175,18 @@ def main(prog: str, hydra_main) -> None:
             raise
         fail(prog, ConfigError(composition_message(e)))
     leave(0)
+
+
+def check_primary(path: Path, data, prog: str) -> None:
+    """Refuse a primary config that cannot be autoep's: an empty file, or a plan another app wrote (only
+    its frozen ``parallel`` section), each naming what to run instead."""
+    if data is None or data == {}:
+        raise PlanError(f"{path} is empty, so there is nothing to replay (a resolved.yaml cut to nothing?); restore "
+                        f"it, regenerate it with autoep-plan, or name another config")
+    if isinstance(data, dict) and set(data) == {"parallel", "artifact"}:
+        raise PlanError(f"{path} holds only a frozen parallel section: a plan another app wrote through "
+                        f"autoep.ExpertParallel. Replay it in that app (the file's header shows the command), or "
+                        f"with this app's model: {prog} ++parallel.replay={path}")
 
 
 def composition_message(exc: BaseException) -> str:
@@ -235,9 +248,10 @@ def unknown_key(key: str) -> str:
 
 
 def _options(group: str) -> list[str]:
-    from autoep.train.config import CONF_DIR
+    from autoep.train.config import CONF_DIR, PLAN_CONF_DIR
 
-    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")) if group else []
+    return sorted({p.stem for root in (CONF_DIR, PLAN_CONF_DIR) for p in (Path(root) / group).glob("*.yaml")}) \
+        if group else []
 
 
 def _flag(argv: list[str], names: tuple[str, ...]) -> str | None:

@@ -26,6 +26,9 @@ from autoep.plan.schema import Artifact, ParallelConfig, _rule, at_least, finite
 
 # The packaged Hydra tree. Absolute, so the console scripts, ``python -m`` and an installed wheel all find it.
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+# The `parallel` group lives with the plan (host apps put pkg://autoep.plan.conf on their search path);
+# train.yaml's hydra.searchpath draws it from there.
+PLAN_CONF_DIR = str(Path(__file__).resolve().parents[1] / "plan" / "conf")
 DEVICES = ("auto", "cpu", "cuda")
 DENSE_SHARDING = ("replicate", "fsdp2")
 ON_NONFINITE = ("error", "skip")

@@ -1,0 +1,96 @@
+"""HF ``transformers.Trainer`` with expert parallelism (``autoep.integrations.hf.ExpertParallelTrainer``), run as
+HF users run it: ``torchrun --nproc-per-node 2`` over gloo, SGD with momentum, the default ``max_grad_norm=1.0``
+(which bites: every step's norm is above 1), checkpoints every 3 of 6 steps.
+
+The reference is the same script with ``transformers.Trainer`` and no autoep (DDP over both ranks). EP must end
+with the same losses and every weight (every expert gathered) equal at fp32 tolerance; its checkpoint must load
+with ``from_pretrained`` to the EP model's logits and put every expert back on its rank; a run resumed from step
+3 must end where the uninterrupted one ends (so the optimizer's momentum of every expert came back too).
+bf16: EP against the same bf16 run without it (tolerance in ``test_bf16_equals_the_run_without_ep``).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("hf_worker.py")
+pytestmark = pytest.mark.slow
+
+
+def torchrun(out: Path, *args: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(WORKER), str(out), *args], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    return torchrun(tmp_path_factory.mktemp("hf"))
+
+
+def assert_weights_close(got: dict, want: dict, **tol) -> None:
+    assert sorted(got) == sorted(want)  # every parameter, every expert (gathered to full shape)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, msg=lambda m: f"{name}: {m}", **tol)
+
+
+def test_ep_trains_like_the_trainer_without_it(fp32):
+    plain, ep = fp32["plain"], fp32["ep"]
+    assert fp32["world"] == 2 and len(plain["loss"]) == 6
+    assert min(plain["grad_norm"]) > 1.0  # the default max_grad_norm=1.0 clips every step
+    torch.testing.assert_close(torch.tensor(ep["loss"]), torch.tensor(plain["loss"]))
+    torch.testing.assert_close(torch.tensor(ep["grad_norm"]), torch.tensor(plain["grad_norm"]))
+    assert_weights_close(ep["weights"], plain["weights"])
+
+
+def test_checkpoints_are_saved_and_load_with_from_pretrained(fp32):
+    assert fp32["checkpoints"] == ["checkpoint-3", "checkpoint-6", "resolved.yaml"]
+    assert {"config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(
+        fp32["files"])
+    ep_logits, loaded_logits = fp32["logits"]
+    torch.testing.assert_close(loaded_logits, ep_logits)
+    assert fp32["shard_diff"] == 0.0  # each rank's expert rows after loading the checkpoint are the file's rows
+
+
+def test_resume_ends_where_the_uninterrupted_run_ends(fp32):
+    resumed, ep = fp32["resumed"], fp32["ep"]
+    torch.testing.assert_close(torch.tensor(resumed["loss"][3:]), torch.tensor(ep["loss"][3:]))
+    assert_weights_close(resumed["weights"], ep["weights"])
+
+
+def test_bf16_equals_the_run_without_ep(tmp_path):
+    """bf16=True (autocast; weights and the optimizer stay fp32). Stated tolerance: losses within torch's bf16
+    tolerance (rtol 1.6e-2, atol 1e-5), and every weight within 1% of how far the run without EP moved it
+    from its initial value (a wrong expert gradient scale moves experts by about their whole update)."""
+    from hf_worker import tiny_moe
+
+    bf16 = torchrun(tmp_path, "bf16")
+    plain, ep = bf16["plain"], bf16["ep"]
+    torch.testing.assert_close(torch.tensor(ep["loss"]), torch.tensor(plain["loss"]), rtol=1.6e-2, atol=1e-5)
+    init = tiny_moe().state_dict()
+    for name, w in plain["weights"].items():
+        moved = (w - init[name]).abs().max().item()
+        assert moved > 0, name
+        assert (ep["weights"][name] - w).abs().max().item() <= 0.01 * moved, name
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("fp16", True, "fp16=True"), ("deepspeed", "ds.json", "deepspeed"), ("fsdp", "full_shard", "fsdp"),
+    ("load_best_model_at_end", True, "load_best_model_at_end=True"), ("torch_compile", True, "torch_compile=True"),
+])
+def test_what_the_adapter_does_not_run_exactly_is_refused(key, value, message):
+    from autoep.errors import PlanError
+    from autoep.integrations.hf import check_args
+
+    args = dict(fp16=False, deepspeed=None, fsdp="", load_best_model_at_end=False, torch_compile=False)
+    check_args(SimpleNamespace(**args))
+    with pytest.raises(PlanError, match=rf"TrainingArguments.{key}=.*ExpertParallelTrainer refuses {message}"):
+        check_args(SimpleNamespace(**{**args, key: value}))

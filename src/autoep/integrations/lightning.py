@@ -1,0 +1,197 @@
+"""PyTorch Lightning adapter: ``strategy: ddp`` with expert parallelism, as one Strategy.
+
+Use (Lightning's own ``strategy="ddp"``, plus the ``parallel`` section; the plan's globs are relative to the
+LightningModule, e.g. ``model.model.layers.*.mlp`` when it keeps a transformers causal LM as ``self.model``)::
+
+    from autoep.integrations.lightning import ExpertParallelStrategy
+    trainer = L.Trainer(strategy=ExpertParallelStrategy(parallel=cfg.parallel), devices=2, ...)
+
+or in a Hydra host's trainer config (``_recursive_: false`` hands ``parallel`` over as config, uncalled)::
+
+    strategy:
+      _target_: autoep.integrations.lightning.ExpertParallelStrategy
+      _recursive_: false
+      parallel: ${parallel}
+
+Run it as any Lightning DDP job: ``python train.py`` (Lightning launches the ranks) or ``torchrun
+--nproc-per-node 2 train.py``; CPU ranks use gloo, GPU ranks NCCL.
+
+Why a Strategy and not a Callback: every place EP must hook is the strategy's (or its precision plugin's)
+job in Lightning -- what DDP wraps (``configure_ddp``), when a checkpoint is restored relative to the wrap
+(``restore_checkpoint_after_setup``), how a checkpoint is written and read (``save_checkpoint``,
+``load_checkpoint``), and how gradients are clipped (the precision plugin the strategy holds). A Callback sees
+none of these and would have to patch them. Each override below is a few lines on the public handle
+``autoep.ExpertParallel`` (``autoep.integrations.handle``), which owns the gradient, clipping and checkpoint
+logic:
+
+- ``setup``: applies the plan to the LightningModule (the handle resolves or replays it, once per run) and
+  installs DDP's ignore list (``prepare_ddp``), so ``DistributedDataParallel`` wraps the dense parameters and
+  Lightning's state sync skips the expert shards.
+- gradients: after the last backward of an optimizer step (accumulation included), before
+  ``on_before_optimizer_step`` hooks, clipping and the step, the expert gradients are finished
+  (``finish_gradients``: summed over ``edp``, divided by the world size as DDP divides the dense ones).
+- ``gradient_clip_val``: the handle's EP-correct global norm (by value: elementwise on the local shards).
+- checkpoints (``ModelCheckpoint``, ``trainer.save_checkpoint``): Lightning's own ``.ckpt`` file, written by
+  rank 0 as usual, with every expert gathered to full shape in ``state_dict`` and the optimizer's state keyed
+  by parameter name (expert moments gathered too). ``trainer.test(ckpt_path="best")`` and
+  ``trainer.fit(ckpt_path=...)`` slice each rank's experts back out of it; the file loads into the model
+  without EP as well (``LightningModule.load_from_checkpoint`` in one process).
+- precision: ``32-true`` and ``bf16-mixed``; the others are refused (why, in ``_ep_precision``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+
+from autoep.errors import PlanError
+from autoep.runtime.recipes import local_tensor
+
+
+class ExpertParallelStrategy(DDPStrategy):
+    """Lightning's DDP with the experts of ``parallel``'s plan sharded over ``ep`` ranks.
+
+    ``parallel``: the host's ``parallel`` config section (DictConfig or dict), an already resolved one, or the
+    path of a ``resolved.yaml`` to replay. ``run_dir``: where rank 0 writes ``resolved.yaml`` (default: the
+    trainer's ``default_root_dir``). ``allowed_targets``: extra ``_target_`` prefixes the plan may import.
+    Every other keyword is ``DDPStrategy``'s (``timeout``, ``process_group_backend``, DDP's own kwargs).
+    """
+
+    strategy_name = "autoep_ddp"
+
+    def __init__(self, parallel, *, run_dir: str | os.PathLike | None = None, allowed_targets=(), **ddp_kwargs):
+        if ddp_kwargs.get("start_method", "popen") != "popen":
+            raise PlanError(f"ExpertParallelStrategy(start_method={ddp_kwargs['start_method']!r}): only 'popen' (Lightning "
+                            f"launches the script per rank, or torchrun does) is supported; with spawn the main "
+                            f"process gets back rank 0's model, which holds only rank 0's experts. Drop start_method "
+                            f"(use strategy='ddp' semantics)")
+        super().__init__(**ddp_kwargs)
+        self._parallel, self._run_dir, self._allowed_targets = parallel, run_dir, tuple(allowed_targets)
+        self.expert_parallel = None  # the handle, built in ``setup`` on the LightningModule
+        self._grads_finished = True
+
+    # ---- precision: the strategy holds the plugin Lightning built from ``precision=`` -----------------------
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else _ExpertParallelPrecision(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else _ep_precision(plugin, self)
+
+    # ---- the plan, applied before DDP wraps the module and before a checkpoint is restored -------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the experts must be sharded (and the optimizer built) before the handle loads into them
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        if self.expert_parallel is None or self.expert_parallel.model is not module:
+            from autoep.integrations.handle import ExpertParallel
+
+            run_dir = self._run_dir if self._run_dir is not None else trainer.default_root_dir
+            self.expert_parallel = ExpertParallel(module, self._parallel, run_dir=run_dir,
+                                                  allowed_targets=self._allowed_targets)
+        self.expert_parallel.prepare_ddp(module)  # DDP (fit) and Lightning's state sync (test) skip the experts
+        super().setup(trainer)
+        # NOTE: no ``ExpertParallel.attach``: its step pre-hook runs before the closure Lightning passes to
+        # ``optimizer.step``, so with gradient accumulation it sees the earlier micro-batches' gradients unfinished
+        # although ``_after_closure`` finishes them before the update. Lightning's step path always runs
+        # ``_after_closure`` (the precision plugins here are ours), so the finishing cannot be skipped.
+
+    # ---- gradients ---------------------------------------------------------------------------------------
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        self._grads_finished = False
+
+    def finish_gradients(self) -> None:
+        """Finish the expert gradients of the backward passes since the last step, once (idempotent)."""
+        if not self._grads_finished:
+            self.expert_parallel.finish_gradients(dense_synced=True)  # DDP averaged the dense ones
+            self._grads_finished = True
+
+    # ---- checkpoints: Lightning's own file, every expert gathered into it -----------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.expert_parallel.state_dict()  # every expert at full shape (a collective: every rank saves)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return self.expert_parallel.optimizer_state_dict(_unwrap(optimizer))  # keyed by name, experts gathered
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        self.expert_parallel.load_state_dict(checkpoint["state_dict"])  # each rank keeps its experts' slices
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise KeyError(f"the checkpoint holds {len(states)} optimizer states but configure_optimizers returned "
+                           f"{len(self.optimizers)} optimizers; resume with the same optimizers")
+        for optimizer, state in zip(self.optimizers, states):
+            self.expert_parallel.load_optimizer_state_dict(_unwrap(optimizer), state)
+
+
+def _unwrap(optimizer):
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the torch optimizer
+
+
+class _EPGradients:
+    """Mixed into the precision plugin: finish expert gradients before the hooks that read them, clip by the
+    EP-correct norm."""
+
+    strategy: ExpertParallelStrategy
+
+    def _after_closure(self, model, optimizer) -> None:
+        self.strategy.finish_gradients()
+        super()._after_closure(model, optimizer)
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        self.strategy.finish_gradients()
+        self.strategy.expert_parallel.clip_grad_norm_(float(clip_val))
+
+    @torch.no_grad()
+    def clip_grad_by_value(self, optimizer, clip_val) -> None:
+        self.strategy.finish_gradients()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:  # elementwise: each rank clips the shards it holds
+                    local_tensor(p.grad).clamp_(-clip_val, clip_val)
+
+
+class _ExpertParallelPrecision(_EPGradients, Precision):
+    def __init__(self, strategy: ExpertParallelStrategy):
+        super().__init__()
+        self.strategy = strategy
+
+
+class _ExpertParallelMixedPrecision(_EPGradients, MixedPrecision):
+    def __init__(self, strategy: ExpertParallelStrategy, device: str):
+        super().__init__("bf16-mixed", device)
+        self.strategy = strategy
+
+
+def _ep_precision(plugin: Precision, strategy: ExpertParallelStrategy) -> Precision:
+    """The EP version of the plugin Lightning built from ``precision=``, or a refusal naming why.
+
+    Supported: ``32-true`` and ``bf16-mixed`` (autocast, no scaler), tested against the run without EP.
+    ``16-mixed`` is refused: its GradScaler decides per rank whether gradients are finite and skips the step
+    there, but expert gradients differ per rank, so ranks could step differently. Half-precision weights
+    (``bf16-true``, ``16-true``), ``64-true`` and other plugins are not tested with EP.
+    """
+    if isinstance(plugin, _EPGradients):
+        return plugin
+    if type(plugin) is Precision:
+        return _ExpertParallelPrecision(strategy)
+    if type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed" and plugin.scaler is None:
+        return _ExpertParallelMixedPrecision(strategy, plugin.device)
+    name = getattr(plugin, "precision", type(plugin).__name__)
+    raise PlanError(f"Trainer(precision={name!r}) is not supported with ExpertParallelStrategy: "
+                    + ("fp16's GradScaler decides per rank whether to skip a step, and expert gradients differ per "
+                       "rank, so ranks could diverge" if name == "16-mixed" else "not tested with expert parallelism")
+                    + "; use precision='bf16-mixed' or '32-true'")

@@ -1,0 +1,209 @@
+"""A user's Lightning project in miniature: a tiny transformers Qwen3-MoE in a ``LightningModule``, a token
+dataset, and a real ``lightning.Trainer`` run on the gloo ranks ``tests/distributed.py`` spawns.
+
+The ranks are launched the way torchrun launches them (the process group exists, ``LOCAL_RANK`` is set), so
+``strategy="ddp"`` runs in place instead of re-running the script; that is Lightning's own path for an
+externally launched job (``LightningEnvironment.creates_processes_externally``).
+
+``fit(...)`` returns what a parity test compares: the logged per-step losses and every weight, experts
+gathered over ``ep`` (a collective: every rank calls it).
+"""
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset
+
+# The tiny Qwen3-MoE of src/autoep/conf/model/qwen3_moe.yaml (router module + batched experts, v5 layout).
+TINY_QWEN3_MOE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                      num_experts_per_tok=2, head_dim=8)
+SEQ_LEN = 16
+ROWS_PER_RANK = 2  # per step; the global batch is ROWS_PER_RANK * world_size
+
+
+def tiny_qwen3_moe(seed: int = 0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_QWEN3_MOE))
+
+
+class Tokens(Dataset):
+    """``n`` fixed rows of random token ids (the same on every rank; Lightning's sampler splits them)."""
+
+    def __init__(self, n: int, seed: int = 1):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, TINY_QWEN3_MOE["vocab_size"], (n, SEQ_LEN), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self.ids[i]
+
+
+class MoeLM(L.LightningModule):
+    """Next-token cross entropy of a causal LM, mean over this rank's tokens (what DDP's averaging assumes);
+    SGD with momentum, so the optimizer has state a checkpoint must keep."""
+
+    def __init__(self, lr: float = 0.5, momentum: float = 0.9, seed: int = 0):
+        super().__init__()
+        self.model = tiny_qwen3_moe(seed)
+        self.lr, self.momentum = lr, momentum
+        self.losses: list[float] = []
+
+    def loss(self, ids):
+        logits = self.model(input_ids=ids, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    def training_step(self, ids, batch_idx):
+        loss = self.loss(ids)
+        self.losses.append(loss.detach().item())
+        return loss
+
+    def validation_step(self, ids, batch_idx):
+        self.log("val_loss", self.loss(ids), sync_dist=True)
+
+    def test_step(self, ids, batch_idx):
+        self.log("test_loss", self.loss(ids), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+def loader(n: int, seed: int = 1) -> DataLoader:
+    return DataLoader(Tokens(n, seed), batch_size=ROWS_PER_RANK, shuffle=False)
+
+
+def trainer(world_size: int, strategy="ddp", **kwargs) -> L.Trainer:
+    """A ``lightning.Trainer`` on this spawned rank's CPU process group (see the module docstring)."""
+    os.environ["LOCAL_RANK"] = str(torch.distributed.get_rank())  # one node: local rank = global rank
+    defaults = dict(accelerator="cpu", devices=world_size, num_nodes=1, strategy=strategy, logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                    num_sanity_val_steps=0)
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, expert shards gathered to full tensors (NOTE: collective; every rank calls it)."""
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def fit(world_size: int, strategy="ddp", steps: int = 6, **kwargs) -> dict:
+    """Train ``MoeLM`` for ``steps`` optimizer steps; the per-step losses of this rank and every weight."""
+    module = MoeLM()
+    t = trainer(world_size, strategy, max_steps=steps, **kwargs)
+    t.fit(module, train_dataloaders=loader(steps * ROWS_PER_RANK * world_size))
+    return {"losses": module.losses, "weights": weights(module.model)}
+
+
+# ---- the cases tests/integrations/test_lightning.py spawns (each rank returns plain tensors and floats) ----------
+
+# The plan, as a host's YAML would give it; globs are relative to the LightningModule (MoeLM keeps the
+# causal LM as ``self.model``, whose decoder is ``model.model``).
+PARALLEL = {"ep_size": 2, "plan": [{"match": "model.model.layers.*.mlp", "local_compute_fn": "auto"}]}
+
+
+def ep_strategy(tmp: str, **kwargs):
+    from autoep.integrations.lightning import ExpertParallelStrategy
+
+    return ExpertParallelStrategy(PARALLEL, run_dir=os.path.join(tmp, "run"), **kwargs)
+
+
+def summed_experts_strategy(tmp: str):
+    """The issue's bug, on purpose: expert gradients summed over the ranks but not divided by the world size as
+    DDP divides the dense ones (W x too large). A negative control: the parity assertions must catch it."""
+    from autoep.integrations.lightning import ExpertParallelStrategy
+
+    class SummedExperts(ExpertParallelStrategy):
+        def setup(self, trainer):
+            super().setup(trainer)
+            self.expert_parallel.grad_convention = "sum"
+
+    return SummedExperts(PARALLEL, run_dir=os.path.join(tmp, "run"))
+
+
+def parity_worker(rank: int, world_size: int, tmp: str) -> dict:
+    """Each setting trained without EP (Lightning's ``ddp``) and with the adapter; the summed-experts control."""
+    settings = {"plain": {}, "clip_norm": {"gradient_clip_val": 0.3},
+                "clip_value": {"gradient_clip_val": 0.02, "gradient_clip_algorithm": "value"},
+                "accumulate": {"accumulate_grad_batches": 2}, "bf16": {"precision": "bf16-mixed"}}
+    out = {}
+    for name, kwargs in settings.items():
+        out[name] = {"ref": fit(world_size, "ddp", **kwargs), "ep": fit(world_size, ep_strategy(tmp), **kwargs)}
+    out["plain"]["summed"] = fit(world_size, summed_experts_strategy(tmp))
+    out["bf16"]["summed"] = fit(world_size, summed_experts_strategy(tmp), precision="bf16-mixed")
+    return out
+
+
+def expert_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's own slice of every expert parameter."""
+    return {n: p.to_local().detach().clone() for n, p in module.named_parameters() if isinstance(p, DTensor)}
+
+
+def saved_slices(path: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What this rank's experts must hold after loading ``path``: its slice of each full expert tensor saved."""
+    saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    out = {}
+    for n, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            ep = p.device_mesh.get_local_rank(p.device_mesh.mesh_dim_names.index("ep"))
+            out[n] = saved[n].chunk(p.device_mesh.size(p.device_mesh.mesh_dim_names.index("ep")), 0)[ep]
+    return out
+
+
+def checkpoint_worker(rank: int, world_size: int, tmp: str) -> dict:
+    """``ModelCheckpoint`` under the adapter: 2 epochs of 3 steps, a checkpoint after each validation (and
+    ``last.ckpt``); ``trainer.test(ckpt_path="best")`` on the same trainer and on a fresh module and trainer;
+    ``trainer.fit(ckpt_path=<epoch 0>)`` resumed to the end."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt_dir = os.path.join(tmp, "ckpt")
+    train, val, test = loader(12), loader(4, seed=2), loader(4, seed=3)
+    callback = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=-1, save_last=True)
+    module = MoeLM()
+    t = trainer(world_size, ep_strategy(tmp), max_epochs=2, callbacks=[callback], enable_checkpointing=True)
+    t.fit(module, train_dataloaders=train, val_dataloaders=val)
+    out = {"final": weights(module), "files": sorted(os.listdir(ckpt_dir)), "best": callback.best_model_path}
+    out["last_saved"] = torch.load(os.path.join(ckpt_dir, "last.ckpt"), map_location="cpu", weights_only=False)
+
+    t.test(module, dataloaders=test, ckpt_path="best")
+    out["test_same"] = (expert_shards(module), saved_slices(out["best"], module))
+
+    fresh = MoeLM(seed=5)  # another init: only the checkpoint can make its experts equal the saved ones
+    trainer(world_size, ep_strategy(tmp)).test(fresh, dataloaders=test, ckpt_path=out["best"])
+    out["test_fresh"] = (expert_shards(fresh), saved_slices(out["best"], fresh))
+    out["test_fresh_weights"] = weights(fresh)
+
+    epoch0 = os.path.join(ckpt_dir, next(f for f in out["files"] if f.startswith("epoch=0")))
+    resumed = MoeLM(seed=5)
+    trainer(world_size, ep_strategy(tmp), max_epochs=2).fit(resumed, train_dataloaders=train,
+                                                             val_dataloaders=val, ckpt_path=epoch0)
+    out["resumed"] = weights(resumed)
+    return out
+
+
+def reference_fit(world_size: int, steps: int = 6) -> dict:
+    """What Lightning's ``ddp`` run computes, in one process without Lightning: each rank's batches come from
+    the ``DistributedSampler`` Lightning puts on a training loader (always shuffled, seed 0, epoch 0; see
+    ``lightning.pytorch.trainer.connectors.data_connector._process_dataloader``), and DDP's mean of the ranks'
+    mean losses is the mean over the global batch (equal token counts)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    module = MoeLM()
+    optimizer = module.configure_optimizers()
+    data = Tokens(steps * ROWS_PER_RANK * world_size)
+    order = [list(DistributedSampler(data, num_replicas=world_size, rank=r, shuffle=True, seed=0))
+             for r in range(world_size)]
+    for s in range(steps):
+        rows = [i for r in range(world_size) for i in order[r][s * ROWS_PER_RANK:(s + 1) * ROWS_PER_RANK]]
+        optimizer.zero_grad()
+        module.loss(data.ids[rows]).backward()
+        optimizer.step()
+    return {"weights": weights(module.model)}

@@ -1,0 +1,156 @@
+"""The Lightning adapter (``autoep.integrations.lightning.ExpertParallelStrategy``) against Lightning's own
+``strategy="ddp"`` without EP: a tiny transformers Qwen3-MoE, 2 gloo ranks, SGD with momentum (a wrong expert
+gradient scale shows in the weights; Adam would hide it).
+
+- parity: the losses and every weight (experts gathered) after 6 steps equal the run without EP at fp32
+  tolerance, also with ``gradient_clip_val`` (by norm and by value) and gradient accumulation; a run with the
+  issue's bug (expert gradients W x too large) is not equal, so the comparison can fail.
+- ``precision="bf16-mixed"``: equal within BF16_TOL (stated below), the same bug again not equal; fp16 with its
+  GradScaler and the half-precision weights are refused at ``Trainer(...)``.
+- ``ModelCheckpoint``: the file holds every expert (full shape) and the optimizer's state;
+  ``trainer.test(ckpt_path="best")`` (same trainer, and a fresh module and trainer) leaves every rank's experts
+  equal to what was saved; ``trainer.fit(ckpt_path=<epoch 0>)`` ends where the uninterrupted run ended.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="the Lightning adapter's tests need lightning (pip install '.[test]')")
+
+from distributed import spawn  # noqa: E402
+
+try:  # TEMPORARY, until ep-handle's branch (the public handle the adapter is built on) is merged
+    import autoep.integrations.handle  # noqa: F401
+except ImportError:
+    pytestmark = pytest.mark.skip(reason="autoep.integrations.handle (ep-handle's branch) has not landed yet")
+
+# bf16-mixed: the matmuls run in bf16 under autocast on both sides, the master weights and the optimizer stay
+# fp32. EP reorders no reduction inside a row's computation, so the runs agree far more closely than bf16's
+# resolution (measured: max weight diff 1.5e-8 after 6 steps); the stated tolerance leaves rounding-order room
+# and is still far below the drift of a W x expert gradient (1.1e-3 max weight diff after 6 steps, the
+# summed-experts control, which must fail it).
+BF16_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    return spawn(2, "lightning_moe:parity_worker", str(tmp_path_factory.mktemp("parity")))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return spawn(2, "lightning_moe:checkpoint_worker", str(tmp_path_factory.mktemp("ckpt")))
+
+
+def assert_same_run(a: dict, b: dict, **tol) -> None:
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), **tol)
+    assert a["weights"].keys() == b["weights"].keys()
+    for name in a["weights"]:
+        torch.testing.assert_close(a["weights"][name], b["weights"][name], msg=lambda m: f"{name}: {m}", **tol)
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    return max((a["weights"][n] - b["weights"][n]).abs().max().item() for n in a["weights"])
+
+
+def test_the_baseline_is_ddp_of_the_global_batch(parity):
+    """Lightning's ``ddp`` without EP (every comparison's reference) trains as one process on the global batch."""
+    from lightning_moe import reference_fit
+
+    reference = reference_fit(world_size=2)
+    for rank in parity:
+        for name, w in reference["weights"].items():
+            torch.testing.assert_close(rank["plain"]["ref"]["weights"][name], w, msg=name)
+
+
+@pytest.mark.parametrize("setting", ["plain", "clip_norm", "clip_value", "accumulate"])
+def test_ddp_with_the_adapter_equals_ddp_without_ep(parity, setting):
+    for rank in parity:
+        assert_same_run(rank[setting]["ep"], rank[setting]["ref"])
+
+
+def test_the_settings_change_the_run(parity):
+    """Clipping and accumulation were active: each reference differs from the plain run."""
+    plain = parity[0]["plain"]["ref"]
+    for setting in ("clip_norm", "clip_value", "accumulate"):
+        assert max_weight_diff(parity[0][setting]["ref"], plain) > 1e-4, setting
+
+
+def test_summed_expert_gradients_are_caught(parity):
+    """The issue's bug (experts get W x their gradient) fails the parity comparison, in fp32 and bf16."""
+    for setting, tol in (("plain", {}), ("bf16", BF16_TOL)):
+        with pytest.raises(AssertionError):
+            assert_same_run(parity[0][setting]["summed"], parity[0][setting]["ref"], **tol)
+
+
+def test_bf16_mixed_equals_the_run_without_ep(parity):
+    for rank in parity:
+        assert_same_run(rank["bf16"]["ep"], rank["bf16"]["ref"], **BF16_TOL)
+    # bf16 really ran: its reference is not the fp32 run
+    assert max_weight_diff(parity[0]["bf16"]["ref"], parity[0]["plain"]["ref"]) > 0
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true", "16-true", "64-true"])
+def test_untested_precisions_are_refused(precision):
+    """Refused when the strategy gets the plugin (on CPU, Lightning turns ``precision="16-mixed"`` into
+    bf16-mixed before that, so fp16's plugin is handed over directly here, as a GPU Trainer would)."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+
+    from autoep.errors import PlanError
+    from autoep.integrations.lightning import ExpertParallelStrategy
+
+    plugin = {"16-mixed": lambda: MixedPrecision("16-mixed", "cpu"), "64-true": DoublePrecision}.get(
+        precision, lambda: HalfPrecision(precision))()
+    with pytest.raises(PlanError, match=rf"precision='{precision}'.*use precision='bf16-mixed' or '32-true'"):
+        ExpertParallelStrategy({"ep_size": 1}, precision_plugin=plugin)
+
+
+def test_a_refused_precision_stops_the_trainer_before_it_runs():
+    import lightning as L
+
+    from autoep.errors import PlanError
+    from autoep.integrations.lightning import ExpertParallelStrategy
+
+    with pytest.raises(PlanError, match="precision='bf16-true'"):
+        L.Trainer(accelerator="cpu", devices=1, precision="bf16-true", strategy=ExpertParallelStrategy({"ep_size": 1}))
+
+
+def test_spawn_is_refused():
+    from autoep.errors import PlanError
+    from autoep.integrations.lightning import ExpertParallelStrategy
+
+    with pytest.raises(PlanError, match="start_method='spawn'.*only rank 0's experts"):
+        ExpertParallelStrategy({"ep_size": 2}, start_method="spawn")
+
+
+def test_checkpoint_keeps_every_expert_and_the_optimizer(checkpoints):
+    rank0 = checkpoints[0]
+    assert {"epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"} <= set(rank0["files"])
+    saved = rank0["last_saved"]
+    for name, full in rank0["final"].items():  # every expert at full shape, equal to the trained weights
+        torch.testing.assert_close(saved["state_dict"][name], full, rtol=0, atol=0, msg=name)
+    momenta = saved["optimizer_states"][0]["state"]
+    experts = [n for n in rank0["final"] if ".experts." in n]
+    assert experts and all(momenta[n]["momentum_buffer"].shape == rank0["final"][n].shape for n in experts)
+
+
+@pytest.mark.parametrize("case", ["test_same", "test_fresh"])
+def test_test_from_best_restores_every_expert_on_every_rank(checkpoints, case):
+    for rank in checkpoints:
+        shards, expected = rank[case]
+        assert shards.keys() == expected.keys() and shards
+        for name in shards:
+            torch.testing.assert_close(shards[name], expected[name], rtol=0, atol=0, msg=name)
+    # the fresh module's dense weights came from the file too (its own init differs)
+    best = torch.load(checkpoints[0]["best"], map_location="cpu", weights_only=False)["state_dict"]
+    for name, w in checkpoints[0]["test_fresh_weights"].items():
+        torch.testing.assert_close(w, best[name], rtol=0, atol=0, msg=name)
+
+
+def test_resume_continues_the_same_run(checkpoints):
+    """Resumed from the epoch-0 checkpoint (weights and SGD momentum), the run ends where the uninterrupted
+    one ended."""
+    for rank in checkpoints:
+        for name, w in rank["final"].items():
+            torch.testing.assert_close(rank["resumed"][name], w, msg=name)

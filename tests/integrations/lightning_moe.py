@@ -76,8 +76,42 @@ class MoeLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
+class ManualMoeLM(MoeLM):
+    """The same training with manual optimization: ``manual_backward``, ``clip_gradients``, ``opt.step()``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, ids, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = self.loss(ids)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+        opt.step()
+        self.losses.append(loss.detach().item())
+
+
 def loader(n: int, seed: int = 1) -> DataLoader:
     return DataLoader(Tokens(n, seed), batch_size=ROWS_PER_RANK, shuffle=False)
+
+
+class TokenData(L.LightningDataModule):
+    """The same rows as a datamodule (what a Hydra template instantiates from ``data:``)."""
+
+    def __init__(self, train_rows: int = 12, eval_rows: int = 4):
+        super().__init__()
+        self.train_rows, self.eval_rows = train_rows, eval_rows
+
+    def train_dataloader(self):
+        return loader(self.train_rows)
+
+    def val_dataloader(self):
+        return loader(self.eval_rows, seed=2)
+
+    def test_dataloader(self):
+        return loader(self.eval_rows, seed=3)
 
 
 def trainer(world_size: int, strategy="ddp", **kwargs) -> L.Trainer:
@@ -95,9 +129,9 @@ def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for n, p in module.named_parameters()}
 
 
-def fit(world_size: int, strategy="ddp", steps: int = 6, **kwargs) -> dict:
-    """Train ``MoeLM`` for ``steps`` optimizer steps; the per-step losses of this rank and every weight."""
-    module = MoeLM()
+def fit(world_size: int, strategy="ddp", steps: int = 6, module_cls=MoeLM, **kwargs) -> dict:
+    """Train ``module_cls`` for ``steps`` optimizer steps; the per-step losses of this rank and every weight."""
+    module = module_cls()
     t = trainer(world_size, strategy, max_steps=steps, **kwargs)
     t.fit(module, train_dataloaders=loader(steps * ROWS_PER_RANK * world_size))
     return {"losses": module.losses, "weights": weights(module.model)}
@@ -134,6 +168,7 @@ def parity_worker(rank: int, world_size: int, tmp: str) -> dict:
     settings = {"plain": {}, "clip_norm": {"gradient_clip_val": 0.3},
                 "clip_value": {"gradient_clip_val": 0.02, "gradient_clip_algorithm": "value"},
                 "accumulate": {"accumulate_grad_batches": 2}, "bf16": {"precision": "bf16-mixed"}}
+    settings["manual"] = {"module_cls": ManualMoeLM}
     out = {}
     for name, kwargs in settings.items():
         out[name] = {"ref": fit(world_size, "ddp", **kwargs), "ep": fit(world_size, ep_strategy(tmp), **kwargs)}

@@ -3,7 +3,8 @@
 gradient scale shows in the weights; Adam would hide it).
 
 - parity: the losses and every weight (experts gathered) after 6 steps equal the run without EP at fp32
-  tolerance, also with ``gradient_clip_val`` (by norm and by value) and gradient accumulation; a run with the
+  tolerance, also with ``gradient_clip_val`` (by norm and by value), gradient accumulation and manual
+  optimization (``manual_backward``, ``clip_gradients``, ``opt.step()``); a run with the
   issue's bug (expert gradients W x too large) is not equal, so the comparison can fail.
 - ``precision="bf16-mixed"``: equal within BF16_TOL (stated below), the same bug again not equal; fp16 with its
   GradScaler and the half-precision weights are refused at ``Trainer(...)``.
@@ -12,6 +13,12 @@ gradient scale shows in the weights; Adam would hide it).
   equal to what was saved; ``trainer.fit(ckpt_path=<epoch 0>)`` ends where the uninterrupted run ended.
 """
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,7 +71,7 @@ def test_the_baseline_is_ddp_of_the_global_batch(parity):
             torch.testing.assert_close(rank["plain"]["ref"]["weights"][name], w, msg=name)
 
 
-@pytest.mark.parametrize("setting", ["plain", "clip_norm", "clip_value", "accumulate"])
+@pytest.mark.parametrize("setting", ["plain", "clip_norm", "clip_value", "accumulate", "manual"])
 def test_ddp_with_the_adapter_equals_ddp_without_ep(parity, setting):
     for rank in parity:
         assert_same_run(rank[setting]["ep"], rank[setting]["ref"])
@@ -73,7 +80,7 @@ def test_ddp_with_the_adapter_equals_ddp_without_ep(parity, setting):
 def test_the_settings_change_the_run(parity):
     """Clipping and accumulation were active: each reference differs from the plain run."""
     plain = parity[0]["plain"]["ref"]
-    for setting in ("clip_norm", "clip_value", "accumulate"):
+    for setting in ("clip_norm", "clip_value", "accumulate", "manual"):
         assert max_weight_diff(parity[0][setting]["ref"], plain) > 1e-4, setting
 
 
@@ -148,9 +155,62 @@ def test_test_from_best_restores_every_expert_on_every_rank(checkpoints, case):
         torch.testing.assert_close(w, best[name], rtol=0, atol=0, msg=name)
 
 
+def test_the_checkpoint_loads_without_ep(checkpoints):
+    """The ``.ckpt`` is an ordinary Lightning checkpoint: one process, no EP, ``load_from_checkpoint``."""
+    from lightning_moe import MoeLM
+
+    loaded = MoeLM.load_from_checkpoint(checkpoints[0]["best"], map_location="cpu", weights_only=False)
+    best = torch.load(checkpoints[0]["best"], map_location="cpu", weights_only=False)["state_dict"]
+    state = loaded.state_dict()
+    assert state.keys() == best.keys()
+    for name, w in best.items():
+        torch.testing.assert_close(state[name], w, rtol=0, atol=0, msg=name)
+
+
 def test_resume_continues_the_same_run(checkpoints):
     """Resumed from the epoch-0 checkpoint (weights and SGD momentum), the run ends where the uninterrupted
     one ended."""
     for rank in checkpoints:
         for name, w in rank["final"].items():
             torch.testing.assert_close(rank["resumed"][name], w, msg=name)
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+
+
+def lightning_section_files() -> dict[str, str]:
+    """The files docs/integrations.md's Lightning section shows: each fenced block under the backticked path
+    that introduces it (```` `conf/config.yaml` ````, ```` `train.py` ````)."""
+    section = DOCS.read_text().split("\n## PyTorch Lightning\n", 1)[1].split("\n## ", 1)[0]
+    files = dict(re.findall(r"`([\w/]+\.(?:yaml|py))`[^`\n]*\n*```(?:yaml|python)\n(.*?)```", section, re.S))
+    assert set(files) == {"conf/config.yaml", "train.py"}, sorted(files)
+    return files
+
+
+def test_the_docs_lightning_app_runs(tmp_path):
+    """docs/integrations.md's Lightning app, as its users run it: ``python train.py``; Lightning starts the
+    second rank itself (re-running the script with Hydra's run dir), fits, and tests the best checkpoint."""
+    for name, text in lightning_section_files().items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    project = tmp_path / "my_project"  # "your" LightningModule and data: the tests' tiny Qwen3-MoE ones
+    project.mkdir()
+    (project / "__init__.py").write_text("")
+    (project / "models.py").write_text("from lightning_moe import MoeLM  # noqa: F401\n")
+    (project / "data.py").write_text("from lightning_moe import TokenData  # noqa: F401\n")
+    import autoep
+
+    tests = Path(__file__).resolve().parents[1]
+    path = [str(Path(autoep.__file__).parents[1]), str(tests), str(tests / "integrations"), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    log = run.stdout + run.stderr
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log  # Lightning launched the second rank
+    resolved = (tmp_path / "run" / "resolved.yaml").read_text()
+    assert "model.model.layers.0.mlp" in resolved and "decision" in resolved
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    assert ckpts, log[-3000:]
+    state = torch.load(ckpts[-1], map_location="cpu", weights_only=False)["state_dict"]
+    assert state["model.model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8  # every expert, not rank 0's 4

@@ -61,14 +61,13 @@ class ExpertParallelStrategy(DDPStrategy):
     Every other keyword is ``DDPStrategy``'s (``timeout``, ``process_group_backend``, DDP's own kwargs).
     """
 
-    strategy_name = "autoep_ddp"
-
     def __init__(self, parallel, *, run_dir: str | os.PathLike | None = None, allowed_targets=(), **ddp_kwargs):
-        if ddp_kwargs.get("start_method", "popen") != "popen":
-            raise PlanError(f"ExpertParallelStrategy(start_method={ddp_kwargs['start_method']!r}): only 'popen' (Lightning "
-                            f"launches the script per rank, or torchrun does) is supported; with spawn the main "
-                            f"process gets back rank 0's model, which holds only rank 0's experts. Drop start_method "
-                            f"(use strategy='ddp' semantics)")
+        start_method = ddp_kwargs.get("start_method", "popen")
+        if start_method != "popen":
+            raise PlanError(f"ExpertParallelStrategy(start_method={start_method!r}) is not supported: the main process "
+                            f"of a spawned run gets back rank 0's module, which holds only rank 0's experts. Drop "
+                            f"start_method and launch as strategy='ddp' does: `python train.py` (Lightning starts "
+                            f"one process per device) or `torchrun --nproc-per-node N train.py`")
         super().__init__(**ddp_kwargs)
         self._parallel, self._run_dir, self._allowed_targets = parallel, run_dir, tuple(allowed_targets)
         self.expert_parallel = None  # the handle, built in ``setup`` on the LightningModule
@@ -126,6 +125,10 @@ class ExpertParallelStrategy(DDPStrategy):
         return self.expert_parallel.optimizer_state_dict(_unwrap(optimizer))  # keyed by name, experts gathered
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if not strict:
+            raise PlanError("LightningModule.strict_loading=False is not supported with ExpertParallelStrategy: the "
+                            "experts are loaded strictly (a missing expert would stay as initialised without a word); "
+                            "set strict_loading=True")
         self.expert_parallel.load_state_dict(checkpoint["state_dict"])  # each rank keeps its experts' slices
 
     def load_optimizer_state_dict(self, checkpoint) -> None:

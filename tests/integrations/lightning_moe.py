@@ -182,44 +182,67 @@ def expert_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.to_local().detach().clone() for n, p in module.named_parameters() if isinstance(p, DTensor)}
 
 
+def saved_checkpoint(path: str) -> tuple[dict, dict]:
+    """(model state, optimizer state per parameter name) a checkpoint holds, every tensor at full shape: a
+    ``.ckpt`` file (``state_dict_type="full"``) or a DCP directory (``"sharded"``, converted in this process)."""
+    if not os.path.isdir(path):
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        return ckpt["state_dict"], ckpt["optimizer_states"][0]["state"] if ckpt.get("optimizer_states") else {}
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.r{torch.distributed.get_rank()}.pt")
+    dcp_to_torch_save(path, out)
+    ckpt = torch.load(out, map_location="cpu", weights_only=False)
+    return ckpt["model"], ckpt.get("optim", {}).get("state", {})
+
+
 def saved_slices(path: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What this rank's experts must hold after loading ``path``: its slice of each full expert tensor saved."""
-    saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    saved = saved_checkpoint(path)[0]
     out = {}
     for n, p in module.named_parameters():
         if isinstance(p, DTensor):
-            ep = p.device_mesh.get_local_rank(p.device_mesh.mesh_dim_names.index("ep"))
-            out[n] = saved[n].chunk(p.device_mesh.size(p.device_mesh.mesh_dim_names.index("ep")), 0)[ep]
+            ep = p.device_mesh.mesh_dim_names.index("ep")
+            out[n] = saved[n].chunk(p.device_mesh.size(ep), 0)[p.device_mesh.get_local_rank(ep)]
     return out
 
 
 def checkpoint_worker(rank: int, world_size: int, tmp: str) -> dict:
+    return {kind: checkpoint_case(world_size, os.path.join(tmp, kind), kind) for kind in ("full", "sharded")}
+
+
+def checkpoint_case(world_size: int, tmp: str, state_dict_type: str) -> dict:
     """``ModelCheckpoint`` under the adapter: 2 epochs of 3 steps, a checkpoint after each validation (and
     ``last.ckpt``); ``trainer.test(ckpt_path="best")`` on the same trainer and on a fresh module and trainer;
     ``trainer.fit(ckpt_path=<epoch 0>)`` resumed to the end."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    def strategy():
+        return ep_strategy(tmp, state_dict_type=state_dict_type)
+
     ckpt_dir = os.path.join(tmp, "ckpt")
     train, val, test = loader(12), loader(4, seed=2), loader(4, seed=3)
     callback = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=-1, save_last=True)
     module = MoeLM()
-    t = trainer(world_size, ep_strategy(tmp), max_epochs=2, callbacks=[callback], enable_checkpointing=True)
+    t = trainer(world_size, strategy(), max_epochs=2, callbacks=[callback], enable_checkpointing=True)
     t.fit(module, train_dataloaders=train, val_dataloaders=val)
-    out = {"final": weights(module), "files": sorted(os.listdir(ckpt_dir)), "best": callback.best_model_path}
-    out["last_saved"] = torch.load(os.path.join(ckpt_dir, "last.ckpt"), map_location="cpu", weights_only=False)
+    out = {"final": weights(module), "files": sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".ckpt")),
+           "best": callback.best_model_path}
+    out["last_saved"] = saved_checkpoint(os.path.join(ckpt_dir, "last.ckpt"))
+    out["best_saved"] = saved_checkpoint(out["best"])[0]
 
     t.test(module, dataloaders=test, ckpt_path="best")
     out["test_same"] = (expert_shards(module), saved_slices(out["best"], module))
 
     fresh = MoeLM(seed=5)  # another init: only the checkpoint can make its experts equal the saved ones
-    trainer(world_size, ep_strategy(tmp)).test(fresh, dataloaders=test, ckpt_path=out["best"])
+    trainer(world_size, strategy()).test(fresh, dataloaders=test, ckpt_path=out["best"])
     out["test_fresh"] = (expert_shards(fresh), saved_slices(out["best"], fresh))
     out["test_fresh_weights"] = weights(fresh)
 
     epoch0 = os.path.join(ckpt_dir, next(f for f in out["files"] if f.startswith("epoch=0")))
     resumed = MoeLM(seed=5)
-    trainer(world_size, ep_strategy(tmp), max_epochs=2).fit(resumed, train_dataloaders=train,
-                                                             val_dataloaders=val, ckpt_path=epoch0)
+    trainer(world_size, strategy(), max_epochs=2).fit(resumed, train_dataloaders=train, val_dataloaders=val,
+                                                      ckpt_path=epoch0)
     out["resumed"] = weights(resumed)
     return out
 

@@ -131,49 +131,53 @@ def test_spawn_is_refused():
         ExpertParallelStrategy({"ep_size": 2}, start_method="spawn")
 
 
-def test_checkpoint_keeps_every_expert_and_the_optimizer(checkpoints):
-    rank0 = checkpoints[0]
-    assert {"epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"} <= set(rank0["files"])
-    saved = rank0["last_saved"]
-    for name, full in rank0["final"].items():  # every expert at full shape, equal to the trained weights
-        torch.testing.assert_close(saved["state_dict"][name], full, rtol=0, atol=0, msg=name)
-    momenta = saved["optimizer_states"][0]["state"]
-    experts = [n for n in rank0["final"] if ".experts." in n]
-    assert experts and all(momenta[n]["momentum_buffer"].shape == rank0["final"][n].shape for n in experts)
+KINDS = ["full", "sharded"]  # ExpertParallelStrategy(state_dict_type=...): one .ckpt file, or a DCP directory
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_keeps_every_expert_and_the_optimizer(checkpoints, kind):
+    run = checkpoints[0][kind]
+    assert {"epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"} <= set(run["files"])
+    model_state, optimizer_state = run["last_saved"]
+    for name, full in run["final"].items():  # every expert at full shape, equal to the trained weights
+        torch.testing.assert_close(model_state[name], full, rtol=0, atol=0, msg=name)
+    experts = [n for n in run["final"] if ".experts." in n]
+    assert experts and all(optimizer_state[n]["momentum_buffer"].shape == run["final"][n].shape for n in experts)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", ["test_same", "test_fresh"])
-def test_test_from_best_restores_every_expert_on_every_rank(checkpoints, case):
+def test_test_from_best_restores_every_expert_on_every_rank(checkpoints, case, kind):
     for rank in checkpoints:
-        shards, expected = rank[case]
+        shards, expected = rank[kind][case]
         assert shards.keys() == expected.keys() and shards
         for name in shards:
             torch.testing.assert_close(shards[name], expected[name], rtol=0, atol=0, msg=name)
-    # the fresh module's dense weights came from the file too (its own init differs)
-    best = torch.load(checkpoints[0]["best"], map_location="cpu", weights_only=False)["state_dict"]
-    for name, w in checkpoints[0]["test_fresh_weights"].items():
-        torch.testing.assert_close(w, best[name], rtol=0, atol=0, msg=name)
+    # the fresh module's dense weights came from the checkpoint too (its own init differs)
+    run = checkpoints[0][kind]
+    for name, w in run["test_fresh_weights"].items():
+        torch.testing.assert_close(w, run["best_saved"][name], rtol=0, atol=0, msg=name)
 
 
 def test_the_checkpoint_loads_without_ep(checkpoints):
-    """The ``.ckpt`` is an ordinary Lightning checkpoint: one process, no EP, ``load_from_checkpoint``."""
+    """The full ``.ckpt`` is an ordinary Lightning checkpoint: one process, no EP, ``load_from_checkpoint``."""
     from lightning_moe import MoeLM
 
-    loaded = MoeLM.load_from_checkpoint(checkpoints[0]["best"], map_location="cpu", weights_only=False)
-    best = torch.load(checkpoints[0]["best"], map_location="cpu", weights_only=False)["state_dict"]
+    run = checkpoints[0]["full"]
+    loaded = MoeLM.load_from_checkpoint(run["best"], map_location="cpu", weights_only=False)
     state = loaded.state_dict()
-    assert state.keys() == best.keys()
-    for name, w in best.items():
+    assert state.keys() == run["best_saved"].keys()
+    for name, w in run["best_saved"].items():
         torch.testing.assert_close(state[name], w, rtol=0, atol=0, msg=name)
 
 
-def test_resume_continues_the_same_run(checkpoints):
+@pytest.mark.parametrize("kind", KINDS)
+def test_resume_continues_the_same_run(checkpoints, kind):
     """Resumed from the epoch-0 checkpoint (weights and SGD momentum), the run ends where the uninterrupted
     one ended."""
     for rank in checkpoints:
-        for name, w in rank["final"].items():
-            torch.testing.assert_close(rank["resumed"][name], w, msg=name)
-
+        for name, w in rank[kind]["final"].items():
+            torch.testing.assert_close(rank[kind]["resumed"][name], w, msg=name)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 

@@ -41,15 +41,20 @@ logic:
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from autoep.errors import PlanError
 from autoep.runtime.recipes import local_tensor
+
+META = "meta.pt"  # Lightning's own state in a sharded checkpoint directory (FSDPStrategy's name for it)
+SHARDED = "autoep_sharded"  # the key in it saying the handle wrote the model (and whether the optimizer)
 
 
 class ExpertParallelStrategy(DDPStrategy):
@@ -61,7 +66,11 @@ class ExpertParallelStrategy(DDPStrategy):
     Every other keyword is ``DDPStrategy``'s (``timeout``, ``process_group_backend``, DDP's own kwargs).
     """
 
-    def __init__(self, parallel, *, run_dir: str | os.PathLike | None = None, allowed_targets=(), **ddp_kwargs):
+    def __init__(self, parallel, *, run_dir: str | os.PathLike | None = None, allowed_targets=(),
+                 state_dict_type: str = "full", **ddp_kwargs):
+        if state_dict_type not in ("full", "sharded"):
+            raise PlanError(f"ExpertParallelStrategy(state_dict_type={state_dict_type!r}): pick 'full' (one .ckpt file, "
+                            f"every expert gathered) or 'sharded' (a directory, each rank writes its own experts)")
         start_method = ddp_kwargs.get("start_method", "popen")
         if start_method != "popen":
             raise PlanError(f"ExpertParallelStrategy(start_method={start_method!r}) is not supported: the main process "
@@ -70,6 +79,7 @@ class ExpertParallelStrategy(DDPStrategy):
                             f"one process per device) or `torchrun --nproc-per-node N train.py`")
         super().__init__(**ddp_kwargs)
         self._parallel, self._run_dir, self._allowed_targets = parallel, run_dir, tuple(allowed_targets)
+        self._state_dict_type = state_dict_type
         self.expert_parallel = None  # the handle, built in ``setup`` on the LightningModule
         self._grads_finished = True
 
@@ -116,15 +126,56 @@ class ExpertParallelStrategy(DDPStrategy):
             self.expert_parallel.finish_gradients(dense_synced=True)  # DDP averaged the dense ones
             self._grads_finished = True
 
-    # ---- checkpoints: Lightning's own file, every expert gathered into it -----------------------------------
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    # "full": Lightning's own file, rank 0 writes it (CheckpointIO); every expert gathered into ``state_dict``.
+    # "sharded": a directory: the handle's DCP shards (each rank writes its own experts) plus Lightning's state
+    # (loops, callbacks, schedulers, hparams) in ``meta.pt``, as FSDPStrategy's sharded checkpoints are laid out.
+    # Either kind loads under either setting (a directory is sharded, a file is full).
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._state_dict_type == "sharded":
+            return {}  # the handle writes the model in ``save_checkpoint``
         return self.expert_parallel.state_dict()  # every expert at full shape (a collective: every rank saves)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if self._state_dict_type == "sharded":
+            return {}
         return self.expert_parallel.optimizer_state_dict(_unwrap(optimizer))  # keyed by name, experts gathered
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if self._state_dict_type == "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0 writes the file
+        if storage_options is not None:
+            raise TypeError("ExpertParallelStrategy(state_dict_type='sharded').save_checkpoint(storage_options=...) is "
+                            "not supported: autoep's handle writes the shards, not a CheckpointIO")
+        path = Path(self.broadcast(str(filepath)))  # rank 0's path on every rank
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta[SHARDED] = {"optimizer": "optimizer_states" in checkpoint}
+        self.expert_parallel.save(path, self._one_optimizer() if meta[SHARDED]["optimizer"] else None)
+        if self.global_rank == 0:  # after the handle's rename: a directory without meta.pt is refused on load
+            self.checkpoint_io.save_checkpoint(meta, path / META)
+        self.barrier("ExpertParallelStrategy.save_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only)  # a full file; ``load_*_state_dict`` slice it
+        if not (path / META).is_file():
+            raise FileNotFoundError(f"ckpt_path={str(path)!r} is a directory without {META}: not a complete "
+                                    f"checkpoint of ExpertParallelStrategy(state_dict_type='sharded')")
+        meta = self.checkpoint_io.load_checkpoint(path / META, weights_only=weights_only)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and not meta[SHARDED]["optimizer"]:
+            raise KeyError(f"Trying to restore optimizer state but {path} holds only the model (saved with "
+                           f"ModelCheckpoint(save_weights_only=True)); resume from a full checkpoint")
+        self.expert_parallel.load(path, self._one_optimizer() if fitting else None)
+        if meta[SHARDED]["optimizer"]:
+            meta["optimizer_states"] = []  # loaded above; the key tells Lightning the checkpoint has them
+        return meta
+
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if SHARDED in checkpoint:
+            return  # ``load_checkpoint`` loaded the model through the handle
         if not strict:
             raise PlanError("LightningModule.strict_loading=False is not supported with ExpertParallelStrategy: the "
                             "experts are loaded strictly (a missing expert would stay as initialised without a word); "
@@ -132,12 +183,21 @@ class ExpertParallelStrategy(DDPStrategy):
         self.expert_parallel.load_state_dict(checkpoint["state_dict"])  # each rank keeps its experts' slices
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
+        if SHARDED in checkpoint:
+            return  # ... and the optimizer
         states = checkpoint["optimizer_states"]
         if len(states) != len(self.optimizers):
             raise KeyError(f"the checkpoint holds {len(states)} optimizer states but configure_optimizers returned "
                            f"{len(self.optimizers)} optimizers; resume with the same optimizers")
         for optimizer, state in zip(self.optimizers, states):
             self.expert_parallel.load_optimizer_state_dict(_unwrap(optimizer), state)
+
+    def _one_optimizer(self):
+        if len(self.optimizers) != 1:
+            raise PlanError(f"ExpertParallelStrategy(state_dict_type='sharded') checkpoints one optimizer; "
+                            f"configure_optimizers returned {len(self.optimizers)}. Use state_dict_type='full' or "
+                            f"one optimizer (param groups may differ)")
+        return self.optimizers[0]
 
 
 def _unwrap(optimizer):

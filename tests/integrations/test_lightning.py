@@ -27,11 +27,6 @@ pytest.importorskip("lightning", reason="the Lightning adapter's tests need ligh
 
 from distributed import spawn  # noqa: E402
 
-try:  # TEMPORARY, until ep-handle's branch (the public handle the adapter is built on) is merged
-    import autoep.integrations.handle  # noqa: F401
-except ImportError:
-    pytestmark = pytest.mark.skip(reason="autoep.integrations.handle (ep-handle's branch) has not landed yet")
-
 # bf16-mixed: the matmuls run in bf16 under autocast on both sides, the master weights and the optimizer stay
 # fp32. EP reorders no reduction inside a row's computation, so the runs agree far more closely than bf16's
 # resolution (measured: max weight diff 1.5e-8 after 6 steps); the stated tolerance leaves rounding-order room

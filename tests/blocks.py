@@ -992,3 +992,150 @@ class EqualGroupsMoE(nn.Module):
         routed_out = self.experts(routed_in)
         out = self.shared_expert(x) + routed_out.view(self.num_experts, -1, shape[-1]).sum(dim=0)
         return out.view(shape), logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Splice fidelity: the spliced method is the live one (issue 17). Each reads something a copy of the
+# method would get wrong: a private name, a default argument, a closure variable rebound later.
+# ---------------------------------------------------------------------------------------------
+
+ROUTED_SCALE = 1.5  # read by DefaultScaleMoE's default arguments, once, when the class is defined
+
+
+class _RoutedLoopMoE(MoE):
+    """``MoE``'s routing and loop, returning the routed sum as (tokens, hidden) for subclasses to finish."""
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        scores = F.softmax(self.gate(x), dim=1, dtype=torch.float)
+        top_scores, selected_experts = torch.topk(scores, self.config.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(selected_experts == i)
+            out.index_add_(0, token_idx, expert(x[token_idx]) * top_scores[token_idx, slot, None])
+        return out
+
+
+class PrivateNameMoE(MoE):
+    """A block keeping its routed scale and temperature in private attributes (``self.__scale`` is
+    ``_PrivateNameMoE__scale`` on the instance), one read before the expert loop, one after."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.__temperature = 0.7
+        self.__scale = 1.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = F.softmax(self.gate(x) / self.__temperature, dim=1, dtype=torch.float)
+        top_scores, selected_experts = torch.topk(scores, self.config.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(selected_experts == i)
+            out.index_add_(0, token_idx, expert(x[token_idx]) * top_scores[token_idx, slot, None])
+        return (out * self.__scale).view(bs, slen, dim)
+
+
+class DefaultScaleMoE(MoE):
+    """A routed scale and shift given as default arguments, positional and keyword-only, evaluated once
+    when the class is defined (rebinding ``ROUTED_SCALE`` later changes neither)."""
+
+    def forward(self, x: torch.Tensor, scale=ROUTED_SCALE, *, shift=ROUTED_SCALE / 10) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = F.softmax(self.gate(x), dim=1, dtype=torch.float)
+        top_scores, selected_experts = torch.topk(scores, self.config.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(selected_experts == i)
+            out.index_add_(0, token_idx, expert(x[token_idx]) * top_scores[token_idx, slot, None])
+        return (out * scale + shift).view(bs, slen, dim)
+
+
+def make_rebindable_moe_class(scale: float):
+    """A block class whose forward reads the closure variable ``scale``, and the function that rebinds it
+    (both the model's forward and its spliced twin must see the new value: they share the cell)."""
+
+    def set_scale(value: float) -> None:
+        nonlocal scale
+        scale = value
+
+    class RebindableMoE(MoE):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            bs, slen, dim = x.shape
+            x = x.view(-1, dim)
+            scores = F.softmax(self.gate(x), dim=1, dtype=torch.float)
+            top_scores, selected_experts = torch.topk(scores, self.config.top_k, dim=-1)
+            out = torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                token_idx, slot = torch.where(selected_experts == i)
+                out.index_add_(0, token_idx, expert(x[token_idx]) * top_scores[token_idx, slot, None])
+            return (out * scale).view(bs, slen, dim)
+
+    return RebindableMoE, set_scale
+
+
+class HalfScaledMoE(MoE):
+    """``MoE`` with its routed output halved: a forward whose code another class's forward may be given."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = F.softmax(self.gate(x), dim=1, dtype=torch.float)
+        top_scores, selected_experts = torch.topk(scores, self.config.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(selected_experts == i)
+            out.index_add_(0, token_idx, expert(x[token_idx]) * top_scores[token_idx, slot, None])
+        return (out * 0.5).view(bs, slen, dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd around the exchange (issue 17): what the model's own backward survives, EP's must too
+# ---------------------------------------------------------------------------------------------
+
+
+class InplaceAfterLoopMoE(MixtralStyleSparseMoeBlock):
+    """Mixtral's block that, after its expert loop, edits its routing weights in place (e.g. to reuse the
+    buffer for a statistic): its own loop saved indexed copies of them, so its own backward works."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
+
+        final_hidden_states = torch.zeros(
+            (batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype, device=hidden_states.device
+        )
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        routing_weights.mul_(0.5)
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+
+
+class TuneDropEmptyMoE(TuneMoE):
+    """torchtune's shipped ``MoE.forward``: the routed output is added back only when it is non-empty
+    (``if routed_output.numel() > 0``), so a rank without tokens drops it from its graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, dim = x.shape
+        top_scores, token_indices, num_tokens_per_expert, _ = self.router(x.reshape(b * s, dim))
+        token_indices = token_indices.reshape(-1, 1).expand(-1, dim)
+        routed_input = torch.gather(x.view(-1, dim), dim=0, index=token_indices)
+        routed_input = routed_input * top_scores.reshape(-1, 1).to(x.dtype)
+        routed_output = self.experts(routed_input, num_tokens_per_expert)
+        out = self.shared_expert(x).reshape(b * s, dim)
+        if routed_output.numel() > 0:
+            out.scatter_add_(dim=0, index=token_indices, src=routed_output)
+        return out.reshape(b, s, dim)

@@ -56,7 +56,7 @@ from autoep.detect.loop_values import (
     ShapeItem,
     Weight,
 )
-from autoep.detect.names import Scope
+from autoep.detect.names import Scope, mangled
 from autoep.detect.source import Refusal
 
 # The torch functions a region may call, by identity.
@@ -148,7 +148,7 @@ class Prover:
         self.refuse(node)
 
     def _self_attr(self, node: ast.Attribute):
-        name = node.attr
+        name = mangled(self.scope.fn, node.attr)  # ``self.__x`` in a class body reads ``_Class__x``
         if name in vars(self.owner) and name not in ("training",):
             value = vars(self.owner)[name]
         else:

@@ -12,7 +12,6 @@ Each returns facts or raises ``Refusal`` naming what could not be proven.
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ from autoep.detect import elementwise, regions, split_loop
 from autoep.detect.expert_loop import Prover, strip_casts
 from autoep.detect.loop_context import plain_method, prelude, self_reads
 from autoep.detect.names import Scope
-from autoep.detect.source import Refusal, function_tree
+from autoep.detect.source import Refusal, cached_by_code, function_tree
 
 # ---------------------------------------------------------------------------------------------
 # ModuleList experts: every expert is the same proven SwiGLU
@@ -35,7 +34,7 @@ _FUNCTION_MODULES = {F.silu: nn.SiLU, F.relu: nn.ReLU, torch.relu: nn.ReLU, F.si
                      torch.sigmoid: nn.Sigmoid, F.tanh: nn.Tanh, torch.tanh: nn.Tanh}
 
 
-@functools.lru_cache(maxsize=None)
+@cached_by_code
 def _swiglu_shape(forward) -> tuple[str, str, str, object, tuple[str, ...]]:
     """(gate, up, down attribute names, activation: "act_fn" or a function, dropout attribute names) of
     ``down(act(gate(x)) * up(x))``, optionally ``self.d(...)`` around it or around the product."""

@@ -29,6 +29,16 @@ def closure_vars(fn) -> dict[str, object]:
     return out
 
 
+def mangled(fn, name: str) -> str:
+    """``name`` as ``fn``'s code reads it: a private ``__x`` written in a class body is ``_Class__x``."""
+    if not name.startswith("__") or name.endswith("__"):
+        return name
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    parts = code.co_qualname.split(".") if code is not None else []
+    cls = parts[-2].lstrip("_") if len(parts) >= 2 and parts[-2] != "<locals>" else ""
+    return f"_{cls}{name}" if cls else name
+
+
 class Scope:
     """How a function's free names resolve: its closure, then its globals, then builtins."""
 

@@ -14,7 +14,6 @@ never re-implemented and a fact recorded here cannot make a result wrong.
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 
 import torch
@@ -22,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoep.detect.names import Scope
-from autoep.detect.source import Refusal, function_tree
+from autoep.detect.source import Refusal, cached_by_code, function_tree
 
 SHARED_ATTRS = ("shared_expert", "shared_expert_gate", "shared_experts")
 _SCORES = {F.softmax: "softmax", torch.softmax: "softmax", F.sigmoid: "sigmoid", torch.sigmoid: "sigmoid"}
@@ -58,7 +57,7 @@ def router_kind(module: nn.Module) -> str:
         return "other"
 
 
-@functools.lru_cache(maxsize=None)
+@cached_by_code
 def _router_module_proof(forward, cls_name: str) -> None:
     tree = function_tree(forward)
     scope = Scope(forward)
@@ -240,7 +239,7 @@ def experts_call(module: nn.Module) -> None:
 
 
 
-@functools.lru_cache(maxsize=None)
+@cached_by_code
 def _experts_call_source(forward, cls_name: str) -> None:
     """The source half of ``experts_call``: cached per forward function (a patched class is re-proven)."""
     from autoep.detect.loop_context import always_reached, self_reads

@@ -1,8 +1,8 @@
 """Compile a block's own method with its expert loop spliced out.
 
-The method is recompiled from its own source, with its own globals and closure (zero-arg ``super()``
-included: ``__class__`` is passed as the closure cell it was), and only its proven expert
-regions changed: each becomes one call into the EP exchange,
+The method is recompiled from its own source (proven to be its code), in its class's scope, with its own
+globals, defaults and closure cells (zero-arg ``super()`` included: ``__class__`` is the cell it was),
+and only its proven expert regions changed: each becomes one call into the EP exchange,
 
     __autoep_expert_loop__(self, acc, x, idx, w)     # a loop adding sum_k w[t, k] * expert_{idx[t, k]}(x[t])
     out = __autoep_expert_loop__(self, rows, counts)  # an argsort/split loop and its concatenation
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import ast
 import copy
+import inspect
 import linecache
+import types
 
 from autoep.detect import regions
-from autoep.detect.names import closure_vars
-from autoep.detect.source import function_tree
+from autoep.detect.source import compile_in_scope, function_tree, scope_module
 
 LOOP_NAME = "__autoep_expert_loop__"
-_FACTORY = "__autoep_factory__"
 
 
 def loop_name(k: int) -> str:
@@ -51,34 +51,63 @@ def spliced_source(plans) -> ast.FunctionDef:
 
 
 def compile_spliced(plans, expert_loops):
-    """A plain function (bind it to the block) equal to the plans' method with the ``k``-th region replaced
-    by ``expert_loops[k](self, *plans[k].args)``."""
+    """The plans' method, live, with the ``k``-th region replaced by ``expert_loops[k](self, *plans[k].args)``:
+    a function to bind to the block.
+
+    It is the model's function with one region changed, not a copy of it: compiled in its class's scope
+    (private ``self.__x`` names mangled as in the class), with its own ``__defaults__``, ``__kwdefaults__``
+    (the same objects, never re-evaluated) and closure cells (shared: a rebinding of a closure variable is
+    seen by both), from the source proven to be its code (``source.function_tree``). Each call first checks
+    that the class still holds that function with that code; a method replaced or a ``__code__`` swapped
+    after apply raises instead of running the old code."""
     fn = plans[0].fn
+    code = fn.__code__
     tree = spliced_source(plans)
-    free = list(fn.__code__.co_freevars)
-    cells = closure_vars(fn)
-    missing = [n for n in free if n not in cells]
-    if missing:
-        raise RuntimeError(f"{fn.__qualname__}: closure cells {missing} are empty; cannot recompile it")
-    params = [ast.arg(arg=n) for n in [*map(loop_name, range(len(plans))), *free]]
-    factory = ast.FunctionDef(
-        name=_FACTORY,
-        args=ast.arguments(posonlyargs=[], args=params, kwonlyargs=[], kw_defaults=[], defaults=[]),
-        body=[tree, ast.Return(value=ast.Name(id=tree.name, ctx=ast.Load()))],
-        decorator_list=[],
-        returns=None,
-        **({"type_params": []} if "type_params" in ast.FunctionDef._fields else {}),
-    )
-    module = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
+    names = tuple(map(loop_name, range(len(plans))))
+    _guard_first(tree, plans[0].method)
     filename = f"<autoep: {fn.__qualname__} with its expert loop spliced>"
-    source = ast.unparse(module)
+    source = ast.unparse(scope_module(tree, code, (*names, _LIVE)))
     # Register the source so tracebacks through the spliced method show its lines.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    code = compile(ast.parse(source), filename, "exec")
-    namespace: dict = {}
-    exec(code, fn.__globals__, namespace)  # noqa: S102 - the model's own source, one region changed
-    new = namespace[_FACTORY](*expert_loops, *[cells[n] for n in free])
-    new.__qualname__ = fn.__qualname__
-    new.__doc__ = fn.__doc__
+    new_code = compile_in_scope(tree, code, filename=filename, module=ast.parse(source))
+    cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
+    cells |= {n: types.CellType(f) for n, f in zip(names, expert_loops)}
+    cells[_LIVE] = types.CellType(_live_check(fn, code, plans[0].method))
+    missing = [n for n in new_code.co_freevars if n not in cells]
+    if missing:
+        raise RuntimeError(f"{fn.__qualname__}: the spliced method reads {missing}, which its own closure lacks")
+    new = types.FunctionType(new_code.replace(co_qualname=code.co_qualname), fn.__globals__, fn.__name__,
+                             fn.__defaults__, tuple(cells[n] for n in new_code.co_freevars))
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    new.__annotations__ = fn.__annotations__
     new.__autoep_spliced__ = fn
     return new
+
+
+_LIVE = "__autoep_live__"
+
+
+def _guard_first(tree: ast.FunctionDef, method: str) -> None:
+    """``__autoep_live__(self)`` as the method's first statement (after its docstring)."""
+    self_name = tree.args.args[0].arg
+    call = ast.Expr(value=ast.Call(func=ast.Name(id=_LIVE, ctx=ast.Load()),
+                                   args=[ast.Name(id=self_name, ctx=ast.Load())], keywords=[]))
+    docstring = tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant) \
+        and isinstance(tree.body[0].value.value, str)
+    tree.body.insert(1 if docstring else 0, ast.copy_location(call, tree.body[0]))
+
+
+def _live_check(fn, code, method: str):
+    """A check, run on each call of the spliced method, that the block's class still holds ``fn`` as
+    ``method`` and ``fn`` still runs ``code`` (what was proven and spliced)."""
+
+    def check(self) -> None:
+        now = inspect.unwrap(getattr(type(self), method, None))
+        if now is not fn or fn.__code__ is not code:
+            what = "was replaced" if now is not fn else "had its __code__ replaced"
+            raise RuntimeError(f"{type(self).__name__}.{method} {what} after apply_plan; the expert-parallel "
+                               f"block still holds the method proven at apply time. Apply the plan again to a "
+                               f"fresh model built with the new code")
+
+    return check

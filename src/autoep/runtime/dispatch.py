@@ -11,6 +11,7 @@ also groups them by destination rank, so one stable sort serves both the exchang
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -117,11 +118,86 @@ def ep_experts_forward(
 
     # Undo the sort: row s of y_SD is pair s = t*K + k again; padding pairs stay zero (layout change).
     y_SD = y_sorted_SD.new_zeros((T * K, D)).index_copy(0, perm_S[:routed], y_sorted_SD)
+    # The weights are the model's tensor: the product below saves them for backward, so it gets a copy of
+    # its own (the model's loop saved indexed copies; it may edit its weights in place after the loop).
     if acc_dtype is not None and acc_dtype != torch.float32:
-        return _combine_like_the_loop(y_SD.view(T, K, D), top_k_weights_TK, top_k_index_TK, acc_dtype).to(
-            out_dtype or hidden_TD.dtype)
-    weighted_TKD = y_SD.float().view(T, K, D) * top_k_weights_TK.float().unsqueeze(-1)
-    return weighted_TKD.sum(dim=1).to(out_dtype or hidden_TD.dtype)
+        out_TD = _combine_like_the_loop(y_SD.view(T, K, D), top_k_weights_TK.clone(), top_k_index_TK, acc_dtype)
+    else:
+        weighted_TKD = y_SD.float().view(T, K, D) * top_k_weights_TK.to(torch.float32, copy=True).unsqueeze(-1)
+        out_TD = weighted_TKD.sum(dim=1)
+    out_TD = out_TD.to(out_dtype or hidden_TD.dtype)
+    if W > 1:
+        _exchanged(out_TD)
+    return out_TD
+
+
+# ---------------------------------------------------------------------------------------------
+# Every rank joins the backward exchange
+# ---------------------------------------------------------------------------------------------
+
+_open = threading.local()  # .outs: the outputs of the exchanges run since the current block began
+
+
+def _exchanged(out: Tensor) -> None:
+    outs = getattr(_open, "outs", None)
+    if outs is not None and out.requires_grad:
+        outs.append(out)
+
+
+def open_exchanges() -> None:
+    """A block begins: record the outputs of the exchanges it runs (``join_exchanges`` at its end)."""
+    _open.outs = []
+
+
+def join_exchanges(output):
+    """A block ended with ``output``: every exchange it ran whose output the block dropped from its graph
+    (torchtune's ``if routed_output.numel() > 0:`` on a rank without tokens) is joined to ``output``, so
+    this rank still runs that exchange's backward, which its peers wait in. Values are unchanged: the
+    join is an identity whose backward gives the dropped output a zero gradient. Returns ``output``
+    (a copy of its first tensor joined where something was dropped)."""
+    outs, _open.outs = getattr(_open, "outs", None) or [], None
+    tensors = [(i, t) for i, t in enumerate(output if isinstance(output, (tuple, list)) else [output])
+               if isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None]
+    if not outs or not tensors:
+        return output
+    i, head = tensors[0]
+    dropped = [o for o in outs if o.grad_fn is not None and not any(_reaches(t.grad_fn, o.grad_fn) for _, t in tensors)]
+    if not dropped:
+        return output
+    joined = _Join.apply(head, *dropped)
+    if isinstance(output, Tensor):
+        return joined
+    items = list(output)
+    items[i] = joined
+    return type(output)(items) if isinstance(output, list) or type(output) is tuple else type(output)(*items)
+
+
+def _reaches(node, target) -> bool:
+    """Whether the autograd graph from ``node`` reaches ``target``. Nodes made before ``target`` (a lower
+    sequence number) cannot lead to it and are not walked: the walk stays inside the block's tail."""
+    limit, stack, seen = target._sequence_nr(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n is target:
+            return True
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        stack += [m for m, _ in n.next_functions if m is not None and (m is target or m._sequence_nr() >= limit)]
+    return False
+
+
+class _Join(torch.autograd.Function):
+    """``out`` (a copy), with a zero gradient for each of ``dropped`` in backward."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, *dropped: Tensor) -> Tensor:
+        ctx.dropped = [(d.shape, d.dtype, d.device) for d in dropped]
+        return out.clone()  # not a view: the model may edit its block's output in place
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.dropped))
 
 
 def _combine_like_the_loop(y_TKD: Tensor, top_k_weights_TK: Tensor, top_k_index_TK: Tensor, acc_dtype) -> Tensor:

@@ -29,6 +29,7 @@ from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.apply import shard_expert_tensor
+from autoep.runtime.dispatch import join_exchanges, open_exchanges
 
 Proof = TypeVar("Proof")
 
@@ -79,6 +80,26 @@ def proven_experts(module: nn.Module, structure: dict | MoeStructure, prove: Cal
     if given != proven:
         raise UnsupportedModuleStructure(name, f"structure says {given} but the experts compute {proven}")
     return proof
+
+
+def join_backward_exchanges(block: nn.Module, ep_mesh) -> None:
+    """Every rank joins the backward of the exchanges ``block`` runs, even where the block's own code drops
+    an exchange's output from its graph (torchtune's ``if routed_output.numel() > 0:`` on a rank without
+    tokens would leave the peers waiting in that backward): hooks around the block's call join a dropped
+    output to the block's output (``dispatch.join_exchanges``). Nothing to do without an exchange."""
+    if ep_mesh is None or ep_mesh.size() == 1 or getattr(block, "_autoep_joins", False):
+        return
+    block._autoep_joins = True
+    block.register_forward_pre_hook(_open_exchanges_hook)
+    block.register_forward_hook(_join_exchanges_hook)
+
+
+def _open_exchanges_hook(module: nn.Module, args) -> None:
+    open_exchanges()
+
+
+def _join_exchanges_hook(module: nn.Module, args, output):
+    return join_exchanges(output)
 
 
 def bind_experts_forward(experts: nn.Module, spec, forward: Callable) -> None:

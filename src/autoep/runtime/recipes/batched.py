@@ -38,6 +38,7 @@ from autoep.runtime.recipes import (
     as_structure,
     bind_experts_forward,
     ep_group_of,
+    join_backward_exchanges,
     local_tensor,
     proven_experts,
     shard_weights_at,
@@ -65,6 +66,7 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
     facts = as_structure(structure)
     experts = module.experts
     roles = validate(module, structure=facts)
+    join_backward_exchanges(module, ep_mesh)
     own_forward = experts_forward(type(experts))
     if roles.flat is not None:
         shard_flat_experts(experts, roles.flat, ep_mesh, name=type(module).__name__)

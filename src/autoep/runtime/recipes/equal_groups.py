@@ -27,7 +27,13 @@ from torch import Tensor, nn
 from autoep.detect.equal_groups_proof import EqualGroupsProof, equal_groups_proof
 from autoep.detect.structure import MoeStructure
 from autoep.runtime.dispatch import ep_grouped_forward
-from autoep.runtime.recipes import bind_experts_forward, ep_group_of, local_tensor, proven_experts
+from autoep.runtime.recipes import (
+    bind_experts_forward,
+    ep_group_of,
+    join_backward_exchanges,
+    local_tensor,
+    proven_experts,
+)
 from autoep.runtime.recipes.grouped import _local_swiglu, shard_grouped_weights
 
 
@@ -49,6 +55,7 @@ def ep_equal_group_experts(module: nn.Module, *, ep_mesh=None, structure: dict |
     shard_grouped_weights(experts, proof.grouped, ep_mesh, name=type(module).__name__)
     bind_experts_forward(experts, _EpEqualGroups(proof, ep_group_of(ep_mesh), inspect.signature(own_forward)),
                          _ep_forward)
+    join_backward_exchanges(module, ep_mesh)
 
 
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> EqualGroupsProof:

@@ -28,7 +28,14 @@ from autoep.detect.grouped_proof import GroupedProof, grouped_proof
 from autoep.detect.structure import MoeStructure
 from autoep.runtime.dispatch import ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_linear, grouped_swiglu
-from autoep.runtime.recipes import bind_experts_forward, ep_group_of, local_tensor, proven_experts, shard_weights_at
+from autoep.runtime.recipes import (
+    bind_experts_forward,
+    ep_group_of,
+    join_backward_exchanges,
+    local_tensor,
+    proven_experts,
+    shard_weights_at,
+)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ def ep_grouped_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
     own_forward = type(experts).forward
     shard_grouped_weights(experts, proof, ep_mesh, name=type(module).__name__)
     bind_experts_forward(experts, _EpGrouped(proof, ep_group_of(ep_mesh), inspect.signature(own_forward)), _ep_forward)
+    join_backward_exchanges(module, ep_mesh)
 
 
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> GroupedProof:

@@ -39,7 +39,7 @@ from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.apply import shard_expert_tensor
 from autoep.runtime.dispatch import ep_experts_forward, ep_grouped_forward
 from autoep.runtime.experts import glu_gate, grouped_swiglu
-from autoep.runtime.recipes import ep_group_of, local_tensor
+from autoep.runtime.recipes import ep_group_of, join_backward_exchanges, local_tensor
 
 
 class StackedSwiGLUExperts(nn.Module):
@@ -323,8 +323,9 @@ def _identity_experts(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_
                            "sums identity experts only into a float32 accumulator")
     E = module.experts.num_experts
     is_identity_TK = (top_k_index_TK >= E) & (top_k_index_TK < E + module.experts.identity_experts)
-    # The loop reads x at the ids' token rows, which are the first T rows (as the exchange does).
-    contrib_TKD = x_TD[: top_k_index_TK.shape[0]].unsqueeze(1) * top_k_weights_TK.unsqueeze(-1)
+    # The loop reads x at the ids' token rows, which are the first T rows (as the exchange does). Copies:
+    # the product saves them for backward, and the model may edit its own tensors in place after the loop.
+    contrib_TKD = x_TD[: top_k_index_TK.shape[0]].clone().unsqueeze(1) * top_k_weights_TK.clone().unsqueeze(-1)
     # where, not a multiply by the mask: a slot of a computing expert must add nothing, not 0 * x.
     contrib_TKD = torch.where(is_identity_TK.unsqueeze(-1), contrib_TKD, torch.zeros_like(contrib_TKD))
     return contrib_TKD.sum(dim=1).float()
@@ -364,6 +365,7 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     stack_module_list_experts(module, structure=structure)
     shard_stacked_experts(module, ep_mesh)
     ep_group = ep_group_of(ep_mesh)
+    join_backward_exchanges(module, ep_mesh)
     for method in dict.fromkeys(plan.method for plan in plans):
         mine = [plan for plan in plans if plan.method == method]
         spliced = compile_spliced(mine, [_region_fn(plan, ep_group) for plan in mine])

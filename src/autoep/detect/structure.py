@@ -10,7 +10,18 @@ from dataclasses import asdict, dataclass
 
 import torch.nn as nn
 
-from autoep.detect import equal_groups_proof, experts_proof, grouped_proof, module_list_proof, routing_proof, source
+from autoep.detect import (
+    elementwise,
+    equal_groups_proof,
+    expert_reads,
+    experts_proof,
+    genuine,
+    grouped_proof,
+    module_list_proof,
+    routing_proof,
+    sharing,
+    source,
+)
 from autoep.detect.source import Refusal
 from autoep.errors import UnsupportedModuleStructure
 
@@ -103,6 +114,10 @@ def detect_router_kind(module: nn.Module) -> str:
 
 
 def _structure(module: nn.Module) -> MoeStructure:
+    patched = genuine.patched_torch_objects(elementwise.activation_classes())
+    if patched:  # the proofs below resolve names to objects; a patch would be taken for torch's own
+        raise Refusal(f"{', '.join(patched)} is not torch's own (patched process-wide): the model's experts would "
+                      f"run the patch and autoep's grouped GEMM would not")
     router = routing_proof.router_kind(module)
     shared = routing_proof.shared_kind(module)
     experts = getattr(module, "experts", None)
@@ -124,6 +139,13 @@ def _structure(module: nn.Module) -> MoeStructure:
         routing_proof.experts_call(module)
     else:
         raise Refusal("no `experts` submodule")
+    # Every other read of the experts, any depth of calls, and cached references to them (issue 17).
+    checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] if storage == "module_list" \
+        else [type(module).forward]
+    expert_reads.experts_read_elsewhere(module, checked)
+    tied = sharing.shared_expert_tensors(module, {"": module})  # within the block (the whole model: resolve)
+    if tied:
+        raise Refusal(f"{tied[0]}: {sharing.SHARING_FIX}")
     structure = MoeStructure(
         router=router, shared_experts=shared, expert_storage=storage, jitter=hasattr(module, "jitter_noise"), **facts
     )

@@ -20,7 +20,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from autoep.detect import structure
+from autoep.detect import sharing, structure
 from autoep.errors import OPT_OUT_HINT, DriftError, PlanError, UnsupportedModuleStructure, UnsupportedPlanEntry
 from autoep.plan import archetypes, replay
 from autoep.plan.artifact import load_plan
@@ -53,7 +53,18 @@ def resolve_plan(parallel_cfg, model: nn.Module) -> DictConfig:
                                 f"narrow one of the match patterns so each module has one entry")
             owner[name] = i
         plan.append(resolved)
+    check_sharing(model, modules, [n for entry in plan for n in entry["decision"]["modules"]])
     return OmegaConf.merge(cfg, {"plan": plan})  # merge, not assignment: validates the dicts as PlanEntry
+
+
+def check_sharing(model: nn.Module, modules: dict, names: list[str]) -> None:
+    """Every expert tensor of the matched blocks is reached by one name in the whole model
+    (``autoep.detect.sharing``): tied to a shared expert's, shared by two blocks, a block registered twice."""
+    shared = sharing.shared_expert_tensors(model, {n: modules[n] for n in names})
+    if shared:
+        cls = type(modules[names[0]]).__name__
+        raise UnsupportedPlanEntry(f"parallel.plan matches {names[0]} ({cls}), whose {shared[0]}: "
+                                   f"{sharing.SHARING_FIX}", cls, shared[0])
 
 
 def typed_parallel(parallel_cfg) -> DictConfig:

@@ -12,7 +12,7 @@ what they call, so nothing is missed; torch's own functions are not entered). It
 state: a plain attribute of any module of the block that holds the experts, one of their tensors, or the
 block itself (a router caching a list of experts, a back-reference to the block).
 
-``experts_read_elsewhere(block, allowed, experts_attr)`` raises ``Refusal`` naming the function, the line
+``experts_read_elsewhere(block, allowed, experts_path)`` raises ``Refusal`` naming the function, the line
 and what it reads.
 """
 from __future__ import annotations
@@ -38,18 +38,18 @@ _MAX_FUNCTIONS = 200  # functions followed from one block before the proof gives
 _INTERNAL = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 
 
-def experts_read_elsewhere(block: nn.Module, allowed: Iterable = (), experts_attr: str = "experts") -> None:
+def experts_read_elsewhere(block: nn.Module, allowed: Iterable = (), experts_path: str = "experts") -> None:
     """Refuse a read of the experts (or of every submodule) reachable from the block's forward, its hooks
-    and the methods they call, outside ``allowed`` (the functions whose ``self.<experts_attr>`` reads the
+    and the methods they call, outside ``allowed`` (the functions whose ``self.<experts>`` reads the
     region's proof already checked), and a plain attribute of the block's modules holding the experts."""
-    cls = type(block)
+    cls, experts_attr = type(block), experts_path.split(".")[0]
     roots = [(f"{cls.__name__}.forward", getattr(cls, "forward", None))]
     roots += [(f"the {kind} hook {_name(h)}", h) for kind, h in block_hooks(block)]
     allowed_codes = {_code(f) for f in allowed} - {None}
     followed: set = set()
     for where, fn in roots:
         _follow(cls, fn, where, allowed_codes, experts_attr, followed, depth=0)
-    cached_experts(block, experts_attr)
+    cached_experts(block, experts_path)
 
 
 def block_hooks(block: nn.Module) -> list[tuple[str, object]]:
@@ -59,9 +59,9 @@ def block_hooks(block: nn.Module) -> list[tuple[str, object]]:
         [("forward", h) for h in block._forward_hooks.values()]
 
 
-def hook_reads(block: nn.Module, experts_attr: str = "experts") -> None:
+def hook_reads(block: nn.Module, experts_path: str = "experts") -> None:
     """Only the block's hooks followed (at apply time: hooks registered after detection)."""
-    cls, followed = type(block), set()
+    cls, followed, experts_attr = type(block), set(), experts_path.split(".")[0]
     for kind, h in block_hooks(block):
         _follow(cls, h, f"the {kind} hook {_name(h)}", set(), experts_attr, followed, depth=0)
 
@@ -153,17 +153,19 @@ def _targets(cls: type, fn, name: str) -> list:
 # ---------------------------------------------------------------------------------------------
 
 
-def cached_experts(block: nn.Module, experts_attr: str = "experts") -> None:
-    """Refuse a plain (unregistered) attribute of any module of ``block`` that holds the experts container,
-    one expert, one of their tensors, or the block itself (directly or in a list, tuple, set or dict)."""
-    experts = getattr(block, experts_attr, None)
-    if not isinstance(experts, nn.Module):
+def cached_experts(block: nn.Module, experts_path: str = "experts") -> None:
+    """Refuse a plain (unregistered) attribute of any module of ``block`` that holds the experts container
+    (at ``experts_path``), one expert, one of their tensors, or the block itself (directly or in a list, tuple,
+    set or dict)."""
+    try:
+        experts = block.get_submodule(experts_path)
+    except AttributeError:
         return
     protected = {id(block): "the block itself"}
     for n, m in experts.named_modules(remove_duplicate=False):
-        protected[id(m)] = f"{experts_attr}.{n}".rstrip(".")
+        protected[id(m)] = f"{experts_path}.{n}".rstrip(".")
     for n, t in [*experts.named_parameters(remove_duplicate=False), *experts.named_buffers(remove_duplicate=False)]:
-        protected[id(t)] = f"{experts_attr}.{n}"
+        protected[id(t)] = f"{experts_path}.{n}"
     for path, module in block.named_modules(remove_duplicate=False):
         for key, value in vars(module).items():
             if key in _INTERNAL:

@@ -139,21 +139,26 @@ def _structure(module: nn.Module) -> MoeStructure:
         routing_proof.experts_call(module)
     else:
         raise Refusal("no `experts` submodule")
-    # Every other read of the experts, any depth of calls, and cached references to them (issue 17).
-    checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] if storage == "module_list" \
-        else [type(module).forward]
-    expert_reads.experts_read_elsewhere(module, checked)
-    tied = sharing.shared_expert_tensors(module, {"": module})  # within the block (the whole model: resolve)
-    if tied:
-        raise Refusal(f"{tied[0]}: {sharing.SHARING_FIX}")
     structure = MoeStructure(
         router=router, shared_experts=shared, expert_storage=storage, jitter=hasattr(module, "jitter_noise"), **facts
     )
+    _live_state(module, structure)
     # The vocabulary is closed: autoep.plan.archetypes.TABLE has a row for every (router, storage) pair of it
     # (tests/plan/test_archetypes.py), so a structure outside it is refused here, before any plan is made.
     if router not in ROUTER_KINDS or storage not in STORAGE_KINDS or structure.expert_kind not in EXPERT_KINDS:
         raise Refusal(f"router={router} with expert_storage={storage} is outside the detector's vocabulary")
     return structure
+
+
+def _live_state(module: nn.Module, structure: MoeStructure) -> None:
+    """Issue 17: every other read of the experts (any depth of calls, hooks on the block, cached references)
+    and expert tensors reached by two names inside the block (the whole model: ``resolve_plan``)."""
+    checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] \
+        if structure.expert_storage == "module_list" else [type(module).forward]
+    expert_reads.experts_read_elsewhere(module, checked, structure.experts_path)
+    tied = sharing.shared_expert_tensors(module, {"": module}, structure.experts_path)
+    if tied:
+        raise Refusal(f"{tied[0]}: {sharing.SHARING_FIX}")
 
 
 def detect_moe_structure(module: nn.Module) -> MoeStructure:

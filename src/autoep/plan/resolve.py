@@ -53,18 +53,21 @@ def resolve_plan(parallel_cfg, model: nn.Module) -> DictConfig:
                                 f"narrow one of the match patterns so each module has one entry")
             owner[name] = i
         plan.append(resolved)
-    check_sharing(model, modules, [n for entry in plan for n in entry["decision"]["modules"]])
+    check_sharing(model, modules, {n: (entry["decision"].get("structure") or {}).get("experts_path") or "experts"
+                                   for entry in plan for n in entry["decision"]["modules"]})
     return OmegaConf.merge(cfg, {"plan": plan})  # merge, not assignment: validates the dicts as PlanEntry
 
 
-def check_sharing(model: nn.Module, modules: dict, names: list[str]) -> None:
-    """Every expert tensor of the matched blocks is reached by one name in the whole model
-    (``autoep.detect.sharing``): tied to a shared expert's, shared by two blocks, a block registered twice."""
-    shared = sharing.shared_expert_tensors(model, {n: modules[n] for n in names})
-    if shared:
-        cls = type(modules[names[0]]).__name__
-        raise UnsupportedPlanEntry(f"parallel.plan matches {names[0]} ({cls}), whose {shared[0]}: "
-                                   f"{sharing.SHARING_FIX}", cls, shared[0])
+def check_sharing(model: nn.Module, modules: dict, experts_paths: dict[str, str]) -> None:
+    """Every expert tensor of the matched blocks (``{name: experts path}``) is reached by one name in the whole
+    model (``autoep.detect.sharing``): tied to a shared expert's, shared by two blocks, a block registered twice."""
+    paths = sharing.tensor_paths(model)
+    for name, experts_path in experts_paths.items():
+        shared = sharing.shared_expert_tensors(model, {name: modules[name]}, experts_path, paths)
+        if shared:
+            cls = type(modules[name]).__name__
+            raise UnsupportedPlanEntry(f"parallel.plan matches {name} ({cls}), whose {shared[0]}: "
+                                       f"{sharing.SHARING_FIX}", cls, shared[0])
 
 
 def typed_parallel(parallel_cfg) -> DictConfig:

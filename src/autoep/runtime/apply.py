@@ -61,17 +61,19 @@ def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets
             if name not in named:
                 raise PlanError(f"parallel.plan.{i}.decision.modules names {name!r}, which the model does not have")
             block = named[name]
-            held = live_state.before_block(block, name)
+            path = live_state.experts_path_of(fn_cfg)
+            held = live_state.before_block(block, name, path)
             shard_experts(block, mesh, name=name)
             factory(block, ep_mesh=ep_mesh, **fn_cfg)
-            live_state.after_block(block, name, held)
+            live_state.after_block(block, name, held, path)
     return model
 
 
 def _check_live_state(model: nn.Module, cfg: dict, named: dict) -> None:
     """Run-time state of the whole model before anything is replaced (``autoep.runtime.live_state``)."""
-    decided = [n for entry in cfg.get("plan") or [] for n in (entry.get("decision") or {}).get("modules") or []]
-    live_state.check_model(model, {n: named[n] for n in decided if n in named})
+    paths = {n: live_state.experts_path_of(entry.get("local_compute_fn") or {}) for entry in cfg.get("plan") or []
+             for n in (entry.get("decision") or {}).get("modules") or [] if n in named}
+    live_state.check_model(model, {n: named[n] for n in paths}, paths)
 
 
 def ep_mesh_of(mesh):

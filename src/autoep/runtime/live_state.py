@@ -30,7 +30,14 @@ from autoep.detect import elementwise, expert_reads, genuine, sharing
 from autoep.detect.source import Refusal
 from autoep.errors import LiveStateError, UnsupportedModuleStructure
 
-EXPERTS = "experts"
+EXPERTS = "experts"  # where the experts are when a plan entry gives no structure (an explicit _target_)
+
+
+def experts_path_of(fn_cfg: Mapping) -> str:
+    """The proven experts path of a plan entry's compute fn kwargs (``structure.experts_path``)."""
+    structure = fn_cfg.get("structure") or {}
+    return getattr(structure, "experts_path", None) or (structure.get("experts_path") if isinstance(
+        structure, Mapping) else None) or EXPERTS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,15 +45,19 @@ EXPERTS = "experts"
 # ---------------------------------------------------------------------------------------------
 
 
-def check_model(model: nn.Module, blocks: Mapping[str, nn.Module]) -> None:
-    """Before anything is replaced: process-wide patches, and expert tensors shared by two names."""
+def check_model(model: nn.Module, blocks: Mapping[str, nn.Module], experts_paths: Mapping[str, str] | None = None
+                ) -> None:
+    """Before anything is replaced: process-wide patches, and expert tensors shared by two names
+    (``experts_paths``: each block's experts path, default ``experts``)."""
     patched = genuine.patched_torch_objects(elementwise.activation_classes())
     if patched:
         first = next(iter(blocks.values()), model)
         raise UnsupportedModuleStructure(type(first).__name__, f"{', '.join(patched)} is not torch's own (patched "
                                          f"process-wide); the model's experts would run the patch and autoep's "
                                          f"grouped GEMM would not. Remove the patch before apply_plan")
-    shared = sharing.shared_expert_tensors(model, blocks, EXPERTS)
+    paths, experts_paths = sharing.tensor_paths(model), experts_paths or {}
+    shared = [line for name, block in blocks.items() for line in sharing.shared_expert_tensors(
+        model, {name: block}, experts_paths.get(name, EXPERTS), paths)]
     if shared:
         first = next(iter(blocks.values()))
         raise UnsupportedModuleStructure(type(first).__name__, f"{shared[0]}: {sharing.SHARING_FIX}")
@@ -61,21 +72,21 @@ class _Held:
     state: list[str]
 
 
-def before_block(block: nn.Module, name: str) -> list[_Held]:
+def before_block(block: nn.Module, name: str, experts_path: str = EXPERTS) -> list[_Held]:
     """Refuse what no recipe keeps (subclass weights, reads of the experts by the block's hooks and cached
     references) and remember each expert tensor's state, for ``after_block``."""
     cls = type(block).__name__
     try:
-        expert_reads.hook_reads(block, EXPERTS)
-        expert_reads.cached_experts(block, EXPERTS)
+        expert_reads.hook_reads(block, experts_path)
+        expert_reads.cached_experts(block, experts_path)
     except Refusal as exc:
         raise UnsupportedModuleStructure(cls, f"{name}: {exc}") from None
-    experts = getattr(block, EXPERTS, None)
-    if not isinstance(experts, nn.Module):
+    experts = _experts(block, experts_path)
+    if experts is None:
         return []
     held = []
     for pname, p in experts.named_parameters(remove_duplicate=False):
-        where = f"{name}.{EXPERTS}.{pname}"
+        where = f"{name}.{experts_path}.{pname}"
         if type(p) is not nn.Parameter and not _is_dtensor(p):
             raise UnsupportedModuleStructure(cls, f"{where} is a {type(p).__name__} (a tensor subclass weight, e.g. "
                                              f"fake-quant); autoep's grouped GEMM and sharding would not apply it. "
@@ -84,7 +95,7 @@ def before_block(block: nn.Module, name: str) -> list[_Held]:
     return held
 
 
-def after_block(block: nn.Module, name: str, held: list[_Held]) -> None:
+def after_block(block: nn.Module, name: str, held: list[_Held], experts_path: str = EXPERTS) -> None:
     """Refuse a block whose recipe replaced an expert tensor that carried state (the new parameter would not
     run it): the state is named, never dropped. ``requires_grad`` must come through unchanged."""
     cls = type(block).__name__
@@ -94,11 +105,11 @@ def after_block(block: nn.Module, name: str, held: list[_Held]) -> None:
             raise UnsupportedModuleStructure(cls, f"{h.name} carries {' and '.join(h.state)}; autoep replaces it by "
                                              f"a new (stacked or sharded) parameter, which would not run them. "
                                              f"Register them after apply_plan, on the parameters it leaves")
-    experts = getattr(block, EXPERTS, None)
+    experts = _experts(block, experts_path)
     before = {h.tensor.requires_grad for h in held}
-    after = {p.requires_grad for p in experts.parameters()} if isinstance(experts, nn.Module) else before
+    after = {p.requires_grad for p in experts.parameters()} if experts is not None else before
     if held and after != before:
-        raise UnsupportedModuleStructure(cls, f"{name}.{EXPERTS}: requires_grad was {sorted(before)} before autoep "
+        raise UnsupportedModuleStructure(cls, f"{name}.{experts_path}: requires_grad was {sorted(before)} before autoep "
                                          f"replaced the expert parameters and is {sorted(after)} after")
 
 
@@ -111,6 +122,13 @@ def param_state(p: torch.Tensor) -> list[str]:
         state.append(f"{len(p._post_accumulate_grad_hooks)} post-accumulate-grad hook(s) "
                      f"(register_post_accumulate_grad_hook, e.g. an optimizer in backward)")
     return state
+
+
+def _experts(block: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _is_dtensor(t) -> bool:

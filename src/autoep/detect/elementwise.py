@@ -14,7 +14,7 @@ import torch.nn as nn
 from autoep.detect import genuine
 from autoep.detect.source import Refusal
 
-_TORCH_MODULES = (nn.SiLU, nn.GELU, nn.ReLU, nn.ReLU6, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.LeakyReLU,
+TORCH_ACTIVATIONS = (nn.SiLU, nn.GELU, nn.ReLU, nn.ReLU6, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.LeakyReLU,
                   nn.Softplus, nn.Identity)
 _TRANSFORMERS_MODULES = (
     "SiLUActivation", "GELUActivation", "NewGELUActivation", "FastGELUActivation", "QuickGELUActivation",
@@ -26,7 +26,7 @@ _TRANSFORMERS_MODULES = (
 @functools.lru_cache(maxsize=1)
 def activation_classes() -> tuple[type, ...]:
     """The known activation classes (their forwards are checked genuine where used: ``autoep.detect.genuine``)."""
-    classes = list(_TORCH_MODULES)
+    classes = list(TORCH_ACTIVATIONS)
     try:
         from transformers import activations
     except ImportError:

@@ -68,10 +68,24 @@ def genuine_forward(cls: type) -> bool:
     return owner is not None and genuine(vars(owner)["forward"], f"{owner.__qualname__}.forward")
 
 
+_VERDICTS: dict[tuple, tuple] = {}  # by the identity (and code) of every object checked: a patch is a new key
+
+
 def patched_torch_objects(activation_classes=()) -> list[str]:
     """Every torch object an expert computation reaches that is not torch's own now: ``F.linear``,
     ``nn.Linear.forward``, ``nn.Module.__call__``, the element-wise functions and ``activation_classes``'
-    forwards. Each entry names the object."""
+    forwards. Each entry names the object. Cheap when nothing changed (it runs at each fast-path call)."""
+    objects = (torch.nn.functional.linear, vars(nn.Linear).get("forward"), vars(nn.Module).get("__call__"),
+               vars(nn.Module).get("_call_impl"), *(current(m, n) for m, n in ELEMENTWISE_NAMES),
+               *(getattr(cls, "forward", None) for cls in activation_classes))
+    key = tuple((id(o), id(getattr(o, "__code__", None))) for o in objects) + tuple(map(id, activation_classes))
+    held = _VERDICTS.get(key)
+    if held is None:  # the objects are kept with the verdict, so the ids in the key are not reused
+        held = _VERDICTS[key] = ((objects, tuple(activation_classes)), _patched(activation_classes))
+    return list(held[1])
+
+
+def _patched(activation_classes) -> list[str]:
     found = []
     if torch.nn.functional.linear is not genuine_linear():
         found.append("torch.nn.functional.linear")

@@ -20,6 +20,8 @@ experts' own modules may instead call ``fast_path_blockers`` and step aside.
 """
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -142,6 +144,7 @@ def _is_dtensor(t) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1)
 def _benign_modes() -> tuple[type, ...]:
     """torch's modes that change no value: ``with torch.device(...)``, selective activation checkpointing's
     caching modes, the FLOP counter."""
@@ -152,19 +155,26 @@ def _benign_modes() -> tuple[type, ...]:
     return tuple(getattr(m, n) for m, n in names if isinstance(getattr(m, n, None), type))
 
 
+def _activation_classes() -> tuple[type, ...]:
+    """The known activation classes, without importing transformers at forward time for a model that has not."""
+    return elementwise.activation_classes() if "transformers" in sys.modules else elementwise.TORCH_ACTIVATIONS
+
+
 def fast_path_blockers() -> list[str]:
     """What would make autoep's fast path compute something else than the model's experts now: patched
     torch objects, active torch-function or dispatch modes (other than torch's value-preserving ones), global
     module hooks. ``[]`` when nothing does."""
     from torch.nn.modules import module as m
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    found = [f"{name} is patched" for name in genuine.patched_torch_objects(elementwise.activation_classes())]
-    benign = _benign_modes()
-    for kind, stack in (("TorchFunctionMode", _get_current_function_mode_stack()),
-                        ("TorchDispatchMode", _get_current_dispatch_mode_stack())):
-        found += [f"a {kind} {type(mode).__qualname__} is active" for mode in stack if type(mode) not in benign]
+    found = [f"{name} is patched" for name in genuine.patched_torch_objects(_activation_classes())]
+    if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        benign = _benign_modes()
+        for kind, stack in (("TorchFunctionMode", _get_current_function_mode_stack()),
+                            ("TorchDispatchMode", _get_current_dispatch_mode_stack())):
+            found += [f"a {kind} {type(mode).__qualname__} is active" for mode in stack if type(mode) not in benign]
     hooks = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
              "_global_backward_pre_hooks")
     found += [f"global module {h[len('_global_'):].replace('_', ' ')} are registered" for h in hooks

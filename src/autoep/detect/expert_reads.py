@@ -17,6 +17,7 @@ and what it reads.
 """
 from __future__ import annotations
 
+import ast
 import dis
 import functools
 import inspect
@@ -25,7 +26,7 @@ from collections.abc import Iterable
 
 import torch.nn as nn
 
-from autoep.detect.source import Refusal
+from autoep.detect.source import Refusal, function_tree
 
 # Names whose use reads every submodule or tensor of a module (the experts with them).
 WHOLE_MODULE_READS = frozenset({
@@ -87,11 +88,14 @@ def _follow(cls: type, fn, where: str, allowed: set, attr: str, followed: set, d
     followed.add(fn.__code__)
     if (fn.__module__ or "").split(".")[0] == "torch":
         return  # torch's own code: what it reads is named at the model's call site (checked there)
+    proven = fn.__code__ in allowed
+    if proven:  # the region's proof read this function's AST: whole-module reads are checked on ``self`` only
+        _whole_reads_on_self(fn, where)
     for _, name, line in _names(fn.__code__):
-        if name in WHOLE_MODULE_READS:
+        if name in WHOLE_MODULE_READS and not proven:
             raise Refusal(f"{where} line {line} reads `{name}`, which reaches every submodule and tensor, the "
                           f"experts autoep replaces among them")
-        if name == attr and fn.__code__ not in allowed:  # nested code of an allowed function: its AST was checked
+        if name == attr and not proven:  # a proven function's reads of the experts were checked on its AST
             raise Refusal(f"{where} line {line} reads `{attr}` outside the expert region autoep proves and replaces")
         for target in _targets(cls, fn, name):
             _follow(cls, target, f"{where} -> {_name(target)}", allowed, attr, followed, depth + 1)
@@ -101,6 +105,20 @@ def _follow(cls: type, fn, where: str, allowed: set, attr: str, followed: set, d
         except ValueError:  # an empty cell
             continue
         _follow(cls, value, f"{where} -> {_name(value)}", allowed, attr, followed, depth + 1)
+
+
+def _whole_reads_on_self(fn, where: str) -> None:
+    """``self.parameters()``, ``self.state_dict()``, ... in a function whose AST the region's proof read (an
+    expert's own ``expert.parameters()`` inside the proven loop is the region's, not a read of every expert)."""
+    tree = function_tree(fn)
+    me = tree.args.args[0].arg if tree.args.args else "self"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in WHOLE_MODULE_READS and isinstance(node.value, ast.Name) \
+                and node.value.id == me:
+            raise Refusal(f"{where} line {fn.__code__.co_firstlineno + node.lineno - 1} reads `{me}.{node.attr}`, "
+                          f"which reaches every submodule and tensor, the experts autoep replaces among them")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars":
+            raise Refusal(f"{where} line {fn.__code__.co_firstlineno + node.lineno - 1} reads `vars(...)`")
 
 
 def _function(fn):

@@ -71,10 +71,11 @@ def genuine_forward(cls: type) -> bool:
 _VERDICTS: dict[tuple, tuple] = {}  # by the identity (and code) of every object checked: a patch is a new key
 
 
-def patched_torch_objects(activation_classes=()) -> list[str]:
+def patched_torch_objects(activation_classes=(), module_call: bool = True) -> list[str]:
     """Every torch object an expert computation reaches that is not torch's own now: ``F.linear``,
-    ``nn.Linear.forward``, ``nn.Module.__call__``, the element-wise functions and ``activation_classes``'
-    forwards. Each entry names the object. Cheap when nothing changed (it runs at each fast-path call)."""
+    ``nn.Linear.forward``, ``nn.Module.__call__`` (unless ``module_call`` is false: detection, which calls no
+    module, leaves it to apply), the element-wise functions and ``activation_classes``' forwards. Each entry
+    names the object. Cheap when nothing changed (it runs at each fast-path call)."""
     objects = (torch.nn.functional.linear, vars(nn.Linear).get("forward"), vars(nn.Module).get("__call__"),
                vars(nn.Module).get("_call_impl"), *(current(m, n) for m, n in ELEMENTWISE_NAMES),
                *(getattr(cls, "forward", None) for cls in activation_classes))
@@ -82,7 +83,7 @@ def patched_torch_objects(activation_classes=()) -> list[str]:
     held = _VERDICTS.get(key)
     if held is None:  # the objects are kept with the verdict, so the ids in the key are not reused
         held = _VERDICTS[key] = ((objects, tuple(activation_classes)), _patched(activation_classes))
-    return list(held[1])
+    return [name for name in held[1] if module_call or not name.startswith("torch.nn.Module.")]
 
 
 def _patched(activation_classes) -> list[str]:

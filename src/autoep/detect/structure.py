@@ -114,7 +114,7 @@ def detect_router_kind(module: nn.Module) -> str:
 
 
 def _structure(module: nn.Module) -> MoeStructure:
-    patched = genuine.patched_torch_objects(elementwise.activation_classes())
+    patched = genuine.patched_torch_objects(elementwise.activation_classes(), module_call=False)
     if patched:  # the proofs below resolve names to objects; a patch would be taken for torch's own
         raise Refusal(f"{', '.join(patched)} is not torch's own (patched process-wide): the model's experts would "
                       f"run the patch and autoep's grouped GEMM would not")

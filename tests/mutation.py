@@ -38,6 +38,7 @@ per target x role. ``sample(mutants, every)`` takes every ``every``-th mutant of
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import functools
 import importlib
@@ -62,7 +63,7 @@ from mutation_source import function_tree, self_attr, with_method
 from torch import nn
 
 from autoep.detect.structure import detect_moe_structure
-from autoep.errors import UnsupportedModuleStructure
+from autoep.errors import LiveStateError, UnsupportedModuleStructure
 from autoep.plan.archetypes import compute_fn_config
 
 BATCH, SEQ = 2, 3
@@ -368,6 +369,12 @@ class Mutant:
     operator: str
     mutate: Callable[[nn.Module], None] = field(compare=False, repr=False)
 
+    def around(self):
+        """The process-wide state a run-time operator keeps active around each forward/backward (a patch, a
+        mode, a global hook: ``mutation_runtime._AROUND``); a no-op context otherwise."""
+        make = getattr(self.mutate, "around", None)
+        return make() if make is not None else contextlib.nullcontext()
+
     def build(self) -> nn.Module:
         block = self.target.build()
         self.mutate(block)
@@ -553,17 +560,33 @@ def detect(block: nn.Module):
         return None, "crash: " + traceback.format_exc(limit=-3).strip().replace("\n", " | ")[-400:]
 
 
+class ApplyRefused(Exception):
+    """``apply_plan``'s run-time-state checks (``autoep.runtime.live_state``) refused the block: a refusal."""
+
+
 def make_ep(block: nn.Module, structure, ep_mesh) -> nn.Module:
-    """A deep copy of ``block`` made expert-parallel in place by the recipe the table names."""
+    """A deep copy of ``block`` made expert-parallel in place by the recipe the table names, with the
+    run-time-state checks ``apply_plan`` makes around it (their refusal raises ``ApplyRefused``)."""
+    from autoep.runtime import live_state
     from autoep.runtime.apply import shard_experts
 
     cfg = dict(compute_fn_config(structure))
     module, _, attr = cfg.pop("_factory_").rpartition(".")
     factory = getattr(importlib.import_module(module), attr)
     ep = copy.deepcopy(block)
+    path = structure.experts_path
+    try:
+        live_state.check_model(ep, {"": ep}, {"": path})
+        held = live_state.before_block(ep, "block", path)
+    except UnsupportedModuleStructure as exc:
+        raise ApplyRefused(exc.reason) from None
     if ep_mesh is not None:
         shard_experts(ep, ep_mesh)
     factory(ep, ep_mesh=ep_mesh, **cfg)
+    try:
+        live_state.after_block(ep, "block", held, path)
+    except UnsupportedModuleStructure as exc:
+        raise ApplyRefused(exc.reason) from None
     return ep
 
 
@@ -579,13 +602,23 @@ def evaluate(mutant: Mutant) -> Outcome:
         return verdict("crash", why)
     x, flat = inputs(block), mutant.target.flat
     try:
-        ref = forward_backward(copy.deepcopy(block), x, seed=100, flat=flat)
+        with mutant.around():
+            ref = forward_backward(copy.deepcopy(block), x, seed=100, flat=flat)
     except Exception as exc:  # noqa: BLE001 - the mutant's own code does not run
         return verdict("invalid", "own forward: " + short_error(exc))
     if why:
         return verdict("refused", why[len("refused: "):])
     try:
-        got = forward_backward(make_ep(block, structure, None), x, seed=100, flat=flat)
+        ep = make_ep(block, structure, None)
+    except ApplyRefused as exc:
+        return verdict("refused", f"at apply: {exc}")
+    except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails
+        return verdict("accepted_wrong", "EP path raised " + short_error(exc))
+    try:
+        with mutant.around():
+            got = forward_backward(ep, x, seed=100, flat=flat)
+    except LiveStateError as exc:  # the fast path refuses process-wide state it would not honour, naming it
+        return verdict("refused", f"at forward: {exc}")
     except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails
         return verdict("accepted_wrong", "EP path raised " + short_error(exc))
     diffs = differences(ref, got)

@@ -11,6 +11,7 @@ collective fails its mutant instead of hanging the run, and fresh processes take
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import itertools
@@ -20,6 +21,8 @@ import mutation
 import torch
 from mutation import Outcome, Run, detect, differences, forward_backward, inputs, param_grads, short_error
 from mutation_runtime import RUNTIME_OPERATORS
+
+from autoep.errors import LiveStateError
 
 # Mutants whose failure shows only on several ranks (a rank without tokens skips a collective).
 # mix_rows: an expert's rows are another set on another rank (in one process the same rows, reordered).
@@ -35,16 +38,19 @@ def _slices(x: torch.Tensor, split: list[int]) -> list[torch.Tensor]:
     return [x[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
 
-def _ranks_round(block, structure, x, split, rank, group, mesh, flat=False) -> str | None:
+def _ranks_round(block, structure, x, split, rank, group, mesh, flat=False, around=contextlib.nullcontext
+                 ) -> str | None:
     """One split: reference grads summed over every slice (each rank computes all), EP on this rank's
     slice; outputs and input grad per rank, dense grads summed, expert grads gathered. None = equal."""
     import torch.distributed as dist
 
     ref = copy.deepcopy(block)
-    runs = [forward_backward(ref, s, seed=100 + r, flat=flat) for r, s in enumerate(_slices(x, split))]
+    with around():
+        runs = [forward_backward(ref, s, seed=100 + r, flat=flat) for r, s in enumerate(_slices(x, split))]
     ref_run = Run(runs[rank].outputs, runs[rank].x_grad, param_grads(ref))  # grads accumulated over slices
     ep = mutation.make_ep(block, structure, mesh)  # looked up at call time (tests replace it)
-    got = forward_backward(ep, _slices(x, split)[rank], seed=100 + rank, flat=flat)
+    with around():
+        got = forward_backward(ep, _slices(x, split)[rank], seed=100 + rank, flat=flat)
     reduced = set()
     for name, p in ep.named_parameters(remove_duplicate=False):
         if hasattr(p, "full_tensor") or name not in got.grads:
@@ -72,20 +78,32 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
     try:
         for split in splits:
             for r, s in enumerate(_slices(x, split)):
-                forward_backward(copy.deepcopy(block), s, seed=100 + r, flat=flat)
+                with mutant.around():
+                    forward_backward(copy.deepcopy(block), s, seed=100 + r, flat=flat)
     except Exception as exc:  # noqa: BLE001 - the same on every rank: every rank computes every slice
         return "invalid", "own forward on a slice: " + short_error(exc), False
+    try:  # apply's run-time-state checks: local, the same on every rank (no collective)
+        mutation.make_ep(block, structure, mesh)
+    except mutation.ApplyRefused as exc:
+        return "refused", f"at apply: {exc}", False
+    except Exception:  # noqa: BLE001 - the rounds below report it
+        pass
     if mutation.reads_uninitialised(block, x, flat):  # the same on every rank: the same block and input
         return "invalid", "own forward returns uninitialised memory: no value to compare against", False
     dist.barrier()  # NOTE: default group: the ep group's short timeout counts from a common start
     for split in splits:
+        refused = None
         try:
-            why, raised = _ranks_round(block, structure, x, split, rank, group, mesh, flat), False
+            why, raised = _ranks_round(block, structure, x, split, rank, group, mesh, flat, mutant.around), False
+        except LiveStateError as exc:  # the fast path refuses, on every rank alike, before any exchange
+            why, raised, refused = None, False, str(exc)
         except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails (or a peer hung)
             why, raised = "EP path raised " + short_error(exc), bool(COMMUNICATION_ERROR.search(str(exc)))
-        state = torch.tensor([2.0 if raised else float(why is not None)])
+        state = torch.tensor([2.0 if raised else float(why is not None) if refused is None else 0.5])
         # NOTE: collective on the default group: the ranks agree on the outcome and resync after a hang.
         dist.all_reduce(state, op=dist.ReduceOp.MAX)
+        if state.item() == 0.5 and refused is not None:
+            return "refused", f"at forward: {refused}", False
         if state.item():
             detail = f"split {split}, rank {rank}: {why}" if why else f"split {split}: failed on another rank"
             return "accepted_wrong", detail, state.item() >= 2

@@ -12,6 +12,7 @@ inside it, every instance of that class: a class edit is global).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Callable
@@ -285,6 +286,231 @@ def rt_gate_learnable(block, role):
     return apply
 
 
+# ---------------------------------------------------------------------------------------------
+# Issue 17: state on the expert parameters, sharing, reads of the experts from hooks, process-wide patches
+# ---------------------------------------------------------------------------------------------
+
+
+def _expert_param(b: nn.Module, role: str) -> tuple[nn.Module, str]:
+    """``(owner module, attribute)`` of the expert parameter a parameter-state mutation touches: expert 1's
+    first projection weight (ModuleList), or the batched/grouped experts' first parameter."""
+    if role == "expert":
+        lin = next(m for m in b.experts[1].modules() if isinstance(m, nn.Linear))
+        return lin, "weight"
+    name = next(n for n, _ in b.experts.named_parameters())
+    owner, _, attr = name.rpartition(".")
+    return b.experts.get_submodule(owner), attr
+
+
+def _on_every_copy(b: nn.Module, attach: Callable[[nn.Module], None]) -> None:
+    """Run ``attach(block)`` now and on every deep copy of the block (``copy.deepcopy`` drops tensor hooks, and
+    the fuzzer compares deep copies): the block is re-classed to a subclass whose ``__setstate__`` re-attaches."""
+    base = type(b)
+    cls = base.__dict__.get("_fuzz_reattaching_subclass_of") and base
+    if cls is None:
+        def __setstate__(self, state):
+            base.__setstate__(self, state)
+            for fn in self.__dict__.get("_fuzz_attach", ()):
+                fn(self)
+
+        cls = type(base.__name__, (base,), {"__setstate__": __setstate__, "__module__": base.__module__,
+                                            "__qualname__": base.__qualname__, "_fuzz_reattaching_subclass_of": base})
+    b.__class__ = cls
+    b.__dict__.setdefault("_fuzz_attach", []).append(attach)
+    attach(b)
+
+
+def rt_param_grad_hook(block, role):
+    """A gradient hook (``p.register_hook``) scaling one expert parameter's gradient."""
+    if role not in ("expert", "experts"):
+        return None
+
+    def attach(b):
+        owner, attr = _expert_param(b, role)
+        getattr(owner, attr).register_hook(lambda g: g * SCALE)
+
+    return lambda b: _on_every_copy(b, attach)
+
+
+def rt_param_post_accumulate(block, role):
+    """A post-accumulate-grad hook (optimizer-in-backward style) scaling one expert parameter's ``.grad``."""
+    if role not in ("expert", "experts"):
+        return None
+
+    def step(p):
+        p.grad.mul_(SCALE)
+
+    def attach(b):
+        owner, attr = _expert_param(b, role)
+        getattr(owner, attr).register_post_accumulate_grad_hook(step)
+
+    return lambda b: _on_every_copy(b, attach)
+
+
+class FakeQuant(torch.Tensor):
+    """QAT weight (torchao style): ``F.linear`` sees it rounded to a 1/4 grid, straight-through gradient."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x, w, *rest = args
+            w = w.as_subclass(torch.Tensor)
+            w = w + (torch.round(w * 4) / 4 - w).detach()
+            x = x.as_subclass(torch.Tensor) if isinstance(x, cls) else x
+            return torch.nn.functional.linear(x, w, *rest, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def __deepcopy__(self, memo):
+        with torch._C.DisableTorchFunctionSubclass():
+            data = self.detach().clone()
+        return nn.Parameter(data.as_subclass(FakeQuant), requires_grad=self.requires_grad)
+
+
+def rt_param_fake_quant(block, role):
+    """One expert parameter a fake-quant tensor subclass."""
+    if role not in ("expert", "experts"):
+        return None
+
+    def apply(b):
+        owner, attr = _expert_param(b, role)
+        p = getattr(owner, attr)
+        setattr(owner, attr, nn.Parameter(p.detach().clone().as_subclass(FakeQuant), requires_grad=p.requires_grad))
+
+    return apply
+
+
+def _dense_same_shape(b: nn.Module, shape) -> str | None:
+    """The name of a parameter of the block outside its experts with ``shape`` (a shared expert's weight)."""
+    return next((n for n, p in b.named_parameters() if not n.startswith("experts.") and p.shape == shape), None)
+
+
+def rt_tie_dense(block, role):
+    """An expert weight tied to a same-shaped parameter elsewhere in the block (the shared expert's)."""
+    if role not in ("expert", "experts"):
+        return None
+    owner, attr = _expert_param(block, role)
+    if _dense_same_shape(block, getattr(owner, attr).shape) is None:
+        return None
+
+    def apply(b):
+        o, a = _expert_param(b, role)
+        setattr(o, a, b.get_parameter(_dense_same_shape(b, getattr(o, a).shape)))
+
+    return apply
+
+
+def rt_alias_experts(block, role):
+    """The experts (ModuleList: expert 1) registered a second time on the block: one module, two names."""
+    if role not in ("expert", "experts"):
+        return None
+
+    def apply(b):
+        b.experts_alias = b.experts[1] if role == "expert" else b.experts
+
+    return apply
+
+
+def _expert_norm(module: nn.Module) -> torch.Tensor:
+    return _expert_norm_inner(module.experts)
+
+
+def _expert_norm_inner(experts: nn.Module) -> torch.Tensor:
+    return sum((p.float() ** 2).sum() for p in experts.parameters())
+
+
+def _deep_read_hook(module, args):
+    """A pre-hook that reads every expert weight two calls deep (scaling by ``1 + 0 * norm``: exact as values,
+    but the weights it reads are the ones autoep replaces)."""
+    return (args[0] * (1.0 + 0.0 * _expert_norm(module)).to(args[0].dtype), *args[1:])
+
+
+def rt_hook_reads_experts(block, role):
+    """A forward pre-hook on the block reading every expert parameter through two module-level functions."""
+    if role != "block":
+        return None
+    return lambda b: b.register_forward_pre_hook(_deep_read_hook)
+
+
+def _property_read_hook(module, args):
+    return (args[0] * module.expert_scale, *args[1:])
+
+
+def rt_property_reads_experts(block, role):
+    """A block subclass with a property reading the experts (``SCALE`` times their count of parameters over
+    itself), read by a pre-hook: a read through a property."""
+    if role != "block":
+        return None
+    cache = {}
+
+    def apply(b):
+        if "cls" not in cache:
+            base = type(b)
+
+            def expert_scale(self):
+                n = len(list(self.experts.parameters()))
+                return SCALE * n / n
+
+            cache["cls"] = type(base.__name__, (base,), {"expert_scale": property(expert_scale),
+                                                         "__module__": base.__module__})
+        b.__class__ = cache["cls"]
+        b.register_forward_pre_hook(_property_read_hook)
+
+    return apply
+
+
+class _ScaleLinearMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * SCALE if func is torch.nn.functional.linear else out
+
+
+@contextlib.contextmanager
+def _patched(owner, attr: str, make: Callable):
+    real = getattr(owner, attr)
+    setattr(owner, attr, make(real))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, real)
+
+
+@contextlib.contextmanager
+def _global_hook():
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, a, out: out * SCALE if type(m) is nn.Linear and isinstance(out, torch.Tensor) else out)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+_AROUND = {
+    "patch_f_linear": lambda: _patched(torch.nn.functional, "linear",
+                                       lambda real: lambda x, w, b=None: real(x, w, b) * SCALE),
+    "patch_linear_forward": lambda: _patched(nn.Linear, "forward", lambda real: lambda self, x: real(self, x) * SCALE),
+    "patch_silu": lambda: _patched(torch.nn.functional, "silu",
+                                   lambda real: lambda x, inplace=False: real(x) * SCALE),
+    "function_mode": _ScaleLinearMode,
+    "global_forward_hook": _global_hook,
+}
+
+
+def _around(name: str):
+    def op(block, role):
+        if role != "block":
+            return None
+
+        def mutate(b):
+            return None
+
+        mutate.around = _AROUND[name]  # process-wide: active around each forward/backward, not at detection
+        return mutate
+
+    op.__doc__ = f"Process-wide state active at forward time: {name.replace('_', ' ')}."
+    return op
+
+
 RUNTIME_OPERATORS: dict[str, Callable] = {
     "instance_forward": rt_instance_forward,
     "forward_hook": rt_forward_hook,
@@ -299,4 +525,12 @@ RUNTIME_OPERATORS: dict[str, Callable] = {
     "instance_apply_gate": rt_instance_apply_gate,
     "gate_constant": rt_gate_constant,
     "gate_learnable": rt_gate_learnable,
+    "param_grad_hook": rt_param_grad_hook,
+    "param_post_accumulate": rt_param_post_accumulate,
+    "param_fake_quant": rt_param_fake_quant,
+    "tie_dense": rt_tie_dense,
+    "alias_experts": rt_alias_experts,
+    "hook_reads_experts": rt_hook_reads_experts,
+    "property_reads_experts": rt_property_reads_experts,
+    **{name: _around(name) for name in _AROUND},
 }

@@ -30,6 +30,11 @@ class UnsupportedPlanEntry(PlanError, UnsupportedModuleStructure):
         ValueError.__init__(self, message)
 
 
+class LiveStateError(RuntimeError):
+    """At forward time, process-wide state (a patch, an active torch-function or dispatch mode, global module
+    hooks) that autoep's expert fast path would not honour; the message names it and how to remove it."""
+
+
 class ConfigError(ValueError):
     """A config value (YAML, command line or Python) is wrong, or the run directory cannot take this run;
     found before any work and before anything is written. The message names the key, the value and the fix."""

@@ -164,3 +164,38 @@ def test_nan_compares_equal_only_where_the_own_forward_has_it():
     assert mutation._mismatch(a, a.clone()) == ""
     assert mutation._mismatch(a, torch.tensor([float("nan"), 2.0, 3.0]))
     assert mutation._mismatch(a, torch.tensor([1.0, 2.0, 3.0]))
+
+
+# Issue 17, sharing: multi-block targets. Each target's block twice in a model, its expert tensors then reached
+# by two names; ``resolve_plan`` (on the whole model) must refuse every one, whatever the family.
+SHARES = {
+    "one expert pool in two blocks": lambda m: setattr(m.layers[1].mlp, "experts", m.layers[0].mlp.experts),
+    "one block registered twice": lambda m: setattr(m.layers[1], "mlp", m.layers[0].mlp),
+    "the experts registered elsewhere too": lambda m: setattr(m, "probe", m.layers[0].mlp.experts),
+}
+
+
+def _two_block_model(target, share):
+    from torch import nn
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module(), nn.Module()])
+    model.layers[0].mlp, model.layers[1].mlp = target.build(), target.build()
+    share(model)
+    return model
+
+
+def test_multi_block_sharing_is_refused_for_every_target():
+    from autoep.errors import UnsupportedModuleStructure
+    from autoep.plan.resolve import resolve_plan
+
+    accepted = []
+    for target in mutation.targets():
+        resolve_plan({"ep_size": 1, "plan": [{"match": "layers.?.mlp"}]}, _two_block_model(target, lambda m: None))
+        for name, share in SHARES.items():
+            try:
+                resolve_plan({"ep_size": 1, "plan": [{"match": "layers.?.mlp"}]}, _two_block_model(target, share))
+                accepted.append(f"{target.name}: {name}")
+            except UnsupportedModuleStructure as exc:
+                assert "is also" in str(exc), f"{target.name}: {name}: {exc}"
+    assert not accepted, accepted

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from autoep.detect import genuine
 from autoep.detect.source import Refusal
 
-ELEMENTWISE_FUNCTIONS = {
-    F.silu, F.gelu, F.relu, F.relu6, F.elu, F.leaky_relu, F.mish, F.softplus, F.sigmoid, F.tanh,
-    torch.sigmoid, torch.tanh, torch.relu, torch.square, torch.exp, torch.abs,
-}
-_TORCH_MODULES = (nn.SiLU, nn.GELU, nn.ReLU, nn.ReLU6, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.LeakyReLU,
+TORCH_ACTIVATIONS = (nn.SiLU, nn.GELU, nn.ReLU, nn.ReLU6, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.LeakyReLU,
                   nn.Softplus, nn.Identity)
 _TRANSFORMERS_MODULES = (
     "SiLUActivation", "GELUActivation", "NewGELUActivation", "FastGELUActivation", "QuickGELUActivation",
@@ -29,9 +24,9 @@ _TRANSFORMERS_MODULES = (
 
 
 @functools.lru_cache(maxsize=1)
-def _module_forwards() -> dict[type, object]:
-    """``{activation class: its forward as shipped}``; a class whose forward was patched no longer matches."""
-    classes = list(_TORCH_MODULES)
+def activation_classes() -> tuple[type, ...]:
+    """The known activation classes (their forwards are checked genuine where used: ``autoep.detect.genuine``)."""
+    classes = list(TORCH_ACTIVATIONS)
     try:
         from transformers import activations
     except ImportError:
@@ -40,7 +35,7 @@ def _module_forwards() -> dict[type, object]:
         cls = getattr(activations, name, None)
         if isinstance(cls, type):
             classes.append(cls)
-    return {cls: cls.forward for cls in classes}
+    return tuple(classes)
 
 
 def runtime_clean(module: nn.Module, what: str) -> None:
@@ -63,10 +58,9 @@ def check_activation_module(act: object, what: str) -> None:
         return
     if not isinstance(act, nn.Module):
         raise Refusal(f"{what} is {type(act).__name__}, not an activation module")
-    shipped = _module_forwards().get(type(act))
-    if shipped is None:
+    if type(act) not in activation_classes():
         raise Refusal(f"{what} is {type(act).__name__}, not a known element-wise activation")
-    if type(act).forward is not shipped:
+    if not genuine.genuine_forward(type(act)):
         raise Refusal(f"{what}: {type(act).__name__}.forward was patched")
     runtime_clean(act, what)
     if any(True for _ in act.parameters()) or any(True for _ in act.buffers()):
@@ -80,8 +74,6 @@ def same_activation(a: nn.Module, b: nn.Module) -> bool:
 
 
 def known_function(fn: object) -> bool:
-    """``fn`` is one of the element-wise torch functions above (by identity)."""
-    try:
-        return fn in ELEMENTWISE_FUNCTIONS
-    except TypeError:  # unhashable
-        return False
+    """``fn`` is one of the element-wise torch functions (by identity with the genuine one, looked up now:
+    a patched ``F.silu`` is not known)."""
+    return any(fn is known for known in genuine.elementwise_functions())

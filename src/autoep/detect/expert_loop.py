@@ -27,7 +27,6 @@ import functools
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from autoep.detect import elementwise
 from autoep.detect.loop_values import (
@@ -59,8 +58,11 @@ from autoep.detect.loop_values import (
 from autoep.detect.names import Scope, mangled
 from autoep.detect.source import Refusal
 
-# The torch functions a region may call, by identity.
-_ZEROS_LIKE, _ONE_HOT, _WHERE, _GREATER, _LINEAR = torch.zeros_like, F.one_hot, torch.where, torch.greater, F.linear
+# The torch functions a region may call, by identity with the genuine builtins (not a snapshot of
+# ``F.linear`` taken at import, which a patch made before that import would be: ``autoep.detect.genuine``).
+_ZEROS_LIKE, _WHERE, _GREATER = (torch._C._VariableFunctions.zeros_like, torch._C._VariableFunctions.where,
+                                 torch._C._VariableFunctions.greater)
+_ONE_HOT, _LINEAR = torch._C._nn.one_hot, torch._C._nn.linear
 
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from autoep.detect import elementwise, regions, split_loop
 from autoep.detect.expert_loop import Prover, strip_casts
+from autoep.detect.genuine import genuine
 from autoep.detect.loop_context import plain_method, prelude, self_reads
 from autoep.detect.names import Scope
 from autoep.detect.source import Refusal, cached_by_code, function_tree
@@ -61,7 +62,7 @@ def _swiglu_shape(forward) -> tuple[str, str, str, object, tuple[str, ...]]:
                 return ("call", f.attr, ev(node.args[0]))
             if isinstance(f, (ast.Name, ast.Attribute)) and not (isinstance(f, ast.Name) and f.id in env):
                 fn = scope.resolve(f)
-                if fn in _FUNCTION_MODULES:
+                if fn in _FUNCTION_MODULES and genuine(fn):  # a patched F.silu is not nn.SiLU
                     return ("fn", fn, ev(node.args[0]))
         raise Refusal(f"expert {forward.__qualname__} line {node.lineno}: `{ast.unparse(node)[:80]}` is not understood")
 
@@ -227,13 +228,7 @@ def module_list_plan(block: nn.Module) -> tuple[SplicePlan, ...]:
         raise Refusal(f"{cls.__name__} has an instance-level forward")
     if type(block).__call__ is not nn.Module.__call__:
         raise Refusal(f"{cls.__name__} overrides __call__")
-    forward = plain_method(cls, "forward", block)
-    trees = {"forward": (forward, function_tree(forward), False)}
-    for call in ast.walk(trees["forward"][1]):
-        name = _self_method_call(call)
-        if name and name not in trees and inspect.isfunction(getattr(cls, name, None)):
-            fn, no_grad = _helper_method(cls, name, block)
-            trees[name] = (fn, function_tree(fn), no_grad)
+    trees = block_methods(block)
     found = [(m, path, i, loop) for m, (_, t, _) in trees.items() for path, i, loop in regions.expert_loops(t)]
     if not found:
         raise Refusal(f"{cls.__name__} has no loop over self.experts in its forward or the methods it calls")
@@ -248,6 +243,21 @@ def module_list_plan(block: nn.Module) -> tuple[SplicePlan, ...]:
     if runs != 1:
         raise Refusal(f"{cls.__name__}.forward runs the expert region {runs} times on every path, not once")
     return tuple(_plan(block, trees[m], m, path, i, loop) for m, path, i, loop in found)
+
+
+def block_methods(block: nn.Module) -> dict[str, tuple]:
+    """``{name: (function, tree, no_grad)}`` of the block's forward and the methods it calls on ``self``: where
+    the proof checks every ``self.experts`` read statement by statement (``autoep.detect.expert_reads`` follows
+    the rest)."""
+    cls = type(block)
+    forward = plain_method(cls, "forward", block)
+    trees = {"forward": (forward, function_tree(forward), False)}
+    for call in ast.walk(trees["forward"][1]):
+        name = _self_method_call(call)
+        if name and name not in trees and inspect.isfunction(getattr(cls, name, None)):
+            fn, no_grad = _helper_method(cls, name, block)
+            trees[name] = (fn, function_tree(fn), no_grad)
+    return trees
 
 
 def _helper_method(cls: type, name: str, owner: nn.Module):

@@ -10,7 +10,18 @@ from dataclasses import asdict, dataclass
 
 import torch.nn as nn
 
-from autoep.detect import equal_groups_proof, experts_proof, grouped_proof, module_list_proof, routing_proof, source
+from autoep.detect import (
+    elementwise,
+    equal_groups_proof,
+    expert_reads,
+    experts_proof,
+    genuine,
+    grouped_proof,
+    module_list_proof,
+    routing_proof,
+    sharing,
+    source,
+)
 from autoep.detect.source import Refusal
 from autoep.errors import UnsupportedModuleStructure
 
@@ -103,6 +114,10 @@ def detect_router_kind(module: nn.Module) -> str:
 
 
 def _structure(module: nn.Module) -> MoeStructure:
+    patched = genuine.patched_torch_objects(elementwise.activation_classes(), module_call=False)
+    if patched:  # the proofs below resolve names to objects; a patch would be taken for torch's own
+        raise Refusal(f"{', '.join(patched)} is not torch's own (patched process-wide): the model's experts would "
+                      f"run the patch and autoep's grouped GEMM would not")
     router = routing_proof.router_kind(module)
     shared = routing_proof.shared_kind(module)
     experts = getattr(module, "experts", None)
@@ -127,11 +142,23 @@ def _structure(module: nn.Module) -> MoeStructure:
     structure = MoeStructure(
         router=router, shared_experts=shared, expert_storage=storage, jitter=hasattr(module, "jitter_noise"), **facts
     )
+    _live_state(module, structure)
     # The vocabulary is closed: autoep.plan.archetypes.TABLE has a row for every (router, storage) pair of it
     # (tests/plan/test_archetypes.py), so a structure outside it is refused here, before any plan is made.
     if router not in ROUTER_KINDS or storage not in STORAGE_KINDS or structure.expert_kind not in EXPERT_KINDS:
         raise Refusal(f"router={router} with expert_storage={storage} is outside the detector's vocabulary")
     return structure
+
+
+def _live_state(module: nn.Module, structure: MoeStructure) -> None:
+    """Issue 17: every other read of the experts (any depth of calls, hooks on the block, cached references)
+    and expert tensors reached by two names inside the block (the whole model: ``resolve_plan``)."""
+    checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] \
+        if structure.expert_storage == "module_list" else [type(module).forward]
+    expert_reads.experts_read_elsewhere(module, checked, structure.experts_path)
+    tied = sharing.shared_expert_tensors(module, {"": module}, structure.experts_path)
+    if tied:
+        raise Refusal(f"{tied[0]}: {sharing.SHARING_FIX}")
 
 
 def detect_moe_structure(module: nn.Module) -> MoeStructure:

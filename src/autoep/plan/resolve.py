@@ -20,7 +20,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from autoep.detect import structure
+from autoep.detect import sharing, structure
 from autoep.errors import OPT_OUT_HINT, DriftError, PlanError, UnsupportedModuleStructure, UnsupportedPlanEntry
 from autoep.plan import archetypes, replay
 from autoep.plan.artifact import load_plan
@@ -53,7 +53,21 @@ def resolve_plan(parallel_cfg, model: nn.Module) -> DictConfig:
                                 f"narrow one of the match patterns so each module has one entry")
             owner[name] = i
         plan.append(resolved)
+    check_sharing(model, modules, {n: (entry["decision"].get("structure") or {}).get("experts_path") or "experts"
+                                   for entry in plan for n in entry["decision"]["modules"]})
     return OmegaConf.merge(cfg, {"plan": plan})  # merge, not assignment: validates the dicts as PlanEntry
+
+
+def check_sharing(model: nn.Module, modules: dict, experts_paths: dict[str, str]) -> None:
+    """Every expert tensor of the matched blocks (``{name: experts path}``) is reached by one name in the whole
+    model (``autoep.detect.sharing``): tied to a shared expert's, shared by two blocks, a block registered twice."""
+    paths = sharing.tensor_paths(model)
+    for name, experts_path in experts_paths.items():
+        shared = sharing.shared_expert_tensors(model, {name: modules[name]}, experts_path, paths)
+        if shared:
+            cls = type(modules[name]).__name__
+            raise UnsupportedPlanEntry(f"parallel.plan matches {name} ({cls}), whose {shared[0]}: "
+                                       f"{sharing.SHARING_FIX}", cls, shared[0])
 
 
 def typed_parallel(parallel_cfg) -> DictConfig:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoep.errors import PlanError
+from autoep.runtime import live_state
 from autoep.targets import RECIPES, check_not_moved, factory_spec
 
 ALLOWED_PREFIXES = (RECIPES + ".",)
@@ -49,6 +50,7 @@ def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets
     allowed = ALLOWED_PREFIXES + tuple(allowed_targets) + tuple(cfg.get("allowed_targets") or ())
     ep_mesh = ep_mesh_of(mesh)
     named = dict(model.named_modules())
+    _check_live_state(model, cfg, named)
     for i, entry in enumerate(cfg.get("plan") or []):
         decision = entry.get("decision")
         if not decision:
@@ -59,9 +61,19 @@ def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets
             if name not in named:
                 raise PlanError(f"parallel.plan.{i}.decision.modules names {name!r}, which the model does not have")
             block = named[name]
+            path = live_state.experts_path_of(fn_cfg)
+            held = live_state.before_block(block, name, path)
             shard_experts(block, mesh, name=name)
             factory(block, ep_mesh=ep_mesh, **fn_cfg)
+            live_state.after_block(block, name, held, path)
     return model
+
+
+def _check_live_state(model: nn.Module, cfg: dict, named: dict) -> None:
+    """Run-time state of the whole model before anything is replaced (``autoep.runtime.live_state``)."""
+    paths = {n: live_state.experts_path_of(entry.get("local_compute_fn") or {}) for entry in cfg.get("plan") or []
+             for n in (entry.get("decision") or {}).get("modules") or [] if n in named}
+    live_state.check_model(model, {n: named[n] for n in paths}, paths)
 
 
 def ep_mesh_of(mesh):

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from autoep.runtime import live_state
+
 ExpertFn = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -93,6 +95,7 @@ def ep_experts_forward(
             f"expert exchange got hidden {tuple(hidden_TD.shape)}, expert ids {tuple(top_k_index_TK.shape)} and "
             f"weights {tuple(top_k_weights_TK.shape)}; it needs (T, D), (T, K) and (T, K)"
         )
+    live_state.check_fast_path()  # a patch or mode the model's experts would honour and expert_fn would not
     T, K = top_k_index_TK.shape
     D = hidden_TD.shape[-1]
     W = _ep_size(ep_group)

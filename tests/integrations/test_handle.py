@@ -137,6 +137,12 @@ def guard_case(rank, world):
         opt.step()
     with pytest.raises(GradientsNotFinished, match=r"clip_grad_norm_\(\)"):
         ep.clip_grad_norm_(1.0)
+    unattached = torch.optim.SGD(model.parameters(), lr=LR)  # never attached: guarded all the same
+    with pytest.raises(GradientsNotFinished, match=r"optimizer.step\(\) after a backward"):
+        unattached.step()
+    other = torch.nn.Linear(2, 2)
+    other(torch.ones(1, 2)).sum().backward()
+    torch.optim.SGD(other.parameters(), lr=LR).step()  # an optimizer over other parameters is left alone
     before = model.lm_head.weight.detach().clone()
     with pytest.raises(GradientsNotFinished, match=r"dense gradients differ across ranks.*dense_synced=False"):
         ep.finish_gradients()  # no DDP synced the dense grads: a silent divergence of the replicas otherwise
@@ -323,7 +329,7 @@ def test_one_process_logs_the_plan_and_records_it(tmp_path, caplog):
     plan = load_plan(tmp_path / "resolved.yaml")
     assert OmegaConf.to_container(plan) == OmegaConf.to_container(ep.resolved)
     raw = (tmp_path / "resolved.yaml").read_text()
-    assert "run_dir" not in raw  # no key the host did not have
+    assert list(yaml.safe_load(raw)) == ["parallel", "artifact"]  # no key the host did not have (no run_dir)
     header = [line for line in raw.splitlines() if line.startswith("#")]
     assert any(f"autoep.load_plan('{tmp_path / 'resolved.yaml'}')" in line for line in header)  # the replay line
 

@@ -20,19 +20,22 @@ rank's loss, as DDP assumes when it averages dense gradients; ``"sum"`` when the
 add up to the global loss (a loop that scaled each rank's loss by 1/W itself and sums gradients). Expert
 gradients arrive through ordinary autograd (hooks on expert parameters fire, ``.grad`` is written by autograd),
 but as sums over the ranks that routed tokens to them, so ``finish_gradients`` must run before every step:
-``attach`` makes a step without it an error, never a silently wrong update.
+a step of any optimizer over the model's parameters without it is an error (a global optimizer step pre-hook;
+``attach`` adds one to a given optimizer too), never a silently wrong update.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autoep.errors import GradientsNotFinished, PlanError
 from autoep.plan.artifact import load_plan, plan_hash, write_plan
@@ -94,9 +97,15 @@ class ExpertParallel:
             write_plan(self.resolved, self.run_dir)  # rank 0 only; every rank gets the path
         self.prepare_ddp(model)
         self._unfinished = False  # a backward wrote gradients that finish_gradients has not finished yet
+        self._param_ids = set()
         for p in model.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+                self._param_ids.add(id(p))
+        # Every optimizer holding this model's parameters is guarded, attached or not: a step on unfinished
+        # gradients is an error, never a silently wrong update (torch's global optimizer step pre-hook).
+        guard = register_optimizer_step_pre_hook(_step_guard(weakref.ref(self)))
+        weakref.finalize(self, guard.remove)
 
     # -- parameters ------------------------------------------------------------------------------------------
     def expert_parameters(self) -> list[nn.Parameter]:
@@ -151,7 +160,9 @@ class ExpertParallel:
 
     def attach(self, optimizer) -> None:
         """Make ``optimizer.step()`` raise ``GradientsNotFinished`` when a backward since the last
-        ``finish_gradients`` left gradients unfinished (a step pre-hook)."""
+        ``finish_gradients`` left gradients unfinished (a step pre-hook). Every optimizer over the model's
+        parameters is guarded already (a global step pre-hook installed at construction); ``attach`` says so
+        explicitly and also covers an optimizer whose parameters the handle has not seen."""
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._check_finished("optimizer.step()"))
 
     def _check_finished(self, what: str) -> None:
@@ -202,6 +213,17 @@ class ExpertParallel:
     def export_hf(self, path) -> Path:
         """``path`` gets config.json + model.safetensors with every expert (rank 0 writes; a collective)."""
         return export_hf(self.model, path)
+
+
+def _step_guard(handle_ref):
+    """A global optimizer step pre-hook: an optimizer holding the handle's parameters may not step on unfinished
+    gradients. Holds the handle weakly; a set lookup per parameter and step."""
+    def guard(optimizer, args, kwargs):
+        ep = handle_ref()
+        if ep is not None and ep._unfinished and any(
+                id(p) in ep._param_ids for group in optimizer.param_groups for p in group["params"]):
+            ep._check_finished("optimizer.step()")
+    return guard
 
 
 def resolve_once(parallel: DictConfig, model: nn.Module, rank: int, world: int) -> DictConfig:

@@ -103,7 +103,8 @@ class ExpertParallel:
                 p.register_post_accumulate_grad_hook(self._on_grad)
                 self._param_ids.add(id(p))
         # Every optimizer holding this model's parameters is guarded, attached or not: a step on unfinished
-        # gradients is an error, never a silently wrong update (torch's global optimizer step pre-hook).
+        # gradients is an error, never a silently wrong update (torch's global optimizer step pre-hook; a step
+        # given a closure runs its backward after the hook and is not judged here).
         guard = register_optimizer_step_pre_hook(_step_guard(weakref.ref(self)))
         weakref.finalize(self, guard.remove)
 
@@ -163,7 +164,8 @@ class ExpertParallel:
         ``finish_gradients`` left gradients unfinished (a step pre-hook). Every optimizer over the model's
         parameters is guarded already (a global step pre-hook installed at construction); ``attach`` says so
         explicitly and also covers an optimizer whose parameters the handle has not seen."""
-        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._check_finished("optimizer.step()"))
+        optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs: None if _has_closure(args, kwargs) else self._check_finished("optimizer.step()"))
 
     def _check_finished(self, what: str) -> None:
         if self._unfinished:
@@ -215,12 +217,19 @@ class ExpertParallel:
         return export_hf(self.model, path)
 
 
+def _has_closure(args, kwargs) -> bool:
+    """``step(closure)`` runs the backward itself, after the pre-hooks (Lightning's automatic optimization, LBFGS):
+    gradients from an earlier micro-batch are legitimately unfinished there, so the check is left to the trainer
+    that calls ``finish_gradients`` inside the closure (the Lightning adapter does)."""
+    return (kwargs.get("closure") if "closure" in kwargs else (args[0] if args else None)) is not None
+
+
 def _step_guard(handle_ref):
     """A global optimizer step pre-hook: an optimizer holding the handle's parameters may not step on unfinished
     gradients. Holds the handle weakly; a set lookup per parameter and step."""
     def guard(optimizer, args, kwargs):
         ep = handle_ref()
-        if ep is not None and ep._unfinished and any(
+        if ep is not None and ep._unfinished and not _has_closure(args, kwargs) and any(
                 id(p) in ep._param_ids for group in optimizer.param_groups for p in group["params"]):
             ep._check_finished("optimizer.step()")
     return guard

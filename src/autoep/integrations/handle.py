@@ -221,7 +221,9 @@ def _has_closure(args, kwargs) -> bool:
     """``step(closure)`` runs the backward itself, after the pre-hooks (Lightning's automatic optimization, LBFGS):
     gradients from an earlier micro-batch are legitimately unfinished there, so the check is left to the trainer
     that calls ``finish_gradients`` inside the closure (the Lightning adapter does)."""
-    return (kwargs.get("closure") if "closure" in kwargs else (args[0] if args else None)) is not None
+    # NOTE: torch passes the step's own args, the optimizer first (``step(self, closure=None)``).
+    positional = [a for a in args if not isinstance(a, torch.optim.Optimizer)]
+    return (kwargs.get("closure") if "closure" in kwargs else (positional[0] if positional else None)) is not None
 
 
 def _step_guard(handle_ref):

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 import autoep
 from autoep import ExpertParallel, load_plan
-from autoep.errors import GradientsNotFinished, PlanError
+from autoep.errors import GradientsNotFinished, PlanError, UnsupportedModuleStructure
 from autoep.plan.artifact import write_resolved
 from autoep.plan.schema import ParallelConfig, PlanEntry
 
@@ -124,6 +124,12 @@ def expert_hooks_case(rank, world):
     assert type(p.grad).__name__ == "DTensor" and p.grad.to_local().abs().sum() > 0
     torch.testing.assert_close(p.grad.to_local(), seen[0])
     torch.testing.assert_close(p.grad.to_local(), accumulated[0])
+    # A hook registered BEFORE the handle sits on the parameter that sharding replaces: refused by name, never
+    # silently dropped (autoep.runtime.live_state); registered after, as above, it runs.
+    early = tiny_moe()
+    early.model.layers[1].mlp.experts.down_proj.register_hook(lambda g: None)
+    with pytest.raises(UnsupportedModuleStructure, match=r"down_proj carries 1 gradient hook.*Register them after"):
+        ExpertParallel(early, {"ep_size": world, "plan": PLAN})
 
 
 def guard_case(rank, world):

@@ -186,9 +186,12 @@ def lightning_section_files() -> dict[str, str]:
     return files
 
 
-def test_the_docs_lightning_app_runs(tmp_path):
+def test_the_docs_lightning_app_runs_and_replays(tmp_path):
     """docs/integrations.md's Lightning app, as its users run it: ``python train.py``; Lightning starts the
-    second rank itself (re-running the script with Hydra's run dir), fits, and tests the best checkpoint."""
+    second rank itself (re-running the script with Hydra's run dir), fits, and tests the best checkpoint. Then
+    the replay line its ``resolved.yaml`` prints, run as printed: the same frozen plan, replayed."""
+    import autoep
+
     for name, text in lightning_section_files().items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
@@ -197,15 +200,17 @@ def test_the_docs_lightning_app_runs(tmp_path):
     (project / "__init__.py").write_text("")
     (project / "models.py").write_text("from lightning_moe import MoeLM  # noqa: F401\n")
     (project / "data.py").write_text("from lightning_moe import TokenData  # noqa: F401\n")
-    import autoep
-
     tests = Path(__file__).resolve().parents[1]
     path = [str(Path(autoep.__file__).parents[1]), str(tests), str(tests / "integrations"), str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    log = run.stdout + run.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+
+    def run(command: list[str]) -> str:
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        return done.stdout + done.stderr
+
+    log = run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}"])
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log  # Lightning launched the second rank
     resolved = (tmp_path / "run" / "resolved.yaml").read_text()
     assert "model.model.layers.0.mlp" in resolved and "decision" in resolved
@@ -213,3 +218,10 @@ def test_the_docs_lightning_app_runs(tmp_path):
     assert ckpts, log[-3000:]
     state = torch.load(ckpts[-1], map_location="cpu", weights_only=False)["state_dict"]
     assert state["model.model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8  # every expert, not rank 0's 4
+
+    replay = next(line for line in resolved.splitlines() if "++parallel.replay=" in line).lstrip("# ").strip()
+    log = run(["bash", "-c", replay])
+    assert "replaying its frozen plan" in log and "GLOBAL_RANK: 1, MEMBER: 2/2" in log
+    (again,) = (tmp_path / "outputs").rglob("resolved.yaml")
+    body = lambda text: text[text.index("\nparallel:"):]  # noqa: E731 - the header names each file's own path
+    assert body(again.read_text()) == body(resolved)

@@ -93,6 +93,13 @@ class ManualMoeLM(MoeLM):
         self.losses.append(loss.detach().item())
 
 
+class AdamWMoeLM(MoeLM):
+    """AdamW with its multi-tensor (foreach) kernels, torch's default on CUDA, asked for here on CPU."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, foreach=True)
+
+
 def loader(n: int, seed: int = 1) -> DataLoader:
     return DataLoader(Tokens(n, seed), batch_size=ROWS_PER_RANK, shuffle=False)
 
@@ -169,6 +176,7 @@ def parity_worker(rank: int, world_size: int, tmp: str) -> dict:
                 "clip_value": {"gradient_clip_val": 0.02, "gradient_clip_algorithm": "value"},
                 "accumulate": {"accumulate_grad_batches": 2}, "bf16": {"precision": "bf16-mixed"}}
     settings["manual"] = {"module_cls": ManualMoeLM}
+    settings["adamw_foreach"] = {"module_cls": AdamWMoeLM}
     out = {}
     for name, kwargs in settings.items():
         out[name] = {"ref": fit(world_size, "ddp", **kwargs), "ep": fit(world_size, ep_strategy(tmp), **kwargs)}

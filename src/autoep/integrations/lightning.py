@@ -40,6 +40,7 @@ logic:
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,12 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.tensor import DTensor
 
 from autoep.errors import PlanError
 from autoep.runtime.recipes import local_tensor
 
+log = logging.getLogger("autoep")
 META = "meta.pt"  # Lightning's own state in a sharded checkpoint directory (FSDPStrategy's name for it)
 SHARDED = "autoep_sharded"  # the key in it saying the handle wrote the model (and whether the optimizer)
 
@@ -109,6 +112,8 @@ class ExpertParallelStrategy(DDPStrategy):
                                                   allowed_targets=self._allowed_targets)
         self.expert_parallel.prepare_ddp(module)  # DDP (fit) and Lightning's state sync (test) skip the experts
         super().setup(trainer)
+        for optimizer in self.optimizers:
+            _no_mixed_multi_tensor_kernels(optimizer)
         # NOTE: no ``ExpertParallel.attach``: its step pre-hook runs before the closure Lightning passes to
         # ``optimizer.step``, so with gradient accumulation it sees the earlier micro-batches' gradients unfinished
         # although ``_after_closure`` finishes them before the update. Lightning's step path always runs
@@ -198,6 +203,27 @@ class ExpertParallelStrategy(DDPStrategy):
                             f"configure_optimizers returned {len(self.optimizers)}. Use state_dict_type='full' or "
                             f"one optimizer (param groups may differ)")
         return self.optimizers[0]
+
+
+def _no_mixed_multi_tensor_kernels(optimizer) -> None:
+    """Step param groups that mix expert (DTensor) and dense (plain) parameters param by param.
+
+    An optimizer's foreach and fused kernels (torch's default on CUDA) cannot take both kinds in one list
+    (``aten._foreach_mul_.Scalar got mixed torch.Tensor and DTensor``). Splitting such a group in two would
+    desynchronise the LR schedulers ``configure_optimizers`` already built on its groups, so the group keeps
+    its parameters and its kernels change (the same update, computed per parameter). To keep the multi-tensor
+    kernels, give the experts their own group in ``configure_optimizers``:
+    ``AdamW(self.trainer.strategy.expert_parallel.param_groups(lr=...))``.
+    """
+    for i, group in enumerate(optimizer.param_groups):
+        kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if len(kinds) > 1 and (group.get("foreach") is not False or group.get("fused")):
+            group["foreach"] = False
+            if group.get("fused"):
+                group["fused"] = False
+            log.info("autoep: %s param group %d mixes expert and dense parameters; foreach/fused kernels cannot "
+                     "take both, so it steps per parameter (give experts their own group to keep them: "
+                     "self.trainer.strategy.expert_parallel.param_groups(...))", type(optimizer).__name__, i)
 
 
 def _unwrap(optimizer):

@@ -100,6 +100,28 @@ class AdamWMoeLM(MoeLM):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, foreach=True)
 
 
+class AdamWGroupsMoeLM(MoeLM):
+    """The same AdamW with the experts in their own group (the handle's), keeping the foreach kernels."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.trainer.strategy.expert_parallel.param_groups(lr=1e-2), foreach=True)
+
+
+class TwoOptimizersMoeLM(ManualMoeLM):
+    """Manual optimization with the embeddings in an optimizer of their own: clipping one optimizer by the norm
+    cannot be the model's global norm."""
+
+    def configure_optimizers(self):
+        embed = list(self.model.model.embed_tokens.parameters())
+        rest = [p for p in self.parameters() if all(p is not e for e in embed)]
+        return torch.optim.SGD(rest, lr=self.lr), torch.optim.SGD(embed, lr=self.lr)
+
+    def training_step(self, ids, batch_idx):
+        opt, _ = self.optimizers()
+        self.manual_backward(self.loss(ids))
+        self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+
+
 def loader(n: int, seed: int = 1) -> DataLoader:
     return DataLoader(Tokens(n, seed), batch_size=ROWS_PER_RANK, shuffle=False)
 
@@ -180,6 +202,13 @@ def parity_worker(rank: int, world_size: int, tmp: str) -> dict:
     out = {}
     for name, kwargs in settings.items():
         out[name] = {"ref": fit(world_size, "ddp", **kwargs), "ep": fit(world_size, ep_strategy(tmp), **kwargs)}
+    try:
+        fit(world_size, ep_strategy(tmp), steps=1, module_cls=TwoOptimizersMoeLM)
+        out["partial_clip"] = None
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        out["partial_clip"] = f"{type(e).__name__}: {e}"
+    out["adamw_groups"] = {"ref": out["adamw_foreach"]["ref"],
+                           "ep": fit(world_size, ep_strategy(tmp), module_cls=AdamWGroupsMoeLM)}
     out["plain"]["summed"] = fit(world_size, summed_experts_strategy(tmp))
     out["bf16"]["summed"] = fit(world_size, summed_experts_strategy(tmp), precision="bf16-mixed")
     return out

@@ -5,7 +5,8 @@ gradient scale shows in the weights; Adam would hide it).
 - parity: the losses and every weight (experts gathered) after 6 steps equal the run without EP at fp32
   tolerance, also with ``gradient_clip_val`` (by norm and by value), gradient accumulation and manual
   optimization (``manual_backward``, ``clip_gradients``, ``opt.step()``), and AdamW with its foreach kernels
-  (which cannot take expert DTensors and dense tensors in one list); a run with the
+  (which cannot take expert DTensors and dense tensors in one list; or with the handle's param groups,
+  which keep them); a run with the
   issue's bug (expert gradients W x too large) is not equal, so the comparison can fail.
 - ``precision="bf16-mixed"``: equal within BF16_TOL (stated below), the same bug again not equal; fp16 with its
   GradScaler and the half-precision weights are refused at ``Trainer(...)``.
@@ -67,7 +68,8 @@ def test_the_baseline_is_ddp_of_the_global_batch(parity):
             torch.testing.assert_close(rank["plain"]["ref"]["weights"][name], w, msg=name)
 
 
-@pytest.mark.parametrize("setting", ["plain", "clip_norm", "clip_value", "accumulate", "manual", "adamw_foreach"])
+@pytest.mark.parametrize("setting", ["plain", "clip_norm", "clip_value", "accumulate", "manual", "adamw_foreach",
+                                     "adamw_groups"])
 def test_ddp_with_the_adapter_equals_ddp_without_ep(parity, setting):
     for rank in parity:
         assert_same_run(rank[setting]["ep"], rank[setting]["ref"])
@@ -78,6 +80,13 @@ def test_the_settings_change_the_run(parity):
     plain = parity[0]["plain"]["ref"]
     for setting in ("clip_norm", "clip_value", "accumulate", "manual"):
         assert max_weight_diff(parity[0][setting]["ref"], plain) > 1e-4, setting
+
+
+def test_clipping_part_of_the_model_by_norm_is_refused(parity):
+    for rank in parity:
+        assert rank["partial_clip"] is not None and rank["partial_clip"].startswith("PlanError: gradient_clip_val by "
+                                                                                     "norm"), rank["partial_clip"]
+        assert re.search(r"this SGD holds \d+ of them", rank["partial_clip"]), rank["partial_clip"]
 
 
 def test_summed_expert_gradients_are_caught(parity):

@@ -6,11 +6,11 @@ LightningModule, e.g. ``model.model.layers.*.mlp`` when it keeps a transformers 
     from autoep.integrations.lightning import ExpertParallelStrategy
     trainer = L.Trainer(strategy=ExpertParallelStrategy(parallel=cfg.parallel), devices=2, ...)
 
-or in a Hydra host's trainer config (``_recursive_: false`` hands ``parallel`` over as config, uncalled)::
+or in a Hydra host's trainer config (``hydra.utils.instantiate(cfg.trainer)`` builds it; autoep writes plan
+entries as ``_factory_``, which a recursive instantiate never calls)::
 
     strategy:
       _target_: autoep.integrations.lightning.ExpertParallelStrategy
-      _recursive_: false
       parallel: ${parallel}
 
 Run it as any Lightning DDP job: ``python train.py`` (Lightning launches the ranks) or ``torchrun
@@ -241,8 +241,15 @@ class _EPGradients:
         super()._after_closure(model, optimizer)
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        ep = self.strategy.expert_parallel
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        if mine != {id(p) for p in ep.dense_parameters() + ep.expert_parameters()}:
+            raise PlanError(f"gradient_clip_val by norm with ExpertParallelStrategy clips the global norm over every "
+                            f"trainable parameter of the LightningModule, but this {type(_unwrap(optimizer)).__name__} holds "
+                            f"{len(mine)} of them; clip with one optimizer over all parameters, or by value "
+                            f"(gradient_clip_algorithm='value')")
         self.strategy.finish_gradients()
-        self.strategy.expert_parallel.clip_grad_norm_(float(clip_val))
+        ep.clip_grad_norm_(float(clip_val))
 
     @torch.no_grad()
     def clip_grad_by_value(self, optimizer, clip_val) -> None:

@@ -114,10 +114,10 @@ class ExpertParallelStrategy(DDPStrategy):
         super().setup(trainer)
         for optimizer in self.optimizers:
             _no_mixed_multi_tensor_kernels(optimizer)
-        # NOTE: no ``ExpertParallel.attach``: its step pre-hook runs before the closure Lightning passes to
-        # ``optimizer.step``, so with gradient accumulation it sees the earlier micro-batches' gradients unfinished
-        # although ``_after_closure`` finishes them before the update. Lightning's step path always runs
-        # ``_after_closure`` (the precision plugins here are ours), so the finishing cannot be skipped.
+        # NOTE: the handle's step guard cannot check Lightning's steps: Lightning passes ``optimizer.step`` a
+        # closure that runs the last backward inside the step, after any step pre-hook. The finishing is ensured
+        # by construction instead: every Lightning step runs the precision plugin's ``_after_closure`` (the
+        # plugins here are ours, see ``_ep_precision``), which finishes the gradients before clipping and update.
 
     # ---- gradients ---------------------------------------------------------------------------------------
 

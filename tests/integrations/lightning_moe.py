@@ -58,7 +58,8 @@ class MoeLM(L.LightningModule):
         self.losses: list[float] = []
 
     def loss(self, ids):
-        logits = self.model(input_ids=ids, use_cache=False).logits
+        out = self.model(input_ids=ids, use_cache=False)
+        logits = getattr(out, "logits", out)
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
     def training_step(self, ids, batch_idx):
@@ -74,6 +75,18 @@ class MoeLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+class ModuleListMoeLM(MoeLM):
+    """The same module around v4-style MoE blocks (``tests/module_list_lm.py``: ModuleList experts, routing in
+    the block's forward), the other expert storage autoep executes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        from module_list_lm import ModuleListLM
+
+        torch.manual_seed(0)
+        self.model = ModuleListLM(vocab_size=TINY_QWEN3_MOE["vocab_size"])
 
 
 class ManualMoeLM(MoeLM):
@@ -198,6 +211,7 @@ def parity_worker(rank: int, world_size: int, tmp: str) -> dict:
                 "clip_value": {"gradient_clip_val": 0.02, "gradient_clip_algorithm": "value"},
                 "accumulate": {"accumulate_grad_batches": 2}, "bf16": {"precision": "bf16-mixed"}}
     settings["manual"] = {"module_cls": ManualMoeLM}
+    settings["module_list"] = {"module_cls": ModuleListMoeLM}
     settings["adamw_foreach"] = {"module_cls": AdamWMoeLM}
     out = {}
     for name, kwargs in settings.items():

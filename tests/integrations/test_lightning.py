@@ -3,6 +3,7 @@
 gradient scale shows in the weights; Adam would hide it).
 
 - parity: the losses and every weight (experts gathered) after 6 steps equal the run without EP at fp32
+  (the Qwen3-MoE's batched experts, and v4-style ModuleList experts)
   tolerance, also with ``gradient_clip_val`` (by norm and by value), gradient accumulation and manual
   optimization (``manual_backward``, ``clip_gradients``, ``opt.step()``), and AdamW with its foreach kernels
   (which cannot take expert DTensors and dense tensors in one list; or with the handle's param groups,
@@ -73,6 +74,21 @@ def test_the_baseline_is_ddp_of_the_global_batch(parity):
 def test_ddp_with_the_adapter_equals_ddp_without_ep(parity, setting):
     for rank in parity:
         assert_same_run(rank[setting]["ep"], rank[setting]["ref"])
+
+
+def test_module_list_experts_train_the_same_losses(parity):
+    for rank in parity:
+        torch.testing.assert_close(torch.tensor(rank["module_list"]["ep"]["losses"]),
+                                   torch.tensor(rank["module_list"]["ref"]["losses"]))
+
+
+@pytest.mark.xfail(strict=True, reason="on main the module_list recipe stacks ModuleList experts into "
+                   "StackedSwiGLUExperts under new parameter names (experts.gate_up_proj), so the weights (and a "
+                   "Lightning checkpoint) do not line up with the model's own; ep-own-forward keeps the model's own "
+                   "expert modules and names: remove this mark when it lands")
+def test_module_list_experts_keep_the_models_own_weights(parity):
+    for rank in parity:
+        assert_same_run(rank["module_list"]["ep"], rank["module_list"]["ref"])
 
 
 def test_the_settings_change_the_run(parity):

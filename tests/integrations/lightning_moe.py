@@ -58,7 +58,8 @@ class MoeLM(L.LightningModule):
         self.losses: list[float] = []
 
     def loss(self, ids):
-        logits = self.model(input_ids=ids, use_cache=False).logits
+        out = self.model(input_ids=ids, use_cache=False)
+        logits = getattr(out, "logits", out)
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
     def training_step(self, ids, batch_idx):
@@ -76,6 +77,18 @@ class MoeLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
+class ModuleListMoeLM(MoeLM):
+    """The same module around v4-style MoE blocks (``tests/module_list_lm.py``: ModuleList experts, routing in
+    the block's forward), the other expert storage autoep executes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        from module_list_lm import ModuleListLM
+
+        torch.manual_seed(0)
+        self.model = ModuleListLM(vocab_size=TINY_QWEN3_MOE["vocab_size"])
+
+
 class ManualMoeLM(MoeLM):
     """The same training with manual optimization: ``manual_backward``, ``clip_gradients``, ``opt.step()``."""
 
@@ -91,6 +104,35 @@ class ManualMoeLM(MoeLM):
         self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
         opt.step()
         self.losses.append(loss.detach().item())
+
+
+class AdamWMoeLM(MoeLM):
+    """AdamW with its multi-tensor (foreach) kernels, torch's default on CUDA, asked for here on CPU."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, foreach=True)
+
+
+class AdamWGroupsMoeLM(MoeLM):
+    """The same AdamW with the experts in their own group (the handle's), keeping the foreach kernels."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.trainer.strategy.expert_parallel.param_groups(lr=1e-2), foreach=True)
+
+
+class TwoOptimizersMoeLM(ManualMoeLM):
+    """Manual optimization with the embeddings in an optimizer of their own: clipping one optimizer by the norm
+    cannot be the model's global norm."""
+
+    def configure_optimizers(self):
+        embed = list(self.model.model.embed_tokens.parameters())
+        rest = [p for p in self.parameters() if all(p is not e for e in embed)]
+        return torch.optim.SGD(rest, lr=self.lr), torch.optim.SGD(embed, lr=self.lr)
+
+    def training_step(self, ids, batch_idx):
+        opt, _ = self.optimizers()
+        self.manual_backward(self.loss(ids))
+        self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
 
 
 def loader(n: int, seed: int = 1) -> DataLoader:
@@ -169,9 +211,18 @@ def parity_worker(rank: int, world_size: int, tmp: str) -> dict:
                 "clip_value": {"gradient_clip_val": 0.02, "gradient_clip_algorithm": "value"},
                 "accumulate": {"accumulate_grad_batches": 2}, "bf16": {"precision": "bf16-mixed"}}
     settings["manual"] = {"module_cls": ManualMoeLM}
+    settings["module_list"] = {"module_cls": ModuleListMoeLM}
+    settings["adamw_foreach"] = {"module_cls": AdamWMoeLM}
     out = {}
     for name, kwargs in settings.items():
         out[name] = {"ref": fit(world_size, "ddp", **kwargs), "ep": fit(world_size, ep_strategy(tmp), **kwargs)}
+    try:
+        fit(world_size, ep_strategy(tmp), steps=1, module_cls=TwoOptimizersMoeLM)
+        out["partial_clip"] = None
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        out["partial_clip"] = f"{type(e).__name__}: {e}"
+    out["adamw_groups"] = {"ref": out["adamw_foreach"]["ref"],
+                           "ep": fit(world_size, ep_strategy(tmp), module_cls=AdamWGroupsMoeLM)}
     out["plain"]["summed"] = fit(world_size, summed_experts_strategy(tmp))
     out["bf16"]["summed"] = fit(world_size, summed_experts_strategy(tmp), precision="bf16-mixed")
     return out

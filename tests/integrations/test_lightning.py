@@ -3,8 +3,11 @@
 gradient scale shows in the weights; Adam would hide it).
 
 - parity: the losses and every weight (experts gathered) after 6 steps equal the run without EP at fp32
+  (the Qwen3-MoE's batched experts, and v4-style ModuleList experts)
   tolerance, also with ``gradient_clip_val`` (by norm and by value), gradient accumulation and manual
-  optimization (``manual_backward``, ``clip_gradients``, ``opt.step()``); a run with the
+  optimization (``manual_backward``, ``clip_gradients``, ``opt.step()``), and AdamW with its foreach kernels
+  (which cannot take expert DTensors and dense tensors in one list; or with the handle's param groups,
+  which keep them); a run with the
   issue's bug (expert gradients W x too large) is not equal, so the comparison can fail.
 - ``precision="bf16-mixed"``: equal within BF16_TOL (stated below), the same bug again not equal; fp16 with its
   GradScaler and the half-precision weights are refused at ``Trainer(...)``.
@@ -66,10 +69,26 @@ def test_the_baseline_is_ddp_of_the_global_batch(parity):
             torch.testing.assert_close(rank["plain"]["ref"]["weights"][name], w, msg=name)
 
 
-@pytest.mark.parametrize("setting", ["plain", "clip_norm", "clip_value", "accumulate", "manual"])
+@pytest.mark.parametrize("setting", ["plain", "clip_norm", "clip_value", "accumulate", "manual", "adamw_foreach",
+                                     "adamw_groups"])
 def test_ddp_with_the_adapter_equals_ddp_without_ep(parity, setting):
     for rank in parity:
         assert_same_run(rank[setting]["ep"], rank[setting]["ref"])
+
+
+def test_module_list_experts_train_the_same_losses(parity):
+    for rank in parity:
+        torch.testing.assert_close(torch.tensor(rank["module_list"]["ep"]["losses"]),
+                                   torch.tensor(rank["module_list"]["ref"]["losses"]))
+
+
+@pytest.mark.xfail(strict=True, reason="on main the module_list recipe stacks ModuleList experts into "
+                   "StackedSwiGLUExperts under new parameter names (experts.gate_up_proj), so the weights (and a "
+                   "Lightning checkpoint) do not line up with the model's own; ep-own-forward keeps the model's own "
+                   "expert modules and names: remove this mark when it lands")
+def test_module_list_experts_keep_the_models_own_weights(parity):
+    for rank in parity:
+        assert_same_run(rank["module_list"]["ep"], rank["module_list"]["ref"])
 
 
 def test_the_settings_change_the_run(parity):
@@ -77,6 +96,13 @@ def test_the_settings_change_the_run(parity):
     plain = parity[0]["plain"]["ref"]
     for setting in ("clip_norm", "clip_value", "accumulate", "manual"):
         assert max_weight_diff(parity[0][setting]["ref"], plain) > 1e-4, setting
+
+
+def test_clipping_part_of_the_model_by_norm_is_refused(parity):
+    for rank in parity:
+        assert rank["partial_clip"] is not None and rank["partial_clip"].startswith("PlanError: gradient_clip_val by "
+                                                                                     "norm"), rank["partial_clip"]
+        assert re.search(r"this SGD holds \d+ of them", rank["partial_clip"]), rank["partial_clip"]
 
 
 def test_summed_expert_gradients_are_caught(parity):
@@ -186,9 +212,12 @@ def lightning_section_files() -> dict[str, str]:
     return files
 
 
-def test_the_docs_lightning_app_runs(tmp_path):
+def test_the_docs_lightning_app_runs_and_replays(tmp_path):
     """docs/integrations.md's Lightning app, as its users run it: ``python train.py``; Lightning starts the
-    second rank itself (re-running the script with Hydra's run dir), fits, and tests the best checkpoint."""
+    second rank itself (re-running the script with Hydra's run dir), fits, and tests the best checkpoint. Then
+    the replay line its ``resolved.yaml`` prints, run as printed: the same frozen plan, replayed."""
+    import autoep
+
     for name, text in lightning_section_files().items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
@@ -197,15 +226,17 @@ def test_the_docs_lightning_app_runs(tmp_path):
     (project / "__init__.py").write_text("")
     (project / "models.py").write_text("from lightning_moe import MoeLM  # noqa: F401\n")
     (project / "data.py").write_text("from lightning_moe import TokenData  # noqa: F401\n")
-    import autoep
-
     tests = Path(__file__).resolve().parents[1]
     path = [str(Path(autoep.__file__).parents[1]), str(tests), str(tests / "integrations"), str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    log = run.stdout + run.stderr
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+
+    def run(command: list[str]) -> str:
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        return done.stdout + done.stderr
+
+    log = run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}"])
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log  # Lightning launched the second rank
     resolved = (tmp_path / "run" / "resolved.yaml").read_text()
     assert "model.model.layers.0.mlp" in resolved and "decision" in resolved
@@ -213,3 +244,10 @@ def test_the_docs_lightning_app_runs(tmp_path):
     assert ckpts, log[-3000:]
     state = torch.load(ckpts[-1], map_location="cpu", weights_only=False)["state_dict"]
     assert state["model.model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8  # every expert, not rank 0's 4
+
+    replay = next(line for line in resolved.splitlines() if "++parallel.replay=" in line).lstrip("# ").strip()
+    log = run(["bash", "-c", replay])
+    assert "replaying its frozen plan" in log and "GLOBAL_RANK: 1, MEMBER: 2/2" in log
+    (again,) = (tmp_path / "outputs").rglob("resolved.yaml")
+    body = lambda text: text[text.index("\nparallel:"):]  # noqa: E731 - the header names each file's own path
+    assert body(again.read_text()) == body(resolved)

@@ -6,11 +6,11 @@ LightningModule, e.g. ``model.model.layers.*.mlp`` when it keeps a transformers 
     from autoep.integrations.lightning import ExpertParallelStrategy
     trainer = L.Trainer(strategy=ExpertParallelStrategy(parallel=cfg.parallel), devices=2, ...)
 
-or in a Hydra host's trainer config (``_recursive_: false`` hands ``parallel`` over as config, uncalled)::
+or in a Hydra host's trainer config (``hydra.utils.instantiate(cfg.trainer)`` builds it; autoep writes plan
+entries as ``_factory_``, which a recursive instantiate never calls)::
 
     strategy:
       _target_: autoep.integrations.lightning.ExpertParallelStrategy
-      _recursive_: false
       parallel: ${parallel}
 
 Run it as any Lightning DDP job: ``python train.py`` (Lightning launches the ranks) or ``torchrun
@@ -40,6 +40,7 @@ logic:
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,12 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.tensor import DTensor
 
 from autoep.errors import PlanError
 from autoep.runtime.recipes import local_tensor
 
+log = logging.getLogger("autoep")
 META = "meta.pt"  # Lightning's own state in a sharded checkpoint directory (FSDPStrategy's name for it)
 SHARDED = "autoep_sharded"  # the key in it saying the handle wrote the model (and whether the optimizer)
 
@@ -109,10 +112,12 @@ class ExpertParallelStrategy(DDPStrategy):
                                                   allowed_targets=self._allowed_targets)
         self.expert_parallel.prepare_ddp(module)  # DDP (fit) and Lightning's state sync (test) skip the experts
         super().setup(trainer)
-        # NOTE: no ``ExpertParallel.attach``: its step pre-hook runs before the closure Lightning passes to
-        # ``optimizer.step``, so with gradient accumulation it sees the earlier micro-batches' gradients unfinished
-        # although ``_after_closure`` finishes them before the update. Lightning's step path always runs
-        # ``_after_closure`` (the precision plugins here are ours), so the finishing cannot be skipped.
+        for optimizer in self.optimizers:
+            _no_mixed_multi_tensor_kernels(optimizer)
+        # NOTE: the handle's step guard cannot check Lightning's steps: Lightning passes ``optimizer.step`` a
+        # closure that runs the last backward inside the step, after any step pre-hook. The finishing is ensured
+        # by construction instead: every Lightning step runs the precision plugin's ``_after_closure`` (the
+        # plugins here are ours, see ``_ep_precision``), which finishes the gradients before clipping and update.
 
     # ---- gradients ---------------------------------------------------------------------------------------
 
@@ -200,6 +205,27 @@ class ExpertParallelStrategy(DDPStrategy):
         return self.optimizers[0]
 
 
+def _no_mixed_multi_tensor_kernels(optimizer) -> None:
+    """Step param groups that mix expert (DTensor) and dense (plain) parameters param by param.
+
+    An optimizer's foreach and fused kernels (torch's default on CUDA) cannot take both kinds in one list
+    (``aten._foreach_mul_.Scalar got mixed torch.Tensor and DTensor``). Splitting such a group in two would
+    desynchronise the LR schedulers ``configure_optimizers`` already built on its groups, so the group keeps
+    its parameters and its kernels change (the same update, computed per parameter). To keep the multi-tensor
+    kernels, give the experts their own group in ``configure_optimizers``:
+    ``AdamW(self.trainer.strategy.expert_parallel.param_groups(lr=...))``.
+    """
+    for i, group in enumerate(optimizer.param_groups):
+        kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if len(kinds) > 1 and (group.get("foreach") is not False or group.get("fused")):
+            group["foreach"] = False
+            if group.get("fused"):
+                group["fused"] = False
+            log.info("autoep: %s param group %d mixes expert and dense parameters; foreach/fused kernels cannot "
+                     "take both, so it steps per parameter (give experts their own group to keep them: "
+                     "self.trainer.strategy.expert_parallel.param_groups(...))", type(optimizer).__name__, i)
+
+
 def _unwrap(optimizer):
     return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the torch optimizer
 
@@ -215,8 +241,15 @@ class _EPGradients:
         super()._after_closure(model, optimizer)
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        ep = self.strategy.expert_parallel
+        mine = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        if mine != {id(p) for p in ep.dense_parameters() + ep.expert_parameters()}:
+            raise PlanError(f"gradient_clip_val by norm with ExpertParallelStrategy clips the global norm over every "
+                            f"trainable parameter of the LightningModule, but this {type(_unwrap(optimizer)).__name__} holds "
+                            f"{len(mine)} of them; clip with one optimizer over all parameters, or by value "
+                            f"(gradient_clip_algorithm='value')")
         self.strategy.finish_gradients()
-        self.strategy.expert_parallel.clip_grad_norm_(float(clip_val))
+        ep.clip_grad_norm_(float(clip_val))
 
     @torch.no_grad()
     def clip_grad_by_value(self, optimizer, clip_val) -> None:

@@ -63,10 +63,11 @@ def _class_reads(cls: type, allowed: frozenset, attr: str) -> str:
 
 
 def block_hooks(block: nn.Module) -> list[tuple[str, object]]:
-    """The block's own forward hooks and pre-hooks (``(kind, hook)``): they run as the model's code, with the
-    block (and so its experts) as their first argument."""
-    return [("forward pre", h) for h in block._forward_pre_hooks.values()] + \
-        [("forward", h) for h in block._forward_hooks.values()]
+    """The block's own forward and backward hooks and pre-hooks (``(kind, hook)``): they run as the model's code,
+    with the block (and so its experts) as their first argument."""
+    kinds = (("forward pre", "_forward_pre_hooks"), ("forward", "_forward_hooks"), ("backward", "_backward_hooks"),
+             ("backward pre", "_backward_pre_hooks"))
+    return [(kind, h) for kind, attr in kinds for h in (getattr(block, attr, None) or {}).values()]
 
 
 def hook_reads(block: nn.Module, experts_path: str = "experts") -> None:

@@ -5,6 +5,7 @@
     python bench/soundness.py --limit 200     # the first 200 mutants of the fixed enumeration
     python bench/soundness.py --every 10      # every 10th mutant of each target (a quick look)
     python bench/soundness.py --target hf/nemotron_h --target v4/   # only these targets (name prefixes)
+    python bench/soundness.py --ranks 2 --operator param_grad_hook --operator patch_f_linear   # only these operators
 
 Prints one line per accepted-wrong, crash or invalid mutant, then per target and in total
 ``mutants=… refused=… accepted_exact=… accepted_wrong=… crashes=… invalid=…``. Exits 1 when any mutant
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--every", type=int, default=1, help="every N-th mutant of each target ")
     parser.add_argument("--target", action="append", default=[],
                         help="only targets whose name starts with this (repeatable)")
+    parser.add_argument("--operator", action="append", default=[],
+                        help="only mutants of this operator (repeatable; the targets' controls still run on ranks)")
     parser.add_argument("--rank-every", type=int, default=1,
                         help="on several ranks: every run-time and rank-sensitive mutant, every N-th of the others")
     parser.add_argument("--breaks-per-target", type=int, default=1,
@@ -66,7 +69,8 @@ def main(argv=None) -> int:
     failed_controls = 0
     t0 = time.perf_counter()
     targets = [t for t in mutation.targets() if not args.target or t.name.startswith(tuple(args.target))]
-    mutants = mutation.sample([m for t in targets for m in mutation.target_mutants(t)], args.every)[: args.limit]
+    mutants = mutation.sample([m for t in targets for m in mutation.target_mutants(t)
+                               if not args.operator or m.operator in args.operator], args.every)[: args.limit]
     outcomes = mutation.evaluate_all(mutants)
     t1 = time.perf_counter()
     if args.ranks > 1:

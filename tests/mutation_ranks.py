@@ -162,11 +162,12 @@ def gloo_check(names: list[str], world_size: int = 2, breaks_per_target: int = 1
 
 
 def apply_rank_results(outcomes: list[Outcome], ranks: dict[str, tuple[str, str]], world_size: int) -> None:
-    """A mutant exact in one process and wrong on several ranks becomes accepted_wrong."""
+    """A mutant exact in one process and wrong on several ranks becomes accepted_wrong; one refused there (state
+    on expert parameters that sharding would replace: ``autoep.runtime.live_state``) becomes refused."""
     for o in outcomes:
         verdict, detail = ranks.get(o.name, (None, ""))
-        if o.verdict == "accepted_exact" and verdict == "accepted_wrong":
-            o.verdict, o.detail = "accepted_wrong", f"on {world_size} ranks: {detail}"
+        if o.verdict == "accepted_exact" and verdict in ("accepted_wrong", "refused"):
+            o.verdict, o.detail = verdict, f"on {world_size} ranks: {detail}"
 
 
 def rank_sample(outcomes: list[Outcome], every: int) -> list[str]:

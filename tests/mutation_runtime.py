@@ -411,6 +411,17 @@ def rt_alias_experts(block, role):
     return apply
 
 
+def rt_cached_experts(block, role):
+    """The router caches a plain list of the experts (ModuleList: every expert; else the container)."""
+    if role != "router" or router_of(block) is None:
+        return None
+
+    def apply(b):
+        object.__setattr__(router_of(b), "cached_experts", list(b.experts) if is_module_list(b) else [b.experts])
+
+    return apply
+
+
 def _expert_norm(module: nn.Module) -> torch.Tensor:
     return _expert_norm_inner(module.experts)
 
@@ -531,6 +542,7 @@ RUNTIME_OPERATORS: dict[str, Callable] = {
     "tie_dense": rt_tie_dense,
     "alias_experts": rt_alias_experts,
     "hook_reads_experts": rt_hook_reads_experts,
+    "cached_experts": rt_cached_experts,
     "property_reads_experts": rt_property_reads_experts,
     **{name: _around(name) for name in _AROUND},
 }

@@ -112,3 +112,9 @@ def test_genuine_tells_a_wrapper_from_torchs_own():
     assert not genuine.genuine(wrapped)
     assert not genuine.genuine(functools.partial(torch.nn.functional.silu))
     assert genuine.patched_torch_objects() == []
+    real = torch.matmul
+    try:
+        torch.matmul = lambda a, b: real(a, b)  # a region matched by identity would take it for torch's
+        assert genuine.patched_torch_objects() == ["torch.matmul"]
+    finally:
+        torch.matmul = real

@@ -44,20 +44,30 @@ def experts_read_elsewhere(block: nn.Module, allowed: Iterable = (), experts_pat
     and the methods they call, outside ``allowed`` (the functions whose ``self.<experts>`` reads the
     region's proof already checked), and a plain attribute of the block's modules holding the experts."""
     cls, experts_attr = type(block), experts_path.split(".")[0]
-    roots = [(f"{cls.__name__}.forward", getattr(cls, "forward", None))]
-    roots += [(f"the {kind} hook {_name(h)}", h) for kind, h in block_hooks(block)]
-    allowed_codes = {_code(f) for f in allowed} - {None}
-    followed: set = set()
-    for where, fn in roots:
-        _follow(cls, fn, where, allowed_codes, experts_attr, followed, depth=0)
+    why = _class_reads(cls, frozenset({_code(f) for f in allowed} - {None}), experts_attr)
+    if why:
+        raise Refusal(why)
+    hook_reads(block, experts_path)
     cached_experts(block, experts_path)
 
 
+@functools.lru_cache(maxsize=None)
+def _class_reads(cls: type, allowed: frozenset, attr: str) -> str:
+    """The refusal for a read reachable from ``cls.forward`` ("" for none): a fact of the class and its code,
+    cached by them (a patched class or a swapped method is a new key or a new code object to follow)."""
+    try:
+        _follow(cls, getattr(cls, "forward", None), f"{cls.__name__}.forward", set(allowed), attr, set(), depth=0)
+    except Refusal as exc:
+        return str(exc)
+    return ""
+
+
 def block_hooks(block: nn.Module) -> list[tuple[str, object]]:
-    """The block's own forward hooks and pre-hooks (``(kind, hook)``): they run as the model's code, with the
-    block (and so its experts) as their first argument."""
-    return [("forward pre", h) for h in block._forward_pre_hooks.values()] + \
-        [("forward", h) for h in block._forward_hooks.values()]
+    """The block's own forward and backward hooks and pre-hooks (``(kind, hook)``): they run as the model's code,
+    with the block (and so its experts) as their first argument."""
+    kinds = (("forward pre", "_forward_pre_hooks"), ("forward", "_forward_hooks"), ("backward", "_backward_hooks"),
+             ("backward pre", "_backward_pre_hooks"))
+    return [(kind, h) for kind, attr in kinds for h in (getattr(block, attr, None) or {}).values()]
 
 
 def hook_reads(block: nn.Module, experts_path: str = "experts") -> None:
@@ -110,15 +120,25 @@ def _follow(cls: type, fn, where: str, allowed: set, attr: str, followed: set, d
 def _whole_reads_on_self(fn, where: str) -> None:
     """``self.parameters()``, ``self.state_dict()``, ... in a function whose AST the region's proof read (an
     expert's own ``expert.parameters()`` inside the proven loop is the region's, not a read of every expert)."""
+    found = _self_whole_reads(fn)
+    if found:
+        raise Refusal(f"{where} line {found[0]} reads `{found[1]}`, which reaches every submodule and tensor, the "
+                      f"experts autoep replaces among them")
+
+
+@functools.lru_cache(maxsize=None)
+def _self_whole_reads(fn) -> tuple:
+    """``(line, what)`` of the first whole-module read on the function's first argument, ``()`` for none."""
     tree = function_tree(fn)
     me = tree.args.args[0].arg if tree.args.args else "self"
     for node in ast.walk(tree):
+        line = fn.__code__.co_firstlineno + getattr(node, "lineno", 1) - 1
         if isinstance(node, ast.Attribute) and node.attr in WHOLE_MODULE_READS and isinstance(node.value, ast.Name) \
                 and node.value.id == me:
-            raise Refusal(f"{where} line {fn.__code__.co_firstlineno + node.lineno - 1} reads `{me}.{node.attr}`, "
-                          f"which reaches every submodule and tensor, the experts autoep replaces among them")
+            return line, f"{me}.{node.attr}"
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars":
-            raise Refusal(f"{where} line {fn.__code__.co_firstlineno + node.lineno - 1} reads `vars(...)`")
+            return line, "vars(...)"
+    return ()
 
 
 def _function(fn):
@@ -137,20 +157,22 @@ def _function(fn):
     return fn if isinstance(fn, types.FunctionType) else None
 
 
-def _names(code: types.CodeType):
+@functools.lru_cache(maxsize=None)
+def _names(code: types.CodeType) -> tuple:
     """``(code, name, line)`` for every global or attribute name the code (and its nested functions) uses,
     and every string constant equal to an attribute name (``getattr(self, "experts")``)."""
-    line = code.co_firstlineno
+    out, line = [], code.co_firstlineno
     for ins in dis.get_instructions(code):
         line = ins.positions.lineno if ins.positions and ins.positions.lineno else line
         if ins.opname in ("LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "LOAD_NAME", "STORE_ATTR", "LOAD_SUPER_ATTR",
                           "DELETE_ATTR"):
-            yield code, ins.argval, line
+            out.append((code, ins.argval, line))
         elif ins.opname == "LOAD_CONST" and isinstance(ins.argval, str) and ins.argval.isidentifier():
-            yield code, ins.argval, line
+            out.append((code, ins.argval, line))
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from _names(const)
+            out += _names(const)
+    return tuple(out)
 
 
 def _targets(cls: type, fn, name: str) -> list:

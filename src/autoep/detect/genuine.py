@@ -23,6 +23,10 @@ ELEMENTWISE_NAMES = (
     ("torch.nn.functional", "tanh"), ("torch", "sigmoid"), ("torch", "tanh"), ("torch", "relu"),
     ("torch", "square"), ("torch", "exp"), ("torch", "abs"),
 )
+# Other torch functions the proven regions compute with (matched by identity there, so a patch of one would
+# be matched as torch's own).
+COMPUTE_NAMES = (("torch", "matmul"), ("torch", "bmm"), ("torch", "zeros_like"), ("torch", "where"),
+                 ("torch", "greater"), ("torch.nn.functional", "one_hot"))
 # Where torch's C++ builtins live: a builtin is genuine if one of these holds it under its own name.
 _BUILTIN_HOMES = (torch._C._VariableFunctions, torch._C._nn, torch._C._special, torch._C._linalg)
 
@@ -77,7 +81,7 @@ def patched_torch_objects(activation_classes=(), module_call: bool = True) -> li
     module, leaves it to apply), the element-wise functions and ``activation_classes``' forwards. Each entry
     names the object. Cheap when nothing changed (it runs at each fast-path call)."""
     objects = (torch.nn.functional.linear, vars(nn.Linear).get("forward"), vars(nn.Module).get("__call__"),
-               vars(nn.Module).get("_call_impl"), *(current(m, n) for m, n in ELEMENTWISE_NAMES),
+               vars(nn.Module).get("_call_impl"), *(current(m, n) for m, n in ELEMENTWISE_NAMES + COMPUTE_NAMES),
                *(getattr(cls, "forward", None) for cls in activation_classes))
     key = tuple((id(o), id(getattr(o, "__code__", None))) for o in objects) + tuple(map(id, activation_classes))
     held = _VERDICTS.get(key)
@@ -95,7 +99,7 @@ def _patched(activation_classes) -> list[str]:
     for attr in ("__call__", "_call_impl"):
         if not genuine(vars(nn.Module).get(attr)):  # __call__ is held as Module._wrapped_call_impl too
             found.append(f"torch.nn.Module.{attr}")
-    for module, name in ELEMENTWISE_NAMES:
+    for module, name in ELEMENTWISE_NAMES + COMPUTE_NAMES:
         if not genuine(current(module, name)):
             found.append(f"{module}.{name}")
     for cls in activation_classes:

@@ -206,5 +206,6 @@ def clear_caches() -> None:
 
     for fn in (source.code_tree, routing_proof._router_module_proof, routing_proof._experts_call_source,
                module_list_proof._swiglu_shape, expert_loop.local_names, expert_loop.stored_names,
-               loop_context.self_reads):
+               loop_context.self_reads, expert_reads._names, expert_reads._self_whole_reads,
+               expert_reads._class_reads):
         fn.cache_clear()

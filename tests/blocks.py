@@ -1195,14 +1195,14 @@ class FairseqStyleMoE(nn.Module):
     def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2, activation_fn="gelu"):
         super().__init__()
         self.top_k = top_k
-        self.wg = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.local_experts = nn.ModuleList(
             [FairseqStyleFFN(hidden, ffn, activation_fn) for _ in range(num_experts)])
 
     def forward(self, input):
         shape = input.shape
         inputs = input.reshape(-1, shape[-1])
-        gate_logits = self.wg(inputs)
+        gate_logits = self.gate(inputs)
         weights, selected_experts = torch.topk(gate_logits, self.top_k)
         weights = F.softmax(weights, dim=1, dtype=torch.float).to(inputs.dtype)
         results = torch.zeros_like(inputs)

@@ -190,8 +190,8 @@ def _v5_variant(body: str, tmp_path):
     import importlib.util
 
     path = tmp_path / f"v5_variant_{abs(hash(body))}.py"
-    path.write_text(f"import torch\nfrom test_structure import V5Block\n\n\nclass Variant(V5Block):\n"
-                    f"    def forward(self, hidden_states):\n" + "".join(f"    {line}\n" for line in body.splitlines()))
+    path.write_text("import torch\nfrom test_structure import V5Block\n\n\nclass Variant(V5Block):\n"
+                    "    def forward(self, hidden_states):\n" + "".join(f"    {line}\n" for line in body.splitlines()))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -484,7 +484,16 @@ class _Interpreter:
     _e_List = _e_Tuple
 
     def _e_JoinedStr(self, node):
-        return Obj("")  # a message (e.g. of an assert); its value never reaches the rows
+        """An f-string: its text where every part is known at detection, else a uniform value (a message)."""
+        parts = []
+        for v in node.values:
+            value = self.eval(v.value) if isinstance(v, ast.FormattedValue) else self.eval(v)
+            if isinstance(value, Row):
+                self.refuse(node, f"formats row values into text: {MIXES}")
+            if not isinstance(value, Obj) or isinstance(v, ast.FormattedValue) and (v.conversion != -1 or v.format_spec):
+                return Uniform("text")
+            parts.append(str(value.value))
+        return Obj("".join(parts))
 
     def _e_UnaryOp(self, node):
         v = self.eval(node.operand)

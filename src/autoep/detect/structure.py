@@ -117,13 +117,16 @@ def detect_router_kind(module: nn.Module) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def find_experts(module: nn.Module) -> str | None:
+_UNKNOWN = object()
+
+
+def find_experts(module: nn.Module, looped=_UNKNOWN) -> str | None:
     """The attribute of the block's experts, found by data flow, not by the name ``experts``: the
     ``ModuleList``/``ModuleDict`` its expert loop indexes by expert id; else the one child holding 3-D
     (expert, ., .) parameters; else the child called ``experts`` (batched experts with flattened weights, or
     an experts module whose proof names what it lacks); ``None`` for a module with none of these (a dense
     MLP). A lone ``ModuleList`` child the forward never loops over is returned too, so its refusal says so."""
-    name = module_list_proof.expert_container(module)
+    name = module_list_proof.expert_container(module) if looped is _UNKNOWN else looped
     if name is not None:
         return name
     batched = [n for n, m in module._modules.items() if m is not None and type(m) not in (nn.ModuleList, nn.ModuleDict)
@@ -147,7 +150,7 @@ def _structure(module: nn.Module) -> MoeStructure:
     router = routing_proof.router_kind(module)
     shared = routing_proof.shared_kind(module)
     looped = module_list_proof.expert_container(module)
-    path = looped if looped is not None else find_experts(module)
+    path = looped if looped is not None else find_experts(module, looped)
     experts = module._modules.get(path) if path is not None else None
     if looped is not None or type(experts) is nn.ModuleList:
         storage = "module_list"

@@ -21,6 +21,14 @@ class Obj:
 
 
 @dataclass(frozen=True)
+class Sub:
+    """A registered submodule of the experts, by its dotted path under them (grouped, flattened and equal-group
+    experts' proofs)."""
+
+    path: str
+
+
+@dataclass(frozen=True)
 class Uniform:
     """A value equal for every row but unknown at detection: a tensor's dtype or device, the feature size, a
     comparison of such values (``autoep.detect.row_local``)."""

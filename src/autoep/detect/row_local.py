@@ -88,7 +88,7 @@ _RNG_METHODS = {"uniform_", "normal_", "bernoulli_", "bernoulli", "exponential_"
 _BATCH_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm)
 _BATCH_FNS = {F.batch_norm, F.instance_norm, F.group_norm}
 # Pure functions a proof may evaluate on values known at detection (never a tensor).
-_PURE = {len, abs, min, max, int, float, bool, round, str, math.sqrt, math.log, math.exp, math.ceil, math.floor,
+_PURE = {len, abs, min, max, int, float, bool, round, str, range, math.sqrt, math.log, math.exp, math.ceil, math.floor,
          math.pow, math.prod}
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}

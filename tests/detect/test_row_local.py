@@ -283,3 +283,20 @@ def test_heterogeneous_experts_are_each_proven():
     experts[2] = nn.Sequential(nn.Linear(D, FF), nn.BatchNorm1d(FF), nn.Linear(FF, D))
     with pytest.raises(UnsupportedModuleStructure, match=r"experts_list\[2\].1 \(BatchNorm1d\)"):
         detect_moe_structure(blocks.ExpertListMoE(experts))
+
+
+class Decoder(nn.Module):
+    """A model, not an MoE block: it walks its layers (a ModuleList) but indexes none by an expert id."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([blocks.FeedForward(D, FF) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+def test_a_module_list_walked_by_a_model_is_not_experts():
+    assert not has_experts(Decoder())

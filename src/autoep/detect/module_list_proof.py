@@ -301,9 +301,9 @@ def expert_container(block: nn.Module) -> str | None:
 
 def _indexed_in_loop(loop: ast.For, attr: str) -> bool:
     """The loop reads ``self.<attr>[...]``, ``enumerate(self.<attr>)`` or ``len(self.<attr>)``: an index over
-    the container (a plain ``for layer in self.layers`` is not)."""
+    the container (a plain ``for layer in self.layers``, or over a slice ``self.layers[:n]``, is not)."""
     for node in ast.walk(loop):
-        inner = node.value if isinstance(node, ast.Subscript) else \
+        inner = node.value if isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Slice) else \
             node.args[0] if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
             node.func.id in ("enumerate", "len") and len(node.args) == 1 else None
         if isinstance(inner, ast.Attribute) and inner.attr == attr and isinstance(inner.value, ast.Name) \

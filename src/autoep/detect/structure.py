@@ -256,7 +256,11 @@ def has_experts(module: nn.Module) -> bool:
     """``module`` holds experts as the detector finds them (``find_experts``); a module whose experts cannot
     be told apart (an ambiguity, unreadable source) counts as having them, so detection names why."""
     try:
-        return find_experts(module) is not None
+        name = find_experts(module)
+        if name is None:
+            return False
+        # a lone ModuleList no loop indexes (a decoder's ``layers``) is returned for the refusal's sake only
+        return type(module._modules.get(name)) is not nn.ModuleList or module_list_proof.expert_container(module) == name
     except Refusal:
         return True
     except Exception:  # noqa: BLE001 - any failure reading its source: let detection say what it is

@@ -1139,3 +1139,242 @@ class TuneDropEmptyMoE(TuneMoE):
         if routed_output.numel() > 0:
             out.scatter_add_(dim=0, index=token_indices, src=routed_output)
         return out.reshape(b, s, dim)
+
+
+# Row-local experts in third-party idioms (issue 16): experts that are not the SwiGLU the grouped fast
+# path computes, stored under other names. Each is written the way its kind of code base writes it:
+# fairseq/fairscale feed-forward experts (biased fc1/fc2, an activation *function* kept on the instance, a
+# module-level ``_ffn`` helper that flattens and restores the shape), ``nn.Sequential`` experts, experts with
+# optional arguments the block never passes, config branches folded at detection, ``ModuleDict`` experts
+# keyed ``expert_{i}``, and torchtune-style LoRA-wrapped expert Linears.
+# ---------------------------------------------------------------------------------------------
+
+
+def _linear(x, weight, bias=None):
+    return F.linear(x, weight, bias)
+
+
+def _ffn(x, fc1, activation_fn, activation_dropout_module, fc2, dropout_module):
+    """fairseq's feed-forward helper: flatten to rows, fc1 -> activation -> dropout -> fc2, restore the shape."""
+    x_shape = x.shape
+    x = x.reshape(-1, x.size(-1))
+    x = _linear(x, fc1.weight, fc1.bias)
+    x = activation_fn(x)
+    x = activation_dropout_module(x)
+    x = _linear(x, fc2.weight, fc2.bias)
+    x = x.view(x_shape)
+    x = dropout_module(x)
+    return x
+
+
+def get_activation_fn(activation: str):
+    """fairseq's ``utils.get_activation_fn``: the activation *function* by name."""
+    return {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh}[activation]
+
+
+class FairseqStyleFFN(nn.Module):
+    """A fairseq transformer feed-forward network used as an expert: biased ``fc1``/``fc2``, GELU/ReLU."""
+
+    def __init__(self, embed_dim: int, ffn_dim: int, activation_fn: str = "gelu", dropout: float = 0.0):
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.activation_fn = get_activation_fn(activation_fn)
+        self.activation_dropout_module = nn.Dropout(dropout)
+        self.dropout_module = nn.Dropout(dropout)
+        self.fc1 = nn.Linear(embed_dim, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, embed_dim)
+
+    def forward(self, x):
+        return _ffn(x, self.fc1, self.activation_fn, self.activation_dropout_module, self.fc2, self.dropout_module)
+
+
+class FairseqStyleMoE(nn.Module):
+    """Top-k token routing over ``self.local_experts`` (fairscale's MOELayer name), the loop written the
+    mistral-inference way (``results[batch_idx] += w * expert(x[batch_idx])``)."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2, activation_fn="gelu"):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.local_experts = nn.ModuleList(
+            [FairseqStyleFFN(hidden, ffn, activation_fn) for _ in range(num_experts)])
+
+    def forward(self, input):
+        shape = input.shape
+        inputs = input.reshape(-1, shape[-1])
+        gate_logits = self.gate(inputs)
+        weights, selected_experts = torch.topk(gate_logits, self.top_k)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).to(inputs.dtype)
+        results = torch.zeros_like(inputs)
+        for i, expert in enumerate(self.local_experts):
+            batch_idx, nth_expert = torch.where(selected_experts == i)
+            results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(inputs[batch_idx])
+        return results.view(shape)
+
+
+class SequentialExpertsMoE(nn.Module):
+    """``nn.Sequential(Linear, ReLU, Linear)`` experts with biases under ``self.ffn_experts`` (research code),
+    softmax top-k and the transformers-4 ``index_add_`` loop."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.ffn_experts = nn.ModuleList(
+            [nn.Sequential(nn.Linear(hidden, ffn), nn.ReLU(), nn.Dropout(0.0), nn.Linear(ffn, hidden))
+             for _ in range(num_experts)])
+
+    def forward(self, hidden_states):
+        b, s, d = hidden_states.shape
+        x = hidden_states.view(-1, d)
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in range(len(self.ffn_experts)):
+            tok, k = torch.where(top_i == e)
+            out.index_add_(0, tok, self.ffn_experts[e](x[tok]) * top_w[tok, k, None])
+        return out.view(b, s, d)
+
+
+class OptionalArgsExpert(nn.Module):
+    """An expert whose forward takes optional arguments the MoE block never passes (OLMo/fairseq style)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.ff_proj = nn.Linear(hidden, ffn)
+        self.ff_out = nn.Linear(ffn, hidden)
+        self.act = nn.GELU(approximate="tanh")
+
+    def forward(self, x, residual=None, scale: float = 1.0, *, return_hidden: bool = False):
+        h = self.act(self.ff_proj(x))
+        if return_hidden:
+            return h
+        out = self.ff_out(h) * scale
+        if residual is not None:
+            out = out + residual
+        return out
+
+
+@dataclass
+class BranchExpertConfig:
+    hidden_size: int = 16
+    intermediate_size: int = 32
+    mlp_type: str = "gelu"  # "gelu" | "swiglu"
+    glu_multiplier: int = 1
+
+
+class ConfigBranchExpert(nn.Module):
+    """An expert that picks its computation from constant config attributes (``if self.cfg > 1:``): the
+    branch not taken may do anything; detection folds the constants and records them."""
+
+    def __init__(self, config: BranchExpertConfig):
+        super().__init__()
+        self.config = config
+        self.glu = config.glu_multiplier
+        self.w_in = nn.Linear(config.hidden_size, config.intermediate_size * max(config.glu_multiplier, 1))
+        self.w_out = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x):
+        h = self.w_in(x)
+        if self.glu > 1:
+            a, b = h.chunk(2, dim=-1)
+            h = F.silu(a) * b
+        elif self.config.mlp_type == "gelu":
+            h = F.gelu(h)
+        else:
+            h = h - h.mean(dim=0)  # never taken for this instance: it would mix rows
+        return self.w_out(h)
+
+
+class ExpertListMoE(nn.Module):
+    """Mistral-inference-style routing over ``self.experts_list`` holding any expert modules (optional-argument
+    or config-branch experts)."""
+
+    def __init__(self, experts, *, hidden=16, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, len(experts), bias=False)
+        self.experts_list = nn.ModuleList(experts)
+
+    def forward(self, inputs):
+        x = inputs.reshape(-1, inputs.shape[-1])
+        gate_logits = self.gate(x)
+        weights, selected_experts = torch.topk(gate_logits, self.top_k)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).to(x.dtype)
+        results = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts_list):
+            batch_idx, nth_expert = torch.where(selected_experts == i)
+            results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(x[batch_idx])
+        return results.view(inputs.shape)
+
+
+class ModuleDictExpertsMoE(nn.Module):
+    """Experts in an ``nn.ModuleDict`` keyed ``expert_{i}`` (NLLB/Switch naming), looked up by an f-string of
+    the expert id inside the block's ``index_add_`` loop."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleDict({f"expert_{i}": FairseqStyleFFN(hidden, ffn, "relu") for i in range(num_experts)})
+
+    def forward(self, hidden_states):
+        b, s, d = hidden_states.shape
+        x = hidden_states.view(-1, d)
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        top_w = top_w.to(x.dtype)
+        out = torch.zeros_like(x)
+        for i in range(self.num_experts):
+            expert = self.experts[f"expert_{i}"]
+            tok, k = torch.where(top_i == i)
+            out.index_add_(0, tok, expert(x[tok]) * top_w[tok, k, None])
+        return out.view(b, s, d)
+
+
+class LoRALinear(nn.Module):
+    """torchtune's LoRALinear idiom: a frozen base weight plus ``lora_b(lora_a(dropout(x)))`` scaled by
+    ``alpha / rank``, switchable with ``disabled``."""
+
+    def __init__(self, in_dim: int, out_dim: int, rank: int = 2, alpha: float = 4.0, dropout: float = 0.0,
+                 use_bias: bool = False):
+        super().__init__()
+        self.in_dim, self.out_dim, self.rank, self.alpha = in_dim, out_dim, rank, alpha
+        self.use_bias = use_bias
+        self.weight = nn.Parameter(torch.randn(out_dim, in_dim) / in_dim ** 0.5, requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_dim), requires_grad=False) if use_bias else None
+        self.disabled = False
+        self.dropout = nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()
+        self.lora_a = nn.Linear(in_dim, rank, bias=False)
+        self.lora_b = nn.Linear(rank, out_dim, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.1)  # torchtune zero-inits it; nonzero so its path is tested
+
+    def forward(self, x):
+        out = F.linear(x, self.weight, self.bias)
+        if self.disabled:
+            return out
+        lora_out = self.lora_a(self.dropout(x))
+        lora_out = (self.alpha / self.rank) * self.lora_b(lora_out)
+        return out + lora_out
+
+
+class LoRAFeedForward(nn.Module):
+    """A torchtitan/torchtune ``w1``/``w2``/``w3`` SwiGLU expert whose Linears are LoRA-wrapped."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = LoRALinear(dim, hidden_dim)
+        self.w2 = LoRALinear(hidden_dim, dim)
+        self.w3 = LoRALinear(dim, hidden_dim)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LoRAExpertsMoE(MoE):
+    """The research ``MoE`` block (``self.experts``, ``w1/w2/w3``) after LoRA-wrapping every expert Linear."""
+
+    def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k)
+        self.experts = nn.ModuleList([LoRAFeedForward(hidden, ffn) for _ in range(num_experts)])

@@ -53,6 +53,7 @@ from mutation_operators import SOURCE_OPERATORS, Edit
 from mutation_runtime import (
     RUNTIME_OPERATORS,
     act_roles,
+    experts_of,
     experts_sub_roles,
     is_module_list,
     role_objects,
@@ -64,7 +65,7 @@ from torch import nn
 
 from autoep.detect.structure import detect_moe_structure
 from autoep.errors import LiveStateError, UnsupportedModuleStructure
-from autoep.plan.archetypes import compute_fn_config
+from autoep.plan.archetypes import RUNNABLE_EXPERT_KINDS, compute_fn_config
 
 BATCH, SEQ = 2, 3
 OPERATORS = [*SOURCE_OPERATORS, *RUNTIME_OPERATORS]
@@ -232,7 +233,23 @@ def targets() -> list[Target]:
         Target("v4/llama4_equal_groups", _hand_written_block("llama4_equal_groups", _equal_groups_block),
                empty_rank=False),
         Target("hf/llama4", _llama4_block, empty_rank=False),
+        # Row-local experts in third-party idioms (issue 16), found by data flow under other names.
+        *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in _row_local_blocks().items()),
     ]
+
+
+def _row_local_blocks() -> dict[str, Callable[[], nn.Module]]:
+    import blocks
+
+    return {
+        "fairseq_local_experts": lambda: blocks.FairseqStyleMoE(hidden=16, ffn=24, activation_fn="gelu"),
+        "sequential_experts": lambda: blocks.SequentialExpertsMoE(hidden=16, ffn=24),
+        "optional_args_experts": lambda: blocks.ExpertListMoE([blocks.OptionalArgsExpert(16, 24) for _ in range(4)]),
+        "config_branch_experts": lambda: blocks.ExpertListMoE(
+            [blocks.ConfigBranchExpert(blocks.BranchExpertConfig(16, 24, glu_multiplier=m)) for m in (1, 2, 1, 2)]),
+        "module_dict_experts": lambda: blocks.ModuleDictExpertsMoE(hidden=16, ffn=24),
+        "lora_experts": lambda: blocks.LoRAExpertsMoE(hidden=16, ffn=24),
+    }
 
 
 def _llama4_block() -> nn.Module:
@@ -263,6 +280,8 @@ NEW_TARGETS = frozenset({
     "v4/llama4_equal_groups", "hf/llama4",
     "v4/sorted_split", "v4/sorted_split_host_counts", "v4/zero_experts", "v4/deepseek_remote",
     "v4/deepseek_remote_eval", "v4/minimind", "v4/expert_dropout_p0",
+    "v4/fairseq_local_experts", "v4/sequential_experts", "v4/optional_args_experts", "v4/config_branch_experts",
+    "v4/module_dict_experts", "v4/lora_experts",
 })
 
 
@@ -319,7 +338,7 @@ def source_sites(block: nn.Module) -> list[SourceSite]:
     the batched experts forward and its helpers, or the ModuleList expert forward; the forward (and
     helpers) of a model-defined ``act_fn`` the experts call, then of each model-defined class inside it."""
     sites = []
-    experts_forward = None if is_module_list(block) else inspect.unwrap(type(block.experts).forward)
+    experts_forward = None if is_module_list(block) else inspect.unwrap(type(experts_of(block)).forward)
     params = tuple(a.arg for a in function_tree(experts_forward).args.args[1:]) if experts_forward else ()
     for role in ("block", "router", "experts" if not is_module_list(block) else "expert", *act_roles(block),
                  *experts_sub_roles(block)):
@@ -331,7 +350,7 @@ def source_sites(block: nn.Module) -> list[SourceSite]:
         tree = function_tree(inspect.unwrap(cls.forward))
         methods = ["forward"] + [m for m in _own_methods_called(cls, tree) if m != "forward"]
         sites += [SourceSite(role, m, cls, extra) for m in methods]
-        if role == "experts" or role.startswith("experts:"):  # the experts' own module-level helpers
+        if role in ("experts", "expert") or role.startswith("experts:"):  # the experts' own module-level helpers
             sites += [SourceSite(role, m, cls, helper=h) for m in methods for h in _helpers_called(cls, m)]
     return sites
 
@@ -549,15 +568,42 @@ def short_error(exc: BaseException) -> str:
 
 def detect(block: nn.Module):
     """``(structure, None)``, ``(None, "refused: ...")`` or ``(None, "crash: ...")``; the table lookup is part
-    of detection (a structure without a recipe is a refusal)."""
+    of detection (a structure without a recipe is a refusal), except for row-local experts while no recipe runs
+    them yet: those are held to the simulated own forward (``own_forward_sim``)."""
     try:
         structure = detect_moe_structure(block)
-        compute_fn_config(structure)
+        if structure.expert_kind in RUNNABLE_EXPERT_KINDS:
+            compute_fn_config(structure)
         return structure, None
     except UnsupportedModuleStructure as exc:
         return None, f"refused: {exc.reason if hasattr(exc, 'reason') else exc}"
     except Exception:  # noqa: BLE001 - the verdict: the detector raised something else
         return None, "crash: " + traceback.format_exc(limit=-3).strip().replace("\n", " | ")[-400:]
+
+
+def own_forward_sim(block: nn.Module, structure) -> nn.Module:
+    """What running row-local experts as themselves computes, in one process: a deep copy of ``block`` whose
+    every expert runs its own forward on its rows one at a time, last row first (another grouping and order
+    of the same rows, as an exchange gives them). Equal to the block's own forward exactly when each expert
+    is row-local, deterministic and stateless: the oracle for ``expert_kind="row_local"`` until the own-forward
+    runtime (issue 16 item 1) adds the kind to ``RUNNABLE_EXPERT_KINDS`` and ``make_ep`` runs it instead."""
+    ep = copy.deepcopy(block)
+    container = ep.get_submodule(structure.experts_path)
+    for expert in (container.values() if isinstance(container, nn.ModuleDict) else container):
+        expert.forward = _rows_one_at_a_time(expert)
+    return ep
+
+
+def _rows_one_at_a_time(expert: nn.Module):
+    own = type(expert).forward
+
+    def forward(x, *args, **kwargs):
+        if x.shape[0] <= 1:
+            return own(expert, x, *args, **kwargs)
+        outs = [own(expert, x[i:i + 1], *args, **kwargs) for i in reversed(range(x.shape[0]))]
+        return torch.cat(outs[::-1])
+
+    return forward
 
 
 class ApplyRefused(Exception):
@@ -566,13 +612,11 @@ class ApplyRefused(Exception):
 
 def make_ep(block: nn.Module, structure, ep_mesh) -> nn.Module:
     """A deep copy of ``block`` made expert-parallel in place by the recipe the table names, with the
-    run-time-state checks ``apply_plan`` makes around it (their refusal raises ``ApplyRefused``)."""
+    run-time-state checks ``apply_plan`` makes around it (their refusal raises ``ApplyRefused``); row-local
+    experts no recipe runs yet: ``own_forward_sim``."""
     from autoep.runtime import live_state
     from autoep.runtime.apply import shard_experts
 
-    cfg = dict(compute_fn_config(structure))
-    module, _, attr = cfg.pop("_factory_").rpartition(".")
-    factory = getattr(importlib.import_module(module), attr)
     ep = copy.deepcopy(block)
     path = structure.experts_path
     try:
@@ -580,6 +624,11 @@ def make_ep(block: nn.Module, structure, ep_mesh) -> nn.Module:
         held = live_state.before_block(ep, "block", path)
     except UnsupportedModuleStructure as exc:
         raise ApplyRefused(exc.reason) from None
+    if structure.expert_kind not in RUNNABLE_EXPERT_KINDS:
+        return own_forward_sim(block, structure)
+    cfg = dict(compute_fn_config(structure))
+    module, _, attr = cfg.pop("_factory_").rpartition(".")
+    factory = getattr(importlib.import_module(module), attr)
     if ep_mesh is not None:
         shard_experts(ep, ep_mesh)
     factory(ep, ep_mesh=ep_mesh, **cfg)

@@ -18,6 +18,7 @@ import copy
 import functools
 from typing import Callable
 
+import torch
 from mutation_loop_operators import (
     op_acc_from_input,
     op_acc_other_index,
@@ -479,6 +480,58 @@ def op_decorate(fn, site):
     return [Edit(tree, SCALE_OUTPUT)]
 
 
+# --- breaking the expert property (issue 16): row-local, deterministic, stateless ----------------------
+
+
+def _expert_value_op(template: str) -> Callable:
+    """``transform_value(template)`` on the experts' own code only."""
+
+    def op(fn, site):
+        return transform_value(template)(fn, site) if _expert_side(site) else []
+
+    return op
+
+
+op_cumsum_rows = _expert_value_op("{x}.cumsum(0)")  # a scan over the rows
+op_sort_rows = _expert_value_op("{x}.sort(dim=0).values")  # rows reordered by value
+op_rng_noise = _expert_value_op("{x} + 0.01 * torch.randn_like({x})")  # random numbers
+op_dropout_training = _expert_value_op("torch.nn.functional.dropout({x}, p=0.1, training=True)")
+op_batch_stats = _expert_value_op("torch.nn.functional.batch_norm({x}, None, None, training=True)")
+
+
+def _first_arg(fn: ast.FunctionDef) -> str | None:
+    args = fn.args.args
+    return args[1].arg if len(args) > 1 and args[0].arg == "self" else None
+
+
+def op_inplace_input(fn, site):
+    """The expert edits its input rows in place before using them (``x.mul_(1.5)``)."""
+    if not _expert_side(site) or site.method != "forward" or _first_arg(fn) is None:
+        return []
+
+    def mutate(tree, _):
+        tree.body.insert(0, stmt(f"{_first_arg(tree)}.mul_(1.5)")[0])
+
+    return each(fn, lambda tree: [0], mutate)
+
+
+def _count_calls(module) -> None:
+    module.register_buffer("calls", torch.zeros(()), persistent=False)
+
+
+def op_buffer_write(fn, site):
+    """The expert counts its calls in a buffer (``self.calls += 1``) and scales by it: module state."""
+    if not _expert_side(site) or site.method != "forward" or _first_arg(fn) is None:
+        return []
+
+    def mutate(tree, _):
+        x = _first_arg(tree)
+        tree.body[:0] = stmt(f"self.calls += 1\n{x} = {x} * (1.0 + 0.1 * self.calls)")
+        return _count_calls
+
+    return each(fn, lambda tree: [0], mutate)
+
+
 SOURCE_OPERATORS: dict[str, Callable] = {
     "scale": op_scale,
     "bias": op_bias,
@@ -525,4 +578,11 @@ SOURCE_OPERATORS: dict[str, Callable] = {
     "experts_call_by_keyword": op_experts_call_by_keyword,
     "experts_call_extra_keyword": op_experts_call_extra_keyword,
     "decorate": op_decorate,
+    "cumsum_rows": op_cumsum_rows,
+    "sort_rows": op_sort_rows,
+    "rng_noise": op_rng_noise,
+    "dropout_training": op_dropout_training,
+    "batch_stats": op_batch_stats,
+    "inplace_input": op_inplace_input,
+    "buffer_write": op_buffer_write,
 }

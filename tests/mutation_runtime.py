@@ -31,8 +31,28 @@ def router_of(block: nn.Module) -> nn.Module | None:
     return gate if isinstance(gate, nn.Module) else getattr(block, "router", None)
 
 
+def experts_attr(block: nn.Module) -> str:
+    """The block's experts attribute as the detector finds it (by data flow); ``experts`` where it finds none."""
+    from autoep.detect.structure import find_experts
+
+    try:
+        return find_experts(block) or "experts"
+    except Exception:  # noqa: BLE001 - an unreadable mutant: the name the fuzzer always used
+        return "experts"
+
+
+def experts_of(block: nn.Module) -> nn.Module | None:
+    return getattr(block, experts_attr(block), None)
+
+
+def expert_list(block: nn.Module) -> list[nn.Module]:
+    """The experts of a ModuleList/ModuleDict container, expert e at position e."""
+    experts = experts_of(block)
+    return list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
+
+
 def is_module_list(block: nn.Module) -> bool:
-    return isinstance(getattr(block, "experts", None), nn.ModuleList)
+    return type(experts_of(block)) in (nn.ModuleList, nn.ModuleDict)
 
 
 def model_defined(obj) -> bool:
@@ -42,7 +62,7 @@ def model_defined(obj) -> bool:
 
 def act_modules(block: nn.Module) -> list[nn.Module]:
     """The experts' ``act_fn`` modules whose class the model defines (every expert's, for a ModuleList)."""
-    holders = list(block.experts) if is_module_list(block) else [block.experts]
+    holders = expert_list(block) if is_module_list(block) else [experts_of(block)]
     return [h.act_fn for h in holders if model_defined(getattr(h, "act_fn", None))]
 
 
@@ -58,11 +78,13 @@ def act_roles(block: nn.Module) -> list[str]:
 def experts_sub_roles(block: nn.Module) -> list[str]:
     """``experts:<Class>`` for each model-defined class of module inside batched/grouped experts (Aria's
     grouped-GEMM modules), not activations (``act`` roles), in module order."""
-    if is_module_list(block) or not isinstance(getattr(block, "experts", None), nn.Module):
+    experts = experts_of(block)
+    if not isinstance(experts, nn.Module):
         return []
+    tops = {id(e) for e in expert_list(block)} if is_module_list(block) else set()
     acts = {id(m) for a in act_modules(block) for m in a.modules()}
-    inner = [type(m).__name__ for m in block.experts.modules()
-             if m is not block.experts and id(m) not in acts and model_defined(m)]
+    inner = [type(m).__name__ for m in experts.modules()
+             if m is not experts and id(m) not in acts | tops and model_defined(m)]
     return [f"experts:{name}" for name in dict.fromkeys(inner)]
 
 
@@ -73,15 +95,16 @@ def role_objects(block: nn.Module, role: str) -> list[nn.Module]:
         return [block]
     if role == "router":
         return [router_of(block)]
+    experts = experts_of(block)
     if role == "experts":
-        return [block.experts]
+        return [experts]
     if role == "act":
         return act_modules(block)
     if role.startswith("experts:"):
-        return [m for m in block.experts.modules() if m is not block.experts and type(m).__name__ == role[len("experts:"):]]
+        return [m for m in experts.modules() if m is not experts and type(m).__name__ == role[len("experts:"):]]
     if role.startswith("act:"):
         return [m for a in act_modules(block) for m in a.modules() if type(m).__name__ == role[len("act:"):]]
-    return list(block.experts)
+    return expert_list(block)
 
 
 def roles_of(block: nn.Module) -> list[str]:
@@ -102,7 +125,7 @@ def scaled(out):
 
 def _one(block: nn.Module, role: str) -> nn.Module:
     """The single object a run-time mutation of ``role`` touches (``expert``: expert 1)."""
-    return block.experts[1] if role == "expert" else role_objects(block, role)[0]
+    return expert_list(block)[1] if role == "expert" else role_objects(block, role)[0]
 
 
 def rt_instance_forward(block, role):
@@ -172,8 +195,9 @@ def rt_tied_experts(block, role):
         return None
 
     def apply(b):
-        for n in _projections(b.experts[0]):
-            getattr(b.experts[1], n).weight = getattr(b.experts[0], n).weight
+        experts = expert_list(b)
+        for n in _projections(experts[0]):
+            getattr(experts[1], n).weight = getattr(experts[0], n).weight
 
     return apply
 
@@ -181,15 +205,15 @@ def rt_tied_experts(block, role):
 def rt_frozen_expert(block, role):
     """Expert 1 (batched: the ``down_proj`` of all) with ``requires_grad=False``."""
     if role == "expert":
-        return lambda b: b.experts[1].requires_grad_(False)
+        return lambda b: expert_list(b)[1].requires_grad_(False)
     if role == "experts":  # grouped experts may hold no ``down_proj`` (w2, fc2.weight): their last weight
-        return lambda b: getattr(b.experts, "down_proj", [*b.experts.parameters()][-1]).requires_grad_(False)
+        return lambda b: getattr(experts_of(b), "down_proj", [*experts_of(b).parameters()][-1]).requires_grad_(False)
     return None
 
 
 def _set_act(role: str, make: Callable[[], nn.Module], every: bool) -> Callable:
     def apply(b):
-        objs = [b.experts] if role == "experts" else list(b.experts) if every else [b.experts[1]]
+        objs = [experts_of(b)] if role == "experts" else expert_list(b) if every else [expert_list(b)[1]]
         for obj in objs:
             obj.act_fn = make()
 
@@ -216,7 +240,7 @@ def rt_expert_sizes(block, role):
         return None
 
     def apply(b):
-        expert, hidden = b.experts[1], router_of(b).weight.shape[-1]
+        expert, hidden = expert_list(b)[1], router_of(b).weight.shape[-1]
         torch.manual_seed(5)
         for n in _projections(expert):
             lin = getattr(expert, n)
@@ -229,11 +253,11 @@ def rt_expert_sizes(block, role):
 
 def rt_instance_apply_gate(block, role):
     """An instance-level ``_apply_gate`` on batched experts that scales the class's."""
-    if role != "experts" or not hasattr(block.experts, "_apply_gate"):
+    if role != "experts" or not hasattr(experts_of(block), "_apply_gate"):
         return None
 
     def apply(b):
-        experts = b.experts
+        experts = experts_of(b)
         experts._apply_gate = types.MethodType(lambda self, gu: type(self)._apply_gate(self, gu) * SCALE, experts)
 
     return apply
@@ -244,7 +268,7 @@ def _float_constants(block: nn.Module, role: str) -> list[tuple[nn.Module, str]]
     container itself (``experts``: gpt-oss's ``alpha``, ``limit``) or anywhere inside the model-defined
     activation module (``act``: Inkling2's soft caps)."""
     if role == "experts":
-        owners = [block.experts]
+        owners = [experts_of(block)]
     elif role == "act":
         owners = [m for a in act_modules(block)[:1] for m in a.modules()]
     else:
@@ -295,11 +319,11 @@ def _expert_param(b: nn.Module, role: str) -> tuple[nn.Module, str]:
     """``(owner module, attribute)`` of the expert parameter a parameter-state mutation touches: expert 1's
     first projection weight (ModuleList), or the batched/grouped experts' first parameter."""
     if role == "expert":
-        lin = next(m for m in b.experts[1].modules() if isinstance(m, nn.Linear))
+        lin = next(m for m in expert_list(b)[1].modules() if isinstance(m, nn.Linear))
         return lin, "weight"
-    name = next(n for n, _ in b.experts.named_parameters())
+    name = next(n for n, _ in experts_of(b).named_parameters())
     owner, _, attr = name.rpartition(".")
-    return b.experts.get_submodule(owner), attr
+    return experts_of(b).get_submodule(owner), attr
 
 
 def _on_every_copy(b: nn.Module, attach: Callable[[nn.Module], None]) -> None:
@@ -406,7 +430,7 @@ def rt_alias_experts(block, role):
         return None
 
     def apply(b):
-        b.experts_alias = b.experts[1] if role == "expert" else b.experts
+        b.experts_alias = expert_list(b)[1] if role == "expert" else experts_of(b)
 
     return apply
 
@@ -522,6 +546,74 @@ def _around(name: str):
     return op
 
 
+# --- breaking the expert property at run time (issue 16) ----------------------------------------------
+
+
+def _linears(expert: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Every ``nn.Linear`` inside an expert, as (parent, attribute, linear), in module order."""
+    return [(parent, name, child) for parent in expert.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear]
+
+
+def _wrap_first_linear(make: Callable[[nn.Linear], nn.Module]) -> Callable:
+    def op(block, role):
+        if role != "expert" or not _linears(_one(block, role)):
+            return None
+
+        def apply(b):
+            parent, name, lin = _linears(expert_list(b)[1])[0]
+            setattr(parent, name, make(lin))
+
+        return apply
+
+    return op
+
+
+# Expert 1's first projection followed by batch statistics / by dropout while training.
+rt_batchnorm_expert = _wrap_first_linear(lambda lin: nn.Sequential(lin, nn.BatchNorm1d(lin.out_features)))
+rt_dropout_expert = _wrap_first_linear(lambda lin: nn.Sequential(lin, nn.Dropout(0.1)))
+
+
+def rt_shared_param(block, role):
+    """Expert 1's first projection weight is expert 0's Parameter (any expert kind, not only SwiGLU names)."""
+    if role != "expert" or not _linears(_one(block, role)):
+        return None
+
+    def apply(b):
+        experts = expert_list(b)
+        _, _, lin0 = _linears(experts[0])[0]
+        _, _, lin1 = _linears(experts[1])[0]
+        lin1.weight = lin0.weight
+
+    return apply
+
+
+_ACTIVATIONS = (nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid)
+
+
+def rt_other_activation(block, role):
+    """Expert 1's activation another one (Tanh for a module, ``torch.tanh`` for a function kept on the
+    instance): experts that no longer compute the same function."""
+    if role != "expert":
+        return None
+    expert = _one(block, role)
+    modules = [(p, n) for p in expert.modules() for n, c in p.named_children() if type(c) in _ACTIVATIONS]
+    functions = [n for n, v in vars(expert).items() if v in (torch.nn.functional.gelu, torch.nn.functional.relu,
+                                                              torch.nn.functional.silu)]
+    if not modules and not functions:
+        return None
+
+    def apply(b):
+        target = expert_list(b)[1]
+        if functions:
+            setattr(target, functions[0], torch.tanh)
+            return
+        path = [(p, n) for p in target.modules() for n, c in p.named_children() if type(c) in _ACTIVATIONS][0]
+        setattr(path[0], path[1], nn.Tanh())
+
+    return apply
+
+
 RUNTIME_OPERATORS: dict[str, Callable] = {
     "instance_forward": rt_instance_forward,
     "forward_hook": rt_forward_hook,
@@ -545,4 +637,8 @@ RUNTIME_OPERATORS: dict[str, Callable] = {
     "cached_experts": rt_cached_experts,
     "property_reads_experts": rt_property_reads_experts,
     **{name: _around(name) for name in _AROUND},
+    "batchnorm_expert": rt_batchnorm_expert,
+    "dropout_expert": rt_dropout_expert,
+    "shared_param": rt_shared_param,
+    "other_activation": rt_other_activation,
 }

@@ -135,11 +135,16 @@ def test_router_module_proven_from_source_without_calling_it():
     assert detect_router_kind(Block(gate=ScoresOnly())) == "softmax_topk"
 
 
-def test_experts_must_be_swiglu_module_list_or_batched():
+def test_experts_must_be_a_module_list_or_batched():
     m = Block(top_k=2)
     m.experts = nn.Linear(8, 8)
     assert "no 3-D nn.Parameters" in refusal(m)
-    assert "does not return down(act(gate(x)) * up(x))" in refusal(Block(expert=GeluMLP, top_k=2))
+
+
+def test_experts_that_are_not_swiglu_are_row_local_off_the_fast_path():
+    s = detect_moe_structure(Block(expert=GeluMLP, top_k=2))
+    assert (s.expert_kind, s.expert_projs, s.expert_act) == ("row_local", (), "")
+    assert detect_moe_structure(Block(top_k=2)).expert_kind == "swiglu"
 
 
 @pytest.mark.parametrize(
@@ -199,11 +204,11 @@ def test_meta_modules_allocate_nothing_and_call_nothing(monkeypatch):
     assert all(p.device.type == "meta" for p in m.parameters())
 
 
-def test_expert_bias_on_module_list_is_refused():
+def test_expert_bias_on_module_list_is_row_local():
     m = Block(top_k=2)
     for e in m.experts:
         e.up_proj = nn.Linear(8, 16, bias=True)
-    assert "up_proj.bias" in refusal(m)
+    assert detect_moe_structure(m).expert_kind == "row_local"  # the fast path's stacked weights have no bias
 
 
 def test_structure_is_hashable_and_round_trips():

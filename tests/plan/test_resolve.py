@@ -283,3 +283,14 @@ def test_moe_only_takes_the_moe_blocks_of_a_model_that_mixes_dense_layers():
         resolve_plan(plan(ep_size=2), model)
     with pytest.raises(PlanError, match=r"moe_only=true matches .* none has an `experts` submodule"):
         resolve_plan({"plan": [{"match": "model.layers.*.self_attn", "moe_only": True}]}, model)
+
+
+def test_moe_only_finds_experts_by_data_flow_not_by_name():
+    import blocks
+
+    from autoep.plan.resolve import split_moe
+
+    modules = {"layers.0.mlp": blocks.FairseqStyleMoE(), "layers.1.mlp": blocks.FeedForward(16, 32),
+               "layers.2.mlp": blocks.SequentialExpertsMoE()}
+    assert split_moe("parallel.plan.0", "layers.*.mlp", list(modules), modules) == (
+        ["layers.0.mlp", "layers.2.mlp"], ["layers.1.mlp"])

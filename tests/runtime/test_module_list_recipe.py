@@ -295,5 +295,6 @@ def test_refuses_what_it_cannot_reproduce():
         detect_moe_structure(dropping)
     biased = copy.deepcopy(block)
     biased.experts[1].w2 = nn.Linear(32, D, bias=True)
-    with pytest.raises(UnsupportedModuleStructure, match=r"experts\[1\]"):
+    with pytest.raises(UnsupportedModuleStructure, match=r"expert_kind='swiglu', but the experts are proven "
+                                                          r"expert_kind='row_local'"):
         ep_module_list_block(biased, ep_mesh=None, structure=structure)

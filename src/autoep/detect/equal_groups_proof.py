@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from autoep.detect import elementwise
 from autoep.detect.grouped_proof import GroupedProof, _check_params, _swiglu, swiglu_facts
 from autoep.detect.loop_context import plain_method
+from autoep.detect.loop_values import Obj as _Obj
+from autoep.detect.loop_values import Sub as _Sub
 from autoep.detect.names import Scope
 from autoep.detect.source import Refusal, function_tree
 
@@ -147,15 +149,6 @@ class _Num:
     source: tuple
     value: int
 
-
-@dataclass(frozen=True)
-class _Obj:
-    value: object
-
-
-@dataclass(frozen=True)
-class _Sub:
-    path: str
 
 
 class _Interpreter:

@@ -36,6 +36,7 @@ from autoep.detect.loop_values import (
     Cond,
     Count,
     ExpertId,
+    ExpertKey,
     ExpertMod,
     Hit,
     IdxEq,
@@ -86,8 +87,11 @@ def stored_names(node: ast.AST) -> frozenset[str]:
 class Prover:
     """Abstract interpreter over one function's statements (see the module docstring)."""
 
-    def __init__(self, fn, tree: ast.FunctionDef, owner: nn.Module, num_experts: int, batched: bool):
+    def __init__(self, fn, tree: ast.FunctionDef, owner: nn.Module, num_experts: int, batched: bool,
+                 experts: nn.Module | None = None):
         self.fn, self.tree, self.owner, self.E, self.batched = fn, tree, owner, num_experts, batched
+        # v4-style loops: the ModuleList/ModuleDict of experts (found by data flow), whatever its attribute name
+        self.experts = experts if experts is not None else getattr(owner, "experts", None)
         self.scope = Scope(fn)
         self.locals = local_names(tree)
         self.env: dict[str, object] = {}
@@ -119,6 +123,27 @@ class Prover:
         if all(isinstance(i, Obj) for i in items):
             return Obj(tuple(i.value for i in items))
         self.refuse(node)
+
+    def _e_JoinedStr(self, node):
+        """``f"expert_{e}"``: a ModuleDict key made from the expert id."""
+        parts = []
+        for v in node.values:
+            if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                parts.append(v.value)
+            elif isinstance(v, ast.FormattedValue) and v.conversion == -1 and v.format_spec is None \
+                    and isinstance(self.eval(v.value), ExpertId) and not self.eval(v.value).row:
+                parts.append(None)
+            else:
+                self.refuse(node, "is not a key made from the expert id alone")
+        if parts.count(None) != 1:
+            self.refuse(node, "is not a key made from the expert id alone")
+        i = parts.index(None)
+        return ExpertKey("".join(parts[:i]), "".join(parts[i + 1:]))
+
+    def _keys_follow_ids(self, key: "ExpertKey") -> bool:
+        """The ModuleDict's entries in order are ``f"{prefix}{e}{suffix}"`` for e = 0, 1, ...: expert e is the
+        e-th entry (as the runtime numbers them)."""
+        return list(self.experts.keys()) == [f"{key.prefix}{e}{key.suffix}" for e in range(len(self.experts))]
 
     def _e_UnaryOp(self, node):
         v = self.eval(node.operand)
@@ -157,7 +182,7 @@ class Prover:
             value = getattr(self.owner, name, None)
         if self.batched and isinstance(value, nn.Parameter) and name in self.owner._parameters:
             return Param(name)
-        if not self.batched and name == "experts" and isinstance(value, nn.ModuleList):
+        if not self.batched and value is self.experts and type(value) in (nn.ModuleList, nn.ModuleDict):
             return Obj(value)
         if name == "act_fn":
             elementwise.check_activation_module(value, f"{type(self.owner).__name__}.act_fn")
@@ -228,9 +253,11 @@ class Prover:
             if isinstance(e, ExpertId) and not e.row:
                 return ("param", base.name)
             self.refuse(node, "does not index the expert weights by the loop's expert id")
-        if isinstance(base, Obj) and isinstance(base.value, nn.ModuleList):
+        if isinstance(base, Obj) and isinstance(base.value, (nn.ModuleList, nn.ModuleDict)):
             e = self.eval(sl)
-            if isinstance(e, ExpertId) and base.value is getattr(self.owner, "experts", None):
+            if base.value is self.experts and isinstance(e, ExpertId) and isinstance(base.value, nn.ModuleList):
+                return ExpertMod()
+            if base.value is self.experts and isinstance(e, ExpertKey) and self._keys_follow_ids(e):
                 return ExpertMod()
             self.refuse(node, "does not index the experts by the loop's expert id")
         if isinstance(base, ExpertId) and base.row and isinstance(sl, ast.Constant) and sl.value == 0:
@@ -366,13 +393,19 @@ class Prover:
         if fn is enumerate and not self.batched:
             (arg,) = self._args(node, ("iterable",), 1).values()
             v = self.eval(arg)
-            if isinstance(v, Obj) and v.value is getattr(self.owner, "experts", None):
+            if isinstance(v, Obj) and v.value is self.experts and isinstance(v.value, nn.ModuleList):
                 return ("enumerate",)
+            self.refuse(node)
+        if fn is str and not self.batched:
+            (arg,) = self._args(node, ("object",), 1).values()
+            v = self.eval(arg)
+            if isinstance(v, ExpertId) and not v.row:
+                return ExpertKey("", "")
             self.refuse(node)
         if fn is len:
             (arg,) = self._args(node, ("obj",), 1).values()
             v = self.eval(arg)
-            if isinstance(v, Obj) and v.value is getattr(self.owner, "experts", None):
+            if isinstance(v, Obj) and v.value is self.experts and self.experts is not None:
                 return Obj(len(v.value))
             if isinstance(v, Index) and v.role == "tok":
                 return Count()

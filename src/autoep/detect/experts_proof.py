@@ -85,8 +85,9 @@ def batched_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
     down = experts._parameters.get("down_proj")
     if not (isinstance(first, nn.Parameter) and isinstance(down, nn.Parameter) and first.dim() == down.dim() == 3):
         if type(experts).forward is nn.Module.forward:  # e.g. a ModuleDict of expert modules
-            raise Refusal(f"experts is a {cls.__name__} with no forward of its own; of expert containers only a "
-                          "plain nn.ModuleList is taken")
+            raise Refusal(f"experts is a {cls.__name__} with no forward of its own, and no loop of the block indexes "
+                          "it by expert id (the loops taken: `for` over range/enumerate of the experts, indexing "
+                          "`self.<experts>[e]` or `[f\"...{e}\"]`)")
         if not experts._parameters and any(p.dim() == 2 for p in experts.parameters()):
             return _flat_proof(experts)
         raise Refusal(f"experts {cls.__name__} has no 3-D nn.Parameters gate_up_proj (or up_proj) and down_proj, "

@@ -37,12 +37,8 @@ import torch.nn as nn
 from autoep.detect import elementwise
 from autoep.detect.expert_loop import Act, Attr, ExpertId, Obj, Opaque, Prover, Row, ShapeItem
 from autoep.detect.loop_context import plain_method
+from autoep.detect.loop_values import Sub
 from autoep.detect.source import Refusal, function_tree
-
-
-@dataclass(frozen=True)
-class Sub:
-    path: str  # dotted path of a registered submodule under the experts
 
 
 @dataclass(frozen=True)

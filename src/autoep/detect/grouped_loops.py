@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from autoep.detect import elementwise
 from autoep.detect.loop_context import plain_method
+from autoep.detect.loop_values import Obj, Sub
 from autoep.detect.names import Scope
 from autoep.detect.source import Refusal, function_tree
 
@@ -61,16 +62,6 @@ class Weight:
 class Slice:
     path: str
     t: bool = False
-
-
-@dataclass(frozen=True)
-class Obj:
-    value: object
-
-
-@dataclass(frozen=True)
-class Sub:
-    path: str  # a submodule of the experts, by path
 
 
 @dataclass(frozen=True)

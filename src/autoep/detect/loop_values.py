@@ -21,6 +21,22 @@ class Obj:
 
 
 @dataclass(frozen=True)
+class Sub:
+    """A registered submodule of the experts, by its dotted path under them (grouped, flattened and equal-group
+    experts' proofs)."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """A value equal for every row but unknown at detection: a tensor's dtype or device, the feature size, a
+    comparison of such values (``autoep.detect.row_local``)."""
+
+    what: str
+
+
+@dataclass(frozen=True)
 class SelfRef:
     pass
 
@@ -93,6 +109,14 @@ class Cond:
 
 
 @dataclass(frozen=True)
+class ExpertKey:
+    """``str(e)`` / ``f"{prefix}{e}{suffix}"``: the key of the current expert in a ModuleDict of experts."""
+
+    prefix: str
+    suffix: str
+
+
+@dataclass(frozen=True)
 class ExpertMod:
     """``self.experts[e]``: the current ModuleList expert."""
 
@@ -123,7 +147,8 @@ class RowModule:
 @dataclass(frozen=True)
 class Row:
     """Per-row expression over the current expert's rows: a nested tuple, e.g.
-    ("lin", ("x",), "gate_up_proj", False)."""
+    ("lin", ("x",), "gate_up_proj", False). ``autoep.detect.row_local`` uses four: ("x",) the input rows,
+    ("view",) a view of them, ("rows",) fresh (n, D) rows, ("rows1",) one value per row (n,)."""
 
     expr: tuple
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoep.detect import elementwise, regions, split_loop
+from autoep.detect import elementwise, regions, row_local, split_loop
 from autoep.detect.expert_loop import Prover, strip_casts
 from autoep.detect.genuine import genuine
 from autoep.detect.loop_context import plain_method, prelude, self_reads
@@ -114,11 +114,63 @@ def _check_dropout(expert: nn.Module, name: str, what: str) -> None:
                       "call, which EP cannot reproduce; exact only at p=0 (set it to 0, or opt out)")
 
 
-def module_list_facts(experts: nn.ModuleList) -> dict:
-    """Every expert: same class and forward, bias-free exact ``nn.Linear`` projections of equal shapes,
-    dtype and device, the same element-wise activation, nothing tied, nothing hooked, uniformly trainable."""
-    if type(experts) is not nn.ModuleList:
-        raise Refusal(f"experts is a {type(experts).__name__}, not a plain nn.ModuleList")
+def module_list_facts(experts: nn.Module, path: str = "experts") -> dict:
+    """The experts of a ``ModuleList``/``ModuleDict`` (expert e: the e-th entry), proven one of two kinds:
+
+    - ``expert_kind="swiglu"`` (the grouped-GEMM fast path may run them): every expert the same class and
+      forward ``down(act(gate(x)) * up(x))`` with bias-free exact ``nn.Linear`` projections of equal shapes,
+      dtype and device, the same element-wise activation, nothing tied, nothing hooked, uniformly trainable;
+    - ``expert_kind="row_local"`` (only their own forward may run them): every expert row-local, deterministic
+      and stateless (``autoep.detect.row_local``), no parameter shared between experts.
+
+    Refuses naming the property the row-local proof found broken (the SwiGLU shape is only a fast path)."""
+    if type(experts) not in (nn.ModuleList, nn.ModuleDict):
+        raise Refusal(f"{path} is a {type(experts).__name__}, not a plain nn.ModuleList or nn.ModuleDict")
+    if type(experts) is nn.ModuleList:
+        try:
+            return dict(_swiglu_facts(experts), expert_kind="swiglu")
+        except Refusal:
+            pass
+    return row_local_facts(experts, path)
+
+
+def row_local_facts(experts: nn.Module, path: str) -> dict:
+    """``expert_kind="row_local"``: each expert proven on its own (heterogeneous experts are fine: each runs
+    its own forward), no parameter object in two experts (its gradient would be split over ranks), no global
+    hooks (they would see other batches of rows). ``folded``: the constant attributes the proofs read, as
+    ``<path>.<e or *>.<attr>=<value>`` (``*``: the same in every expert)."""
+    members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
+    if not members:
+        raise Refusal(f"{path} holds no experts")
+    if global_hooks():
+        raise Refusal("global module hooks are registered; under EP they would see other batches of rows")
+    owner: dict[int, int] = {}
+    per_expert = []
+    for e, expert in enumerate(members):
+        for name, p in expert.named_parameters(remove_duplicate=False):
+            if owner.setdefault(id(p), e) != e:
+                raise Refusal(f"{path}[{e}].{name} is the same parameter as one of {path}[{owner[id(p)]}]: a "
+                              "parameter shared between experts would get its gradient on two ranks")
+        per_expert.append(row_local.prove_expert(expert, f"{path}[{e}]").folded)
+    return dict(expert_kind="row_local", expert_projs=(), expert_act="", identity_experts=0,
+                folded=_fold_entries(path, per_expert))
+
+
+def _fold_entries(path: str, per_expert: list) -> tuple[str, ...]:
+    values: dict[str, dict[int, str]] = {}
+    for e, folded in enumerate(per_expert):
+        for attr, value in folded:
+            values.setdefault(attr, {})[e] = value
+    out = []
+    for attr, by_expert in sorted(values.items()):
+        if len(by_expert) == len(per_expert) and len(set(by_expert.values())) == 1:
+            out.append(f"{path}.*.{attr}={next(iter(by_expert.values()))}")
+        else:
+            out.extend(f"{path}.{e}.{attr}={v}" for e, v in sorted(by_expert.items()))
+    return tuple(out)
+
+
+def _swiglu_facts(experts: nn.ModuleList) -> dict:
     routed, identities = _routed_and_identity(experts)
     classes = {type(e) for e in routed}
     if len(classes) != 1:
@@ -220,29 +272,65 @@ class SplicePlan:
     no_grad: bool = False  # the method is decorated ``@torch.no_grad()``; its spliced twin is too
 
 
-def module_list_plan(block: nn.Module) -> tuple[SplicePlan, ...]:
-    """The block's expert regions, each proven, with every path through its forward running exactly one
-    (``autoep.detect.regions``)."""
+def _block_trees(block: nn.Module) -> dict:
+    """``{method: (function, tree, no_grad)}``: the block's forward and the methods of its own it calls."""
     cls = type(block)
     if "forward" in vars(block):
         raise Refusal(f"{cls.__name__} has an instance-level forward")
     if type(block).__call__ is not nn.Module.__call__:
         raise Refusal(f"{cls.__name__} overrides __call__")
-    trees = block_methods(block)
-    found = [(m, path, i, loop) for m, (_, t, _) in trees.items() for path, i, loop in regions.expert_loops(t)]
+    return block_methods(block)
+
+
+def expert_container(block: nn.Module) -> str | None:
+    """The attribute of the ``ModuleList``/``ModuleDict`` the block's expert loop indexes by expert id, found
+    by data flow (not by its name): a child container that a ``for`` loop of the forward (or a method it
+    calls) indexes (``self.<name>[...]``) or enumerates. ``None`` when no loop does; refused when several
+    containers are looped over that way."""
+    containers = [n for n, m in block._modules.items() if type(m) in (nn.ModuleList, nn.ModuleDict)]
+    if not containers:
+        return None
+    trees = _block_trees(block)
+    found = [n for n in containers if any(_indexed_in_loop(loop, n) for _, t, _ in trees.values()
+                                          for *_, loop in regions.expert_loops(t, n))]
+    if len(found) > 1:
+        raise Refusal(f"{type(block).__name__} loops over several module containers by index ({found}); "
+                      "which one holds the experts is ambiguous")
+    return found[0] if found else None
+
+
+def _indexed_in_loop(loop: ast.For, attr: str) -> bool:
+    """The loop reads ``self.<attr>[...]``, ``enumerate(self.<attr>)`` or ``len(self.<attr>)``: an index over
+    the container (a plain ``for layer in self.layers``, or over a slice ``self.layers[:n]``, is not)."""
+    for node in ast.walk(loop):
+        inner = node.value if isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Slice) else \
+            node.args[0] if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+            node.func.id in ("enumerate", "len") and len(node.args) == 1 else None
+        if isinstance(inner, ast.Attribute) and inner.attr == attr and isinstance(inner.value, ast.Name) \
+                and inner.value.id == "self":
+            return True
+    return False
+
+
+def module_list_plan(block: nn.Module, attr: str = "experts") -> tuple[SplicePlan, ...]:
+    """The block's expert regions over its experts container ``self.<attr>``, each proven, with every path
+    through its forward running exactly one (``autoep.detect.regions``)."""
+    cls = type(block)
+    trees = _block_trees(block)
+    found = [(m, path, i, loop) for m, (_, t, _) in trees.items() for path, i, loop in regions.expert_loops(t, attr)]
     if not found:
-        raise Refusal(f"{cls.__name__} has no loop over self.experts in its forward or the methods it calls")
+        raise Refusal(f"{cls.__name__} has no loop over self.{attr} in its forward or the methods it calls")
     loops = {id(loop) for *_, loop in found}
     helpers = {}
     for m, (_, t, _) in trees.items():
-        _experts_only_in(t, loops, f"{cls.__name__}.{m}")
+        _experts_only_in(t, loops, f"{cls.__name__}.{m}", attr)
         if m != "forward":
             helpers[m] = regions.exchanges_on_every_path(t, loops, {}, f"{cls.__name__}.{m}")
     runs = regions.exchanges_on_every_path(trees["forward"][1], loops, {m: c for m, c in helpers.items() if c},
                                            f"{cls.__name__}.forward")
     if runs != 1:
         raise Refusal(f"{cls.__name__}.forward runs the expert region {runs} times on every path, not once")
-    return tuple(_plan(block, trees[m], m, path, i, loop) for m, path, i, loop in found)
+    return tuple(_plan(block, trees[m], m, path, i, loop, attr) for m, path, i, loop in found)
 
 
 def block_methods(block: nn.Module) -> dict[str, tuple]:
@@ -294,30 +382,31 @@ def _self_method_call(node) -> str | None:
     return node.func.attr if ok else None
 
 
-def _experts_only_in(tree: ast.FunctionDef, loops: set[int], where: str) -> None:
-    """Outside the expert loops, ``self.experts`` is read only as ``len(self.experts)``."""
+def _experts_only_in(tree: ast.FunctionDef, loops: set[int], where: str, attr: str = "experts") -> None:
+    """Outside the expert loops, ``self.<attr>`` is read only as ``len(self.<attr>)``."""
     in_loop = {id(n) for loop in ast.walk(tree) if id(loop) in loops for n in ast.walk(loop)}
     in_len = {id(c.args[0]) for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
               and c.func.id == "len" and len(c.args) == 1}
-    for node in self_reads(tree, "experts"):
+    for node in self_reads(tree, attr):
         if id(node) not in in_loop and id(node) not in in_len:
-            raise Refusal(f"{where} line {node.lineno} uses self.experts outside the expert loop")
+            raise Refusal(f"{where} line {node.lineno} uses self.{attr} outside the expert loop")
 
 
-def _plan(block, method_tree, method: str, path: tuple, index: int, loop: ast.For) -> SplicePlan:
+def _plan(block, method_tree, method: str, path: tuple, index: int, loop: ast.For, attr: str) -> SplicePlan:
     fn, tree, no_grad = method_tree
     stmts = regions.statements(tree, path)
     common = dict(path=path, no_grad=no_grad)
-    if split_loop.is_split_loop(loop):
-        region = split_loop.split_region(fn, stmts, block, index)
+    if split_loop.is_split_loop(loop, attr):
+        region = split_loop.split_region(fn, stmts, block, index, attr)
         _nothing_used_after(fn, tree, stmts[region.first:region.last + 1], keep=region.out)
         return SplicePlan(method, fn, region.first, region.last, (region.rows, region.counts), region.out,
                           kind="split", empty_1d=region.empty_1d, **common)
     if split_loop.is_masked_loop(loop):
-        args = split_loop.masked_loop(fn, block, loop)
+        args = split_loop.masked_loop(fn, block, loop, attr)
         _nothing_used_after(fn, tree, [loop])
         return SplicePlan(method, fn, index, index, args, kind="masked", **common)
-    p = Prover(fn, tree, block, len(block.experts), batched=False)
+    experts = block._modules[attr]
+    p = Prover(fn, tree, block, len(experts), batched=False, experts=experts)
     prelude(p, regions.before(tree, path, index))
     p.loop(loop)
     if p.facts.expert is None or strip_casts(p.facts.expert) != ("expert", ("x",)):

@@ -20,14 +20,14 @@ from autoep.detect.source import Refusal
 _BRANCHING = (ast.IfExp, ast.BoolOp, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
 
-def expert_loops(tree: ast.FunctionDef) -> list[tuple[tuple, int, ast.For]]:
-    """Every ``for`` statement reading ``self.experts`` in ``tree``'s statements or its ``if`` branches,
-    as ``(path, index, loop)``."""
+def expert_loops(tree: ast.FunctionDef, attr: str = "experts") -> list[tuple[tuple, int, ast.For]]:
+    """Every ``for`` statement reading ``self.<attr>`` (the experts container) in ``tree``'s statements or its
+    ``if`` branches, as ``(path, index, loop)``."""
     found = []
 
     def visit(stmts: list[ast.stmt], path: tuple) -> None:
         for i, stmt in enumerate(stmts):
-            if isinstance(stmt, ast.For) and self_reads(stmt, "experts"):
+            if isinstance(stmt, ast.For) and self_reads(stmt, attr):
                 found.append((path, i, stmt))
             elif isinstance(stmt, ast.If):
                 visit(stmt.body, path + ((i, "body"),))

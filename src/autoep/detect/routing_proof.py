@@ -218,9 +218,10 @@ def shared_kind(module: nn.Module) -> str:
     return kinds[found]
 
 
-def experts_call(module: nn.Module) -> None:
-    """The block calls ``self.experts`` exactly once, always (a rank that skipped the call would hang
-    its peers in the exchange), and touches it no other way (its weights are sharded under EP)."""
+def experts_call(module: nn.Module, attr: str = "experts") -> None:
+    """The block calls ``self.<attr>`` (its experts, found by data flow) exactly once, always (a rank that
+    skipped the call would hang its peers in the exchange), and touches it no other way (its weights are
+    sharded under EP)."""
     from autoep.detect.experts_proof import unwrap_known
 
     cls = type(module)
@@ -235,19 +236,19 @@ def experts_call(module: nn.Module) -> None:
     forward = unwrap_known(cls.forward, f"{cls.__name__}.forward", set())
     if function_tree(forward).decorator_list:
         raise Refusal(f"{cls.__name__}.forward is decorated; autoep does not know what the decorator does")
-    _experts_call_source(forward, cls.__name__)
+    _experts_call_source(forward, cls.__name__, attr)
 
 
 
 @cached_by_code
-def _experts_call_source(forward, cls_name: str) -> None:
+def _experts_call_source(forward, cls_name: str, attr: str = "experts") -> None:
     """The source half of ``experts_call``: cached per forward function (a patched class is re-proven)."""
     from autoep.detect.loop_context import always_reached, self_reads
 
     tree = function_tree(forward)
-    reads = self_reads(tree, "experts")
+    reads = self_reads(tree, attr)
     calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and c.func in reads]
     if len(reads) != 1 or len(calls) != 1:
-        raise Refusal(f"{cls_name}.forward uses self.experts {len(reads)} times, {len(calls)} of them calls; "
+        raise Refusal(f"{cls_name}.forward uses self.{attr} {len(reads)} times, {len(calls)} of them calls; "
                       "the experts contract is one call")
     always_reached(tree, calls[0], "the experts call")

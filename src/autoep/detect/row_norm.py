@@ -23,7 +23,6 @@ from __future__ import annotations
 import ast
 import inspect
 import types
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -31,7 +30,7 @@ import torch.nn as nn
 from autoep.detect import elementwise
 from autoep.detect.expert_loop import local_names
 from autoep.detect.loop_context import plain_method
-from autoep.detect.loop_values import Obj
+from autoep.detect.loop_values import Method, Obj
 from autoep.detect.module_list_proof import global_hooks
 from autoep.detect.names import Scope
 from autoep.detect.source import Refusal, function_tree
@@ -45,11 +44,6 @@ _REDUCTIONS = ("mean", "sum")
 _OPS = (ast.Add, ast.Sub, ast.Mult, ast.Div)
 _MAX_DEPTH = 3
 _MISSING = object()
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
 
 
 def prove_row_local(module: nn.Module, hidden: int, what: str) -> None:

@@ -52,16 +52,17 @@ class SplitRegion:
     empty_1d: bool
 
 
-def is_split_loop(loop: ast.For) -> bool:
-    """A ``for i, n in enumerate(<not self.experts>)`` loop: the shape this module proves."""
+def is_split_loop(loop: ast.For, attr: str = "experts") -> bool:
+    """A ``for i, n in enumerate(<not self.<attr>>)`` loop: the shape this module proves (``attr``: the
+    experts container's attribute, found by data flow)."""
     it = loop.iter
     return (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate"
-            and len(it.args) == 1 and not any(_is_self_attr(n, "experts") for n in ast.walk(it.args[0])))
+            and len(it.args) == 1 and not any(_is_self_attr(n, attr) for n in ast.walk(it.args[0])))
 
 
-def split_region(fn, stmts: list[ast.stmt], block: nn.Module, loop_index: int) -> SplitRegion:
+def split_region(fn, stmts: list[ast.stmt], block: nn.Module, loop_index: int, attr: str = "experts") -> SplitRegion:
     """Prove the statements around ``stmts[loop_index]`` are the argsort/split region (module docstring)."""
-    proof = _SplitProof(fn, block)
+    proof = _SplitProof(fn, block, attr)
     first = proof.inits(stmts, loop_index)
     proof.loop(stmts[loop_index])
     if loop_index + 1 >= len(stmts):
@@ -76,8 +77,8 @@ def _is_self_attr(node: ast.AST, attr: str) -> bool:
 
 
 class _SplitProof:
-    def __init__(self, fn, block: nn.Module):
-        self.block, self.scope, self.where = block, Scope(fn), fn.__qualname__
+    def __init__(self, fn, block: nn.Module, attr: str = "experts"):
+        self.block, self.scope, self.where, self.attr = block, Scope(fn), fn.__qualname__, attr
         self.list_name = self.start_name = self.rows = self.counts = None
         self.env: dict[str, object] = {}
         self.appends = 0
@@ -211,7 +212,7 @@ class _SplitProof:
 
     def _self_attr(self, node: ast.Attribute):
         value = getattr(self.block, mangled(self.scope.fn, node.attr), None)
-        if node.attr == "experts" and type(value) is nn.ModuleList:
+        if node.attr == self.attr and type(value) is nn.ModuleList:
             return ("experts",)
         if type(value) is int:
             return value
@@ -297,7 +298,7 @@ def is_masked_loop(loop: ast.For) -> bool:
     return bool(assigns) and isinstance(assigns[-1].targets[0], ast.Subscript)
 
 
-def masked_loop(fn, block: nn.Module, loop: ast.For) -> tuple[str, str, str]:
+def masked_loop(fn, block: nn.Module, loop: ast.For, attr: str = "experts") -> tuple[str, str, str]:
     """Prove ``loop`` is
 
         for i, expert in enumerate(self.experts):        # or: for i in range(len(self.experts))
@@ -306,7 +307,7 @@ def masked_loop(fn, block: nn.Module, loop: ast.For) -> tuple[str, str, str]:
     which sets ``y[p] = expert_{ids[p]}(x[p])`` for every row whose id names an expert and leaves the
     others as they were (DeepSeek's remote-code training path, over rows repeated once per slot).
     Returns the names ``(y, x, ids)``."""
-    proof = _MaskedProof(fn, block)
+    proof = _MaskedProof(fn, block, attr)
     proof.header(loop)
     *masks, store = loop.body
     for stmt in masks:
@@ -319,8 +320,8 @@ def masked_loop(fn, block: nn.Module, loop: ast.For) -> tuple[str, str, str]:
 
 
 class _MaskedProof(_SplitProof):
-    def __init__(self, fn, block: nn.Module):
-        super().__init__(fn, block)
+    def __init__(self, fn, block: nn.Module, attr: str = "experts"):
+        super().__init__(fn, block, attr)
         self.ids = None
 
     def header(self, loop: ast.For) -> None:
@@ -329,21 +330,22 @@ class _MaskedProof(_SplitProof):
         it, target = loop.iter, loop.target
         call = isinstance(it, ast.Call) and len(it.args) == 1 and not it.keywords
         fn = self.scope.resolve(it.func) if call and isinstance(it.func, (ast.Name, ast.Attribute)) else None
-        if fn is enumerate and _is_self_attr(it.args[0], "experts") and isinstance(target, ast.Tuple) \
+        if fn is enumerate and _is_self_attr(it.args[0], self.attr) and isinstance(target, ast.Tuple) \
                 and len(target.elts) == 2 and all(isinstance(t, ast.Name) for t in target.elts):
             self.env = {target.elts[0].id: _E, target.elts[1].id: _EXPERT}
         elif fn is range and isinstance(target, ast.Name) and self._is_len_experts(it.args[0]):
             self.env = {target.id: _E}
         else:
-            self.refuse(loop, "does not iterate over the experts (enumerate(self.experts) or range(len(self.experts)))")
-        if type(getattr(self.block, "experts", None)) is not nn.ModuleList:
+            self.refuse(loop, f"does not iterate over the experts (enumerate(self.{self.attr}) or "
+                              f"range(len(self.{self.attr})))")
+        if type(getattr(self.block, self.attr, None)) is not nn.ModuleList:
             self.refuse(loop, "does not loop over a ModuleList of experts")
         self.loop_names = set(self.env)
 
     def _is_len_experts(self, node: ast.AST) -> bool:
         return (isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords
                 and isinstance(node.func, ast.Name) and self.scope.resolve(node.func) is len
-                and _is_self_attr(node.args[0], "experts"))
+                and _is_self_attr(node.args[0], self.attr))
 
     def mask_assign(self, stmt: ast.stmt) -> None:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):

@@ -79,6 +79,9 @@ class MoeStructure:
     # expert_act filled) | row_local: proven row-local, deterministic and stateless only (``autoep.detect.row_local``);
     # only the experts' own forward may run it (expert_projs=(), expert_act="").
     expert_kind: str = "swiglu"
+    # row_local experts: the constant instance attributes their proof read (branches folded, numbers computed
+    # with), ``<experts_path>.<e or *>.<attr>=<repr>``; a change after detection is drift (``folded_drift``).
+    folded: tuple[str, ...] = ()
 
     def __post_init__(self):
         # A resolved config gives the names back as a list (YAML has no tuples): held as a tuple, so two
@@ -86,8 +89,9 @@ class MoeStructure:
         if isinstance(self.expert_projs, str):
             raise ValueError(f"expert_projs={self.expert_projs!r} is one comma-joined string, as detector version 2 "
                              f"wrote it; it is a list of names now: regenerate the resolved config with autoep-plan")
-        if not isinstance(self.expert_projs, tuple):
-            object.__setattr__(self, "expert_projs", tuple(self.expert_projs))
+        for name in ("expert_projs", "folded"):
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def as_dict(self) -> dict:
         """Every field as plain YAML values (the names as a list)."""
@@ -113,6 +117,31 @@ def detect_router_kind(module: nn.Module) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+_UNKNOWN = object()
+
+
+def find_experts(module: nn.Module, looped=_UNKNOWN) -> str | None:
+    """The attribute of the block's experts, found by data flow, not by the name ``experts``: the
+    ``ModuleList``/``ModuleDict`` its expert loop indexes by expert id; else the one child holding 3-D
+    (expert, ., .) parameters; else the child called ``experts`` (batched experts with flattened weights, or
+    an experts module whose proof names what it lacks); ``None`` for a module with none of these (a dense
+    MLP). A lone ``ModuleList`` child the forward never loops over is returned too, so its refusal says so."""
+    name = module_list_proof.expert_container(module) if looped is _UNKNOWN else looped
+    if name is not None:
+        return name
+    batched = [n for n, m in module._modules.items() if m is not None and type(m) not in (nn.ModuleList, nn.ModuleDict)
+               and any(p.dim() == 3 for p in m.parameters())]
+    if len(batched) == 1:
+        return batched[0]
+    if isinstance(getattr(module, "experts", None), nn.Module):
+        return "experts"
+    if batched:
+        raise Refusal(f"several children hold 3-D expert parameters ({batched}); which one holds the experts is "
+                      "ambiguous")
+    lists = [n for n, m in module._modules.items() if type(m) is nn.ModuleList]
+    return lists[0] if len(lists) == 1 else None
+
+
 def _structure(module: nn.Module) -> MoeStructure:
     patched = genuine.patched_torch_objects(elementwise.activation_classes(), module_call=False)
     if patched:  # the proofs below resolve names to objects; a patch would be taken for torch's own
@@ -120,27 +149,31 @@ def _structure(module: nn.Module) -> MoeStructure:
                       f"run the patch and autoep's grouped GEMM would not")
     router = routing_proof.router_kind(module)
     shared = routing_proof.shared_kind(module)
-    experts = getattr(module, "experts", None)
-    if isinstance(experts, nn.ModuleList):
+    looped = module_list_proof.expert_container(module)
+    path = looped if looped is not None else find_experts(module, looped)
+    experts = module._modules.get(path) if path is not None else None
+    if looped is not None or type(experts) is nn.ModuleList:
         storage = "module_list"
-        facts = module_list_proof.module_list_facts(experts)
-        module_list_proof.module_list_plan(module)  # the expert regions autoep splices out
+        facts = module_list_proof.module_list_facts(experts, path)
+        module_list_proof.module_list_plan(module, path)  # the expert regions autoep splices out
     elif isinstance(experts, nn.Module) and grouped_proof.takes_groups(experts):
         storage = "grouped"
         facts = grouped_proof.grouped_experts_facts(experts)
-        routing_proof.experts_call(module)
+        routing_proof.experts_call(module, path)
     elif isinstance(experts, nn.Module) and equal_groups_proof.takes_rows(experts):
         storage = "equal_groups"  # experts(rows) on E equal groups of rows (Llama-4)
         facts = equal_groups_proof.equal_groups_facts(experts)
-        routing_proof.experts_call(module)
+        routing_proof.experts_call(module, path)
     elif isinstance(experts, nn.Module):
         storage = "batched_parameters"
         facts = experts_proof.batched_experts_facts(experts)
-        routing_proof.experts_call(module)
+        routing_proof.experts_call(module, path)
     else:
-        raise Refusal("no `experts` submodule")
+        raise Refusal("no experts: no ModuleList/ModuleDict its forward loops over by expert id, no child holding "
+                      "3-D expert parameters, no `experts` submodule")
     structure = MoeStructure(
-        router=router, shared_experts=shared, expert_storage=storage, jitter=hasattr(module, "jitter_noise"), **facts
+        router=router, shared_experts=shared, expert_storage=storage, jitter=hasattr(module, "jitter_noise"),
+        experts_path=path, **facts
     )
     _live_state(module, structure)
     # The vocabulary is closed: autoep.plan.archetypes.TABLE has a row for every (router, storage) pair of it
@@ -178,11 +211,20 @@ def detect_moe_structure(module: nn.Module) -> MoeStructure:
         raise UnsupportedModuleStructure(type(module).__name__, reason) from None
 
 
-def count_experts(module: nn.Module) -> int:
-    """Number of routed experts of an MoE block (from the experts' shapes; reads no data)."""
-    experts = getattr(module, "experts", None)
-    if isinstance(experts, nn.ModuleList):
-        return sum(type(e) is not nn.Identity for e in experts)  # identity experts are not sharded
+def count_experts(module: nn.Module, structure: MoeStructure | None = None) -> int:
+    """Number of routed (sharded) experts of an MoE block (from the experts' shapes; reads no data). For
+    ModuleList/ModuleDict experts: every entry, less the trailing ``nn.Identity`` experts the SwiGLU fast path
+    computes where the token is (``structure.identity_experts``; without a structure, every trailing one)."""
+    try:
+        path = structure.experts_path if structure is not None else find_experts(module)
+    except Refusal as exc:
+        raise UnsupportedModuleStructure(type(module).__name__, f"cannot count experts: {exc}") from None
+    experts = getattr(module, path, None) if path is not None else None
+    if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+        members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
+        if structure is not None:
+            return len(members) - structure.identity_experts
+        return sum(type(e) is not nn.Identity for e in members)  # identity experts are not sharded
     p = getattr(experts, "down_proj", None)
     if isinstance(experts, nn.Module) and not isinstance(p, nn.Parameter) and grouped_proof.takes_groups(experts):
         # grouped experts: the weights may live on submodules (experts.fc1.weight); all are (E, ., .)
@@ -209,3 +251,18 @@ def clear_caches() -> None:
                loop_context.self_reads, expert_reads._names, expert_reads._self_whole_reads,
                expert_reads._class_reads):
         fn.cache_clear()
+
+
+def has_experts(module: nn.Module) -> bool:
+    """``module`` holds experts as the detector finds them (``find_experts``); a module whose experts cannot
+    be told apart (an ambiguity, unreadable source) counts as having them, so detection names why."""
+    try:
+        name = find_experts(module)
+        if name is None:
+            return False
+        # a lone ModuleList no loop indexes (a decoder's ``layers``) is returned for the refusal's sake only
+        return type(module._modules.get(name)) is not nn.ModuleList or module_list_proof.expert_container(module) == name
+    except Refusal:
+        return True
+    except Exception:  # noqa: BLE001 - any failure reading its source: let detection say what it is
+        return True

@@ -62,8 +62,19 @@ TABLE: dict[tuple[str, str], Archetype] = {
 }
 
 
+# The expert kinds (``MoeStructure.expert_kind``) some recipe runs. "row_local" experts run only through their
+# own forward (issue 16, item 1: the own-forward runtime adds the kind here when it lands); until then the
+# table refuses them, so detection may prove them without any plan binding a recipe that cannot run them.
+RUNNABLE_EXPERT_KINDS = ("swiglu",)
+
+
 def archetype_for(structure: MoeStructure, cls_name: str = "module") -> Archetype:
     """The row for ``structure``, or ``UnsupportedModuleStructure`` naming what has no recipe."""
+    if structure.expert_kind not in RUNNABLE_EXPERT_KINDS:
+        raise UnsupportedModuleStructure(
+            cls_name, f"its experts ({structure.experts_path}) are proven row-local (expert_kind="
+                      f"{structure.expert_kind}) but not the SwiGLU the grouped-GEMM recipes compute; only their own "
+                      "forward can run them under EP, and no recipe runs experts' own forward yet")
     row = TABLE.get((structure.router, structure.expert_storage))
     if row is None:
         raise UnsupportedModuleStructure(

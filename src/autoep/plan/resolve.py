@@ -20,7 +20,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from autoep.detect import sharing, structure
+from autoep.detect import row_local, sharing, structure
 from autoep.errors import OPT_OUT_HINT, DriftError, PlanError, UnsupportedModuleStructure, UnsupportedPlanEntry
 from autoep.plan import archetypes, replay
 from autoep.plan.artifact import load_plan
@@ -122,8 +122,9 @@ def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str
 
 
 def split_moe(key: str, pattern: str, matched: list[str], modules: dict) -> tuple[list[str], list[str]]:
-    """(modules with an ``experts`` submodule, the others): what a ``moe_only`` entry takes and skips."""
-    moe = [n for n in matched if isinstance(getattr(modules[n], "experts", None), nn.Module)]
+    """(modules with experts, found by data flow as the detector finds them, the others): what a ``moe_only``
+    entry takes and skips."""
+    moe = [n for n in matched if structure.has_experts(modules[n])]
     if not moe:
         raise PlanError(f"{key}.match={pattern!r} with moe_only=true matches {len(matched)} modules and none has an "
                         f"`experts` submodule; point the match at the MoE blocks (e.g. 'model.layers.*.mlp')")
@@ -193,7 +194,7 @@ def _detect_group(key: str, pattern: str, modules: dict, matched: list[str]) -> 
     for name in matched:
         try:
             found = structure.detect_moe_structure(modules[name])
-            n = structure.count_experts(modules[name])
+            n = structure.count_experts(modules[name], found)
         except UnsupportedModuleStructure as e:
             raise UnsupportedPlanEntry(
                 f"{key}.match={pattern!r} matched {name} ({e.cls_name}), which auto cannot take: {e.reason}. "
@@ -339,8 +340,12 @@ def drift_reasons(decision: Mapping, modules: dict, matched: list[str], skipped:
     if decision["source"] == "auto" and decision["detector_version"] != structure.DETECTOR_VERSION:
         reasons.append(f"detector version {decision['detector_version']} -> {structure.DETECTOR_VERSION} (the recorded "
                        f"structure is in an older vocabulary: regenerate the resolved config with autoep-plan)")
+    recorded = structure.MoeStructure(**decision["structure"]) if decision.get("structure") else None
+    if recorded is not None and recorded.folded and not reasons:
+        for n in matched:  # constants the expert proofs folded (branches, numbers): a change is drift
+            reasons += [f"{n}: {r}" for r in row_local.folded_drift(modules[n], recorded.folded)]
     if decision["num_experts"] is not None and not reasons:
-        counts = {structure.count_experts(modules[n]) for n in matched}
+        counts = {structure.count_experts(modules[n], recorded) for n in matched}
         if counts != {decision["num_experts"]}:
             reasons.append(f"num_experts {decision['num_experts']} -> {sorted(counts)}")
     return reasons

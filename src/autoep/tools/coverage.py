@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from autoep.detect.structure import MoeStructure, detect_moe_structure
 from autoep.errors import UnsupportedModuleStructure
+from autoep.plan.archetypes import compute_fn_config
 from autoep.tools.tiny import build_block, build_tiny_model, family_configs, moe_blocks
 
 ASSIGNS_EXPERTS = re.compile(r"self\.experts\s*(:[^=]*)?=")
@@ -144,7 +145,9 @@ def survey(tiny: bool = True) -> list[Row]:
             continue
         try:
             row.structure = detect_moe_structure(module)
+            compute_fn_config(row.structure, cls.__name__)  # accepted = a recipe runs it (the table's gate)
         except UnsupportedModuleStructure as exc:
+            row.structure = None
             row.reason = exc.reason
             row.explicit = shipped_recipe_fit(module)
         if row.structure is not None and tiny:

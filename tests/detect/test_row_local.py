@@ -1,0 +1,302 @@
+"""The expert property (issue 16): experts are accepted when row-local, deterministic and stateless
+(``autoep.detect.row_local``), found by data flow under any attribute name, and refused naming the property
+that failed and the model's line. Detection only (meta-free tiny modules, no forward called); parity of the
+accepted blocks is ``tests/runtime/test_row_local_parity.py``."""
+import blocks
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoep import UnsupportedModuleStructure, detect_moe_structure
+from autoep.detect import row_local
+from autoep.detect.source import Refusal
+from autoep.detect.structure import count_experts, find_experts, has_experts
+
+D, FF = 16, 32
+
+ACCEPTED = {  # name: (build, experts_path, folded entries that must be recorded)
+    "fairseq_gelu": (lambda: blocks.FairseqStyleMoE(activation_fn="gelu"), "local_experts",
+                     {"local_experts.*.activation_fn=torch._C._nn.gelu"}),
+    "fairseq_relu": (lambda: blocks.FairseqStyleMoE(activation_fn="relu"), "local_experts",
+                     {"local_experts.*.activation_fn=torch.nn.functional.relu"}),
+    "sequential": (lambda: blocks.SequentialExpertsMoE(), "ffn_experts", set()),
+    "optional_args": (lambda: blocks.ExpertListMoE([blocks.OptionalArgsExpert(D, FF) for _ in range(4)]),
+                      "experts_list", set()),
+    "config_branch": (lambda: blocks.ExpertListMoE([blocks.ConfigBranchExpert(blocks.BranchExpertConfig())
+                                                    for _ in range(4)]), "experts_list",
+                      {"experts_list.*.glu=1", "experts_list.*.config.mlp_type='gelu'"}),
+    "config_branch_glu": (lambda: blocks.ExpertListMoE(
+        [blocks.ConfigBranchExpert(blocks.BranchExpertConfig(glu_multiplier=2)) for _ in range(4)]),
+        "experts_list", {"experts_list.*.glu=2"}),
+    "module_dict": (lambda: blocks.ModuleDictExpertsMoE(), "experts", set()),
+    "lora": (lambda: blocks.LoRAExpertsMoE(), "experts", {"experts.*.w1.alpha=4.0", "experts.*.w2.disabled=False"}),
+}
+
+
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_third_party_idioms_are_row_local_experts_found_by_data_flow(name):
+    build, path, folded = ACCEPTED[name]
+    block = build()
+    s = detect_moe_structure(block)
+    assert (s.expert_storage, s.experts_path, s.expert_kind) == ("module_list", path, "row_local")
+    assert (s.expert_projs, s.expert_act, s.identity_experts) == ((), "", 0)
+    assert folded <= set(s.folded), s.folded
+    assert count_experts(block, s) == count_experts(block) == 4 and has_experts(block)
+
+
+def test_the_swiglu_shape_keeps_the_fast_path():
+    s = detect_moe_structure(blocks.MoE())
+    assert (s.expert_kind, s.expert_projs, s.folded) == ("swiglu", ("w1", "w3", "w2"), ())
+
+
+def test_experts_are_the_container_the_loop_indexes_not_a_name():
+    block = blocks.SequentialExpertsMoE()
+    block.norms = nn.ModuleList([nn.LayerNorm(D)])  # a second container nobody indexes by expert id
+    block.experts = nn.Linear(D, D)  # a decoy under the old name
+    assert find_experts(block) == "ffn_experts"
+    assert detect_moe_structure(block).experts_path == "ffn_experts"
+
+
+class TwoListsMoE(blocks.SequentialExpertsMoE):
+    def __init__(self):
+        super().__init__()
+        self.other = nn.ModuleList([nn.Linear(D, D) for _ in range(4)])
+
+    def forward(self, hidden_states):
+        b, s, d = hidden_states.shape
+        x = hidden_states.view(-1, d)
+        top_w, top_i = torch.topk(F.softmax(self.gate(x), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(len(self.ffn_experts)):
+            tok, k = torch.where(top_i == e)
+            out.index_add_(0, tok, self.ffn_experts[e](x[tok]) * top_w[tok, k, None])
+        for e in range(len(self.other)):
+            tok, k = torch.where(top_i == e)
+            out.index_add_(0, tok, self.other[e](x[tok]) * top_w[tok, k, None])
+        return out.view(b, s, d)
+
+
+def test_two_containers_indexed_in_loops_are_ambiguous():
+    with pytest.raises(UnsupportedModuleStructure, match=r"several module containers by index \(\['ffn_experts', "
+                                                         r"'other'\]"):
+        detect_moe_structure(TwoListsMoE())
+
+
+def test_dense_modules_have_no_experts():
+    mlp = blocks.FeedForward(D, FF)
+    assert not has_experts(mlp) and find_experts(mlp) is None
+    assert has_experts(blocks.FairseqStyleMoE())
+
+
+# --- the property: each way of breaking it is refused naming it and the model's line -----------------------
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D, FF)
+        self.fc2 = nn.Linear(FF, D)
+        self.register_buffer("calls", torch.zeros(()))
+
+
+class MeanOverRows(Expert):
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        return self.fc2(h - h.mean(0))
+
+
+class CumsumOverRows(Expert):
+    def forward(self, x):
+        return self.fc2(torch.cumsum(self.fc1(x), dim=0))
+
+
+class SortRows(Expert):
+    def forward(self, x):
+        return self.fc2(self.fc1(x).sort(dim=0).values)
+
+
+class Noisy(Expert):
+    def forward(self, x):
+        return self.fc2(self.fc1(x) + 0.1 * torch.randn_like(x[..., :1]))
+
+
+class Counting(Expert):
+    def forward(self, x):
+        self.calls += 1
+        return self.fc2(self.fc1(x))
+
+
+class BufferAdd(Expert):
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.fc2(self.fc1(x))
+
+
+class EditsInput(Expert):
+    def forward(self, x):
+        x.mul_(2.0)
+        return self.fc2(self.fc1(x))
+
+
+class RowCount(Expert):
+    def forward(self, x):
+        return self.fc2(self.fc1(x)) / x.shape[0]
+
+
+class RowBranch(Expert):
+    def forward(self, x):
+        if x.norm(dim=-1, keepdim=True) > 1:
+            return self.fc2(self.fc1(x))
+        return x
+
+
+class BatchNormed(Expert):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(FF)
+
+    def forward(self, x):
+        return self.fc2(self.bn(self.fc1(x)))
+
+
+class Dropping(Expert):
+    def __init__(self, p=0.1):
+        super().__init__()
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.relu(self.fc1(x))))
+
+
+class FunctionalDropout(Expert):
+    def forward(self, x):
+        return self.fc2(F.dropout(self.fc1(x), p=0.1, training=self.training))
+
+
+class LastDimNorm(Expert):
+    """Written-out RMS norm over the last dim, a softmax over the features, a branch on a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(FF))
+        self.eps, self.use_softmax = 1e-6, False
+
+    def forward(self, x, mask=None):
+        h = self.fc1(x).float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        if self.use_softmax:
+            h = h.softmax(dim=0)
+        if mask is not None:
+            h = h * mask
+        return self.fc2(h.to(x.dtype))
+
+
+REFUSED = {  # expert class: (text that must be in the refusal)
+    MeanOverRows: "MeanOverRows.forward line 3: `h.mean(0)` works along dim 0: mixes rows (not row-local",
+    CumsumOverRows: "CumsumOverRows.forward line 2: `torch.cumsum(self.fc1(x), dim=0)` works along dim 0: mixes rows",
+    SortRows: "SortRows.forward line 2: `self.fc1(x).sort(dim=0)` works along dim 0: mixes rows",
+    Noisy: "Noisy.forward line 2: `torch.randn_like(x[..., :1])` draws random numbers (not deterministic)",
+    Counting: "Counting.forward line 2: `self.calls += 1` updates an attribute: it writes module state (not stateless)",
+    BufferAdd: "BufferAdd.forward line 2: `self.calls.add_(1)` updates a parameter or buffer in place",
+    EditsInput: "EditsInput.forward line 2: `x.mul_(2.0)` edits the expert's input in place (not stateless)",
+    RowCount: "RowCount.forward line 2: `x.shape[0]` reads the number of rows (not row-local",
+    RowBranch: "RowBranch.forward line 2: `if x.norm(dim=-1, keepdim=True) > 1:` branches on row values",
+    BatchNormed: "experts_list[0].bn (BatchNorm1d): BatchNorm1d uses batch statistics",
+    Dropping: "experts_list[0].drop (Dropout) is dropout with p=0.1 while training: it draws random numbers",
+    FunctionalDropout: "is dropout with p=0.1 while training: it draws random numbers (not deterministic)",
+}
+
+
+@pytest.mark.parametrize("cls", list(REFUSED), ids=lambda c: c.__name__)
+def test_breaking_the_property_is_refused_naming_it_and_the_line(cls):
+    block = blocks.ExpertListMoE([cls() for _ in range(4)])
+    with pytest.raises(UnsupportedModuleStructure) as info:
+        detect_moe_structure(block)
+    assert REFUSED[cls] in str(info.value)
+    if cls is not Dropping:  # the same expert, not in a MoE: the proof alone says the same
+        with pytest.raises(Refusal, match=None):
+            row_local.prove_expert(cls(), "experts[0]")
+
+
+def test_dropout_in_eval_or_at_zero_is_accepted_and_the_mode_is_recorded():
+    assert detect_moe_structure(blocks.ExpertListMoE([Dropping(0.0) for _ in range(4)])).folded == ()
+    evaluating = blocks.ExpertListMoE([Dropping(0.1) for _ in range(4)]).eval()
+    assert "experts_list.*.drop.training=False" in detect_moe_structure(evaluating).folded
+
+
+def test_last_dim_norms_softmax_branches_and_unpassed_arguments_are_row_local():
+    s = detect_moe_structure(blocks.ExpertListMoE([LastDimNorm() for _ in range(4)]))
+    assert s.expert_kind == "row_local" and {"experts_list.*.use_softmax=False", "experts_list.*.eps=1e-06"} <= \
+        set(s.folded)
+    flipped = LastDimNorm()
+    flipped.use_softmax = True  # now the folded branch runs a softmax over the rows
+    with pytest.raises(Refusal, match=r"`h.softmax\(dim=0\)` works along dim 0: mixes rows"):
+        row_local.prove_expert(flipped, "experts[0]")
+
+
+def test_torch_norm_modules_over_more_than_the_last_dim_are_refused():
+    assert row_local.prove_expert(nn.Sequential(nn.Linear(D, FF), nn.LayerNorm(FF), nn.SiLU()), "e").folded == ()
+    with pytest.raises(Refusal, match=r"normalises over \(2, 8\), not the last dim alone: mixes rows"):
+        row_local.prove_expert(nn.Sequential(nn.LayerNorm((2, 8))), "e")
+
+
+def test_in_place_activation_on_the_input_is_refused_but_not_on_fresh_rows():
+    row_local.prove_expert(nn.Sequential(nn.Linear(D, D), nn.ReLU(inplace=True)), "e")
+    with pytest.raises(Refusal, match="runs in place on the expert's input"):
+        row_local.prove_expert(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(D, D)), "e")
+
+
+def test_a_parameter_shared_between_experts_is_refused():
+    block = blocks.FairseqStyleMoE()
+    block.local_experts[2].fc2.bias = block.local_experts[0].fc2.bias
+    with pytest.raises(UnsupportedModuleStructure, match=r"local_experts\[2\].fc2.bias is the same parameter as one "
+                                                         r"of local_experts\[0\]"):
+        detect_moe_structure(block)
+
+
+def test_a_module_outside_the_expert_is_refused():
+    shared = nn.Linear(D, D)
+
+    class UsesGlobal(nn.Module):
+        def forward(self, x):
+            return shared(x)
+
+    with pytest.raises(Refusal, match="calls a module that is not part of the expert"):
+        row_local.prove_expert(UsesGlobal(), "experts[0]")
+
+
+def test_folded_constants_are_drift_when_they_change():
+    block = blocks.ExpertListMoE([blocks.ConfigBranchExpert(blocks.BranchExpertConfig()) for _ in range(4)])
+    folded = detect_moe_structure(block).folded
+    assert row_local.folded_drift(block, folded) == []
+    block.experts_list[3].glu = 2
+    assert row_local.folded_drift(block, folded) == ["experts_list.*.glu was 1 when the experts were proven, now 1, 2"]
+
+
+def test_heterogeneous_experts_are_each_proven():
+    experts = [blocks.FairseqStyleFFN(D, FF, "gelu"), blocks.FairseqStyleFFN(D, FF, "relu"),
+               nn.Sequential(nn.Linear(D, FF), nn.Tanh(), nn.Linear(FF, D)), nn.Identity()]
+    s = detect_moe_structure(blocks.ExpertListMoE(experts))
+    assert s.expert_kind == "row_local" and count_experts(blocks.ExpertListMoE(experts), s) == 4
+    assert "experts_list.0.activation_fn=torch._C._nn.gelu" in s.folded
+    experts[2] = nn.Sequential(nn.Linear(D, FF), nn.BatchNorm1d(FF), nn.Linear(FF, D))
+    with pytest.raises(UnsupportedModuleStructure, match=r"experts_list\[2\].1 \(BatchNorm1d\)"):
+        detect_moe_structure(blocks.ExpertListMoE(experts))
+
+
+class Decoder(nn.Module):
+    """A model, not an MoE block: it walks its layers (a ModuleList) but indexes none by an expert id."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([blocks.FeedForward(D, FF) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+def test_a_module_list_walked_by_a_model_is_not_experts():
+    assert not has_experts(Decoder())

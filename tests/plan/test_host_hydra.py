@@ -281,25 +281,3 @@ def test_empty_or_foreign_resolved_yaml_replayed_by_autoep_plan_is_a_clear_error
         check_primary(Path("x"), host_plan, "autoep-plan")
     check_primary(Path("x"), {"defaults": ["resolved_schema", "_self_"], **host_plan, "model": {}}, "autoep-plan")
 
-
-@pytest.mark.slow
-def test_research_moe_replays_its_artifact_with_the_printed_line(tmp_path):
-    """examples/research_moe (someone else's app on the public handle) under torchrun: its resolved.yaml's header
-    line, run as printed, replays the frozen plan on 2 ranks: no detection, the same decision and losses."""
-    from distributed import free_port
-    from test_examples import losses, run
-
-    first = run(tmp_path / "a", "parallel.ep_size=2", "steps=3", nproc=2)
-    path = tmp_path / "a" / "resolved.yaml"
-    (line,) = [ln[len("#   "):] for ln in path.read_text().splitlines()
-               if ln.startswith("#   ") and "from Python" not in ln]
-    argv = shlex.split(line)
-    assert argv[:3] == ["torchrun", "--nproc-per-node", "2"] and f"run_dir={tmp_path / 'a'}" in argv
-    assert not any(a.startswith("parallel.") for a in argv) and argv[-1] == f"++parallel.replay={path}"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port())]
-    proc = subprocess.run(launcher + argv[1:], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "replaying its frozen plan" in proc.stdout + proc.stderr
-    assert losses(proc.stdout) == losses(first) and len(losses(first)) == 3
-    assert proc.stdout.split("decision:")[1].splitlines()[0] == first.split("decision:")[1].splitlines()[0]

@@ -51,7 +51,7 @@ TRAINING = dict(optim="sgd", optim_args="momentum=0.9", learning_rate=0.2, lr_sc
 
 
 def arguments(out: str, **kw) -> TrainingArguments:
-    return TrainingArguments(output_dir=out, **TRAINING, **kw)
+    return TrainingArguments(output_dir=out, **{**TRAINING, **kw})
 
 
 def history(trainer) -> dict:
@@ -77,7 +77,7 @@ def doc_train():
 
 
 def run_ep(out: str, resume: str | None = None, **kw) -> tuple[dict, ExpertParallelTrainer]:
-    trainer = doc_train()(tiny_moe(), dataset(), PARALLEL, out, resume=resume, **TRAINING, **kw)
+    trainer = doc_train()(tiny_moe(), dataset(), PARALLEL, out, resume=resume, **{**TRAINING, **kw})
     assert isinstance(trainer, ExpertParallelTrainer)
     assert trainer.ep.mesh["ep"].size() == 2
     weights = {k: v.detach().clone() for k, v in trainer.ep.state_dict().items()}  # every expert gathered
@@ -120,9 +120,23 @@ def shard_check(out: str, checkpoint: str) -> float:
     return worst
 
 
+def count_detections() -> list:
+    """Wrap the detector: each call is counted (detection must run once per run, on rank 0, not per rank)."""
+    from autoep.detect import structure
+
+    calls, detect = [], structure.detect_moe_structure
+
+    def counted(module):
+        calls.append(type(module).__name__)
+        return detect(module)
+    structure.detect_moe_structure = counted
+    return calls
+
+
 def main(out: str, bf16: bool) -> None:
     rank = int(os.environ["RANK"])
     result: dict = {"world": int(os.environ["WORLD_SIZE"])}
+    detections = count_detections()
     if bf16:
         result["plain"] = run_plain(f"{out}/plain", bf16=True)
         result["ep"], _ = run_ep(f"{out}/ep", bf16=True)
@@ -135,6 +149,12 @@ def main(out: str, bf16: bool) -> None:
         result["shard_diff"] = shard_check(f"{out}/shards", last)
         result["checkpoints"] = sorted(os.listdir(f"{out}/ep"))
         result["files"] = sorted(os.listdir(last))
+        ga = dict(gradient_accumulation_steps=2, max_steps=3, save_strategy="no")  # 2 micro-batches a step
+        result["plain_ga"] = run_plain(f"{out}/plain_ga", **ga)
+        result["ep_ga"], _ = run_ep(f"{out}/ep_ga", **ga)
+    per_rank: list = [None] * result["world"]
+    dist.all_gather_object(per_rank, len(detections))
+    result["detections"] = per_rank
     if rank == 0:
         torch.save(result, os.path.join(out, "result.pt"))
     dist.barrier()

@@ -51,6 +51,20 @@ def test_ep_trains_like_the_trainer_without_it(fp32):
     assert_weights_close(ep["weights"], plain["weights"])
 
 
+def test_gradient_accumulation_finishes_once_per_step(fp32):
+    """2 micro-batches per step: DDP skips the first sync, experts accumulate both, finished once."""
+    plain, ep = fp32["plain_ga"], fp32["ep_ga"]
+    assert len(plain["loss"]) == 3
+    torch.testing.assert_close(torch.tensor(ep["loss"]), torch.tensor(plain["loss"]))
+    assert_weights_close(ep["weights"], plain["weights"])
+
+
+def test_detection_runs_on_rank_zero_only(fp32):
+    """Every EP trainer of the run (4, plus the checkpoint loader) detected on rank 0 and only replayed on rank 1."""
+    rank0, rank1 = fp32["detections"]
+    assert rank0 > 0 and rank1 == 0
+
+
 def test_checkpoints_are_saved_and_load_with_from_pretrained(fp32):
     assert fp32["checkpoints"] == ["checkpoint-3", "checkpoint-6", "resolved.yaml"]
     assert {"config.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= set(
@@ -94,3 +108,24 @@ def test_what_the_adapter_does_not_run_exactly_is_refused(key, value, message):
     check_args(SimpleNamespace(**args))
     with pytest.raises(PlanError, match=rf"TrainingArguments.{key}=.*ExpertParallelTrainer refuses {message}"):
         check_args(SimpleNamespace(**{**args, key: value}))
+
+
+def test_one_process_with_ep_size_one_trains_like_the_trainer(tmp_path):
+    """`python train.py` (no torchrun): the adapter runs with parallel.ep_size=1 (the recipes bound, nothing
+    sharded) and ends where plain Trainer ends; parallel.ep_size=2 there is refused, naming the fix."""
+    from hf_worker import PARALLEL, TRAINING, dataset, run_plain, tiny_moe
+    from transformers import TrainingArguments
+
+    from autoep.errors import PlanError
+    from autoep.integrations.hf import ExpertParallelTrainer
+
+    short = dict(max_steps=2, save_strategy="no")
+    plain = run_plain(str(tmp_path / "plain"), **short)
+    args = TrainingArguments(output_dir=str(tmp_path / "ep"), **{**TRAINING, **short})
+    trainer = ExpertParallelTrainer(model=tiny_moe(), args=args, train_dataset=dataset(),
+                                    parallel={**PARALLEL, "ep_size": 1})
+    trainer.train()
+    assert (tmp_path / "ep" / "resolved.yaml").is_file()
+    assert_weights_close(dict(trainer.model.state_dict()), plain["weights"])
+    with pytest.raises(PlanError, match=r"parallel.ep_size=2"):
+        ExpertParallelTrainer(model=tiny_moe(), args=args, train_dataset=dataset(), parallel=PARALLEL)

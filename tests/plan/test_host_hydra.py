@@ -281,3 +281,22 @@ def test_empty_or_foreign_resolved_yaml_replayed_by_autoep_plan_is_a_clear_error
         check_primary(Path("x"), host_plan, "autoep-plan")
     check_primary(Path("x"), {"defaults": ["resolved_schema", "_self_"], **host_plan, "model": {}}, "autoep-plan")
 
+
+
+def test_the_factory_override_in_docs_overrides_resolves_like_the_target_one():
+    """docs/overrides.md's `_factory_` line, composed by autoep's own tree, is the same plan as its `_target_` line."""
+    from test_config import DOC_OVERRIDES, compose_train
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "overrides.md").read_text()
+    by_factory = DOC_OVERRIDES[0].replace("{_target_:", "{_factory_:")
+    assert f"autoep-plan '{by_factory}'" in doc
+    import torch
+
+    resolved = []
+    for override in (DOC_OVERRIDES[0], by_factory):
+        cfg = compose_train([override])
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        resolved.append(resolve_plan(cfg.parallel, model))
+    assert plan_hash(resolved[0]) == plan_hash(resolved[1])
+    assert resolved[0].plan[0].decision.source == "explicit"

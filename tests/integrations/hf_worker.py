@@ -63,7 +63,13 @@ def run_plain(out: str, **kw) -> dict:
     trainer = Trainer(model=tiny_moe(), args=arguments(out, **kw), train_dataset=dataset())
     trainer.train()
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return {**history(trainer), "weights": weights}
+    return {**history(trainer), "weights": weights, "eval_loss": evaluate(trainer)}
+
+
+def evaluate(trainer) -> float:
+    """``trainer.evaluate`` on 10 held-out rows (5 per rank; the last batch is short)."""
+    ids = torch.randint(0, 64, (10, SEQ), generator=torch.Generator().manual_seed(13))
+    return trainer.evaluate([{"input_ids": row, "labels": row} for row in ids])["eval_loss"]
 
 
 def doc_train():
@@ -81,7 +87,7 @@ def run_ep(out: str, resume: str | None = None, **kw) -> tuple[dict, ExpertParal
     assert isinstance(trainer, ExpertParallelTrainer)
     assert trainer.ep.mesh["ep"].size() == 2
     weights = {k: v.detach().clone() for k, v in trainer.ep.state_dict().items()}  # every expert gathered
-    return {**history(trainer), "weights": weights}, trainer
+    return {**history(trainer), "weights": weights, "eval_loss": evaluate(trainer)}, trainer
 
 
 def logits_check(trainer: ExpertParallelTrainer, checkpoint: str) -> tuple[torch.Tensor, torch.Tensor]:

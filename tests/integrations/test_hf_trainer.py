@@ -49,6 +49,7 @@ def test_ep_trains_like_the_trainer_without_it(fp32):
     torch.testing.assert_close(torch.tensor(ep["loss"]), torch.tensor(plain["loss"]))
     torch.testing.assert_close(torch.tensor(ep["grad_norm"]), torch.tensor(plain["grad_norm"]))
     assert_weights_close(ep["weights"], plain["weights"])
+    torch.testing.assert_close(ep["eval_loss"], plain["eval_loss"])  # trainer.evaluate() runs under EP too
 
 
 def test_gradient_accumulation_finishes_once_per_step(fp32):

@@ -6,7 +6,8 @@ Each run trains the same tiny Qwen3-MoE from the same weights on the same data (
 optimizer has state to save; the default ``max_grad_norm=1.0``, which bites at this learning rate):
 
 - ``plain``: ``transformers.Trainer`` without autoep (DDP over both ranks): the reference;
-- ``ep``: ``ExpertParallelTrainer`` with ``parallel.ep_size=2``, checkpoints every 3 steps;
+- ``ep``: ``ExpertParallelTrainer`` with ``parallel.ep_size=2``, checkpoints every 3 steps, through the ``train``
+  function docs/integrations.md shows (the snippet is executed as written);
 - ``resumed``: ``ExpertParallelTrainer`` resumed from ``ep``'s ``checkpoint-3`` to the same last step;
 and checks what needs every rank (logits of the EP model against ``from_pretrained`` of its checkpoint,
 every expert of a loaded checkpoint against the file). Rank 0 writes ``OUT_DIR/result.pt``; the test asserts.
@@ -15,7 +16,9 @@ With ``bf16`` only ``plain`` and ``ep`` run, both with ``bf16=True``.
 from __future__ import annotations
 
 import os
+import re
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,7 @@ from transformers import Trainer, TrainingArguments
 
 from autoep.integrations.hf import ExpertParallelTrainer
 
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 PARALLEL = {"ep_size": 2, "plan": [{"match": "model.layers.*.mlp", "local_compute_fn": "auto"}]}
 STEPS, SAVE_EVERY, ROWS, SEQ = 6, 3, 24, 12
 
@@ -41,11 +45,13 @@ def dataset() -> list[dict]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
+TRAINING = dict(optim="sgd", optim_args="momentum=0.9", learning_rate=0.2, lr_scheduler_type="constant",
+                max_steps=STEPS, per_device_train_batch_size=2, logging_steps=1, save_strategy="steps",
+                save_steps=SAVE_EVERY, report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+
+
 def arguments(out: str, **kw) -> TrainingArguments:
-    return TrainingArguments(output_dir=out, optim="sgd", optim_args="momentum=0.9", learning_rate=0.2,
-                             lr_scheduler_type="constant", max_steps=STEPS, per_device_train_batch_size=2,
-                             logging_steps=1, save_strategy="steps", save_steps=SAVE_EVERY, report_to=[],
-                             use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, **kw)
+    return TrainingArguments(output_dir=out, **{**TRAINING, **kw})
 
 
 def history(trainer) -> dict:
@@ -57,16 +63,31 @@ def run_plain(out: str, **kw) -> dict:
     trainer = Trainer(model=tiny_moe(), args=arguments(out, **kw), train_dataset=dataset())
     trainer.train()
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return {**history(trainer), "weights": weights}
+    return {**history(trainer), "weights": weights, "eval_loss": evaluate(trainer)}
+
+
+def evaluate(trainer) -> float:
+    """``trainer.evaluate`` on 10 held-out rows (5 per rank; the last batch is short)."""
+    ids = torch.randint(0, 64, (10, SEQ), generator=torch.Generator().manual_seed(13))
+    return trainer.evaluate([{"input_ids": row, "labels": row} for row in ids])["eval_loss"]
+
+
+def doc_train():
+    """The ``train`` function of docs/integrations.md's HF section, as a user copies it."""
+    text = DOC.read_text()
+    section = re.search(r"^## HF transformers.Trainer\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S).group(1)
+    (code,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.M | re.S)
+    scope: dict = {}
+    exec(compile(code, str(DOC), "exec"), scope)  # noqa: S102 - the documented snippet
+    return scope["train"]
 
 
 def run_ep(out: str, resume: str | None = None, **kw) -> tuple[dict, ExpertParallelTrainer]:
-    trainer = ExpertParallelTrainer(model=tiny_moe(), args=arguments(out, **kw), train_dataset=dataset(),
-                                    parallel=PARALLEL)
-    trainer.train(resume_from_checkpoint=resume)
+    trainer = doc_train()(tiny_moe(), dataset(), PARALLEL, out, resume=resume, **{**TRAINING, **kw})
+    assert isinstance(trainer, ExpertParallelTrainer)
     assert trainer.ep.mesh["ep"].size() == 2
     weights = {k: v.detach().clone() for k, v in trainer.ep.state_dict().items()}  # every expert gathered
-    return {**history(trainer), "weights": weights}, trainer
+    return {**history(trainer), "weights": weights, "eval_loss": evaluate(trainer)}, trainer
 
 
 def logits_check(trainer: ExpertParallelTrainer, checkpoint: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,9 +126,23 @@ def shard_check(out: str, checkpoint: str) -> float:
     return worst
 
 
+def count_detections() -> list:
+    """Wrap the detector: each call is counted (detection must run once per run, on rank 0, not per rank)."""
+    from autoep.detect import structure
+
+    calls, detect = [], structure.detect_moe_structure
+
+    def counted(module):
+        calls.append(type(module).__name__)
+        return detect(module)
+    structure.detect_moe_structure = counted
+    return calls
+
+
 def main(out: str, bf16: bool) -> None:
     rank = int(os.environ["RANK"])
     result: dict = {"world": int(os.environ["WORLD_SIZE"])}
+    detections = count_detections()
     if bf16:
         result["plain"] = run_plain(f"{out}/plain", bf16=True)
         result["ep"], _ = run_ep(f"{out}/ep", bf16=True)
@@ -120,6 +155,12 @@ def main(out: str, bf16: bool) -> None:
         result["shard_diff"] = shard_check(f"{out}/shards", last)
         result["checkpoints"] = sorted(os.listdir(f"{out}/ep"))
         result["files"] = sorted(os.listdir(last))
+        ga = dict(gradient_accumulation_steps=2, max_steps=3, save_strategy="no")  # 2 micro-batches a step
+        result["plain_ga"] = run_plain(f"{out}/plain_ga", **ga)
+        result["ep_ga"], _ = run_ep(f"{out}/ep_ga", **ga)
+    per_rank: list = [None] * result["world"]
+    dist.all_gather_object(per_rank, len(detections))
+    result["detections"] = per_rank
     if rank == 0:
         torch.save(result, os.path.join(out, "result.pt"))
     dist.barrier()

@@ -1,5 +1,5 @@
 """HF ``transformers.Trainer`` with expert parallelism (``autoep.integrations.hf.ExpertParallelTrainer``), run as
-HF users run it: ``torchrun --nproc-per-node 2`` over gloo, SGD with momentum, the default ``max_grad_norm=1.0``
+HF users run it: ``torchrun --nproc-per-node 2`` (and 4: edp 2 x ep 2) over gloo, SGD with momentum, the default ``max_grad_norm=1.0``
 (which bites: every step's norm is above 1), checkpoints every 3 of 6 steps.
 
 The reference is the same script with ``transformers.Trainer`` and no autoep (DDP over both ranks). EP must end
@@ -23,17 +23,21 @@ WORKER = Path(__file__).with_name("hf_worker.py")
 pytestmark = pytest.mark.slow
 
 
-def torchrun(out: Path, *args: str) -> dict:
+def torchrun(out: Path, *args: str, nproc: int = 2) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), str(out), *args], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(WORKER), str(out), *args], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return torch.load(out / "result.pt", weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def fp32(tmp_path_factory):
-    return torchrun(tmp_path_factory.mktemp("hf"))
+@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "edp2xep2"])
+def fp32(request, tmp_path_factory):
+    """2 ranks: (edp, ep) = (1, 2); 4 ranks: (2, 2), expert gradients also summed over edp."""
+    result = torchrun(tmp_path_factory.mktemp("hf"), nproc=request.param)
+    assert result["world"] == request.param
+    return result
 
 
 def assert_weights_close(got: dict, want: dict, **tol) -> None:
@@ -44,11 +48,26 @@ def assert_weights_close(got: dict, want: dict, **tol) -> None:
 
 def test_ep_trains_like_the_trainer_without_it(fp32):
     plain, ep = fp32["plain"], fp32["ep"]
-    assert fp32["world"] == 2 and len(plain["loss"]) == 6
+    assert len(plain["loss"]) == 6
     assert min(plain["grad_norm"]) > 1.0  # the default max_grad_norm=1.0 clips every step
     torch.testing.assert_close(torch.tensor(ep["loss"]), torch.tensor(plain["loss"]))
     torch.testing.assert_close(torch.tensor(ep["grad_norm"]), torch.tensor(plain["grad_norm"]))
     assert_weights_close(ep["weights"], plain["weights"])
+    torch.testing.assert_close(ep["eval_loss"], plain["eval_loss"])  # trainer.evaluate() runs under EP too
+
+
+def test_gradient_accumulation_finishes_once_per_step(fp32):
+    """2 micro-batches per step: DDP skips the first sync, experts accumulate both, finished once."""
+    plain, ep = fp32["plain_ga"], fp32["ep_ga"]
+    assert len(plain["loss"]) == 3
+    torch.testing.assert_close(torch.tensor(ep["loss"]), torch.tensor(plain["loss"]))
+    assert_weights_close(ep["weights"], plain["weights"])
+
+
+def test_detection_runs_on_rank_zero_only(fp32):
+    """Every EP trainer of the run (4, plus the checkpoint loader) detected on rank 0; the others only replayed."""
+    rank0, *others = fp32["detections"]
+    assert rank0 > 0 and others == [0] * (fp32["world"] - 1)
 
 
 def test_checkpoints_are_saved_and_load_with_from_pretrained(fp32):
@@ -94,3 +113,24 @@ def test_what_the_adapter_does_not_run_exactly_is_refused(key, value, message):
     check_args(SimpleNamespace(**args))
     with pytest.raises(PlanError, match=rf"TrainingArguments.{key}=.*ExpertParallelTrainer refuses {message}"):
         check_args(SimpleNamespace(**{**args, key: value}))
+
+
+def test_one_process_with_ep_size_one_trains_like_the_trainer(tmp_path):
+    """`python train.py` (no torchrun): the adapter runs with parallel.ep_size=1 (the recipes bound, nothing
+    sharded) and ends where plain Trainer ends; parallel.ep_size=2 there is refused, naming the fix."""
+    from hf_worker import PARALLEL, TRAINING, dataset, run_plain, tiny_moe
+    from transformers import TrainingArguments
+
+    from autoep.errors import PlanError
+    from autoep.integrations.hf import ExpertParallelTrainer
+
+    short = dict(max_steps=2, save_strategy="no")
+    plain = run_plain(str(tmp_path / "plain"), **short)
+    args = TrainingArguments(output_dir=str(tmp_path / "ep"), **{**TRAINING, **short})
+    trainer = ExpertParallelTrainer(model=tiny_moe(), args=args, train_dataset=dataset(),
+                                    parallel={**PARALLEL, "ep_size": 1})
+    trainer.train()
+    assert (tmp_path / "ep" / "resolved.yaml").is_file()
+    assert_weights_close(dict(trainer.model.state_dict()), plain["weights"])
+    with pytest.raises(PlanError, match=r"parallel.ep_size=2"):
+        ExpertParallelTrainer(model=tiny_moe(), args=args, train_dataset=dataset(), parallel=PARALLEL)

@@ -60,16 +60,11 @@ HOST_TRAIN = '''\
 """A host app: instantiates its whole config recursively, as many Hydra apps do."""
 import json
 import os
-import sys
 
 import hydra
-import yaml
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from autoep import resolve_plan
-from autoep.plan.artifact import plan_hash
-from autoep.plan.replay import host_header
+from autoep import ExpertParallel
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -81,15 +76,10 @@ def main(cfg):
             raise AssertionError("detection ran during a replay")
         structure.detect_moe_structure = boom
     built = instantiate(cfg)  # every _target_ in the config is called here, the plan's included
-    cfg.parallel = resolve_plan(cfg.parallel, built.model)
+    ep = ExpertParallel(built.model, cfg.parallel, run_dir=os.environ["HOST_RUN_DIR"])  # writes resolved.yaml
+    cfg.parallel = ep.resolved
     instantiate(cfg)  # and again with the resolved section in the config: nothing in it may be called
-    out = os.path.join(os.getcwd(), os.environ["HOST_RUN_DIR"], "resolved.yaml")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    section = OmegaConf.to_container(cfg.parallel, resolve=True)
-    body = {"parallel": section, "artifact": {"format": 1, "plan_hash": plan_hash(section)}}
-    with open(out, "w") as f:  # TODO(merge ep-handle): ExpertParallel(..., run_dir=) writes this file
-        f.write(host_header(out) + yaml.safe_dump(body, sort_keys=False))
-    print("HOST", json.dumps({"steps": cfg.steps, "ep_size": cfg.parallel.ep_size, "keys": sorted(cfg),
+    print("HOST", json.dumps({"steps": cfg.steps, "on_drift": cfg.parallel.on_drift, "keys": sorted(cfg),
                               "fingerprint": cfg.parallel.plan[0].decision.fingerprint,
                               "source": cfg.parallel.plan[0].decision.source}), flush=True)
 
@@ -233,19 +223,20 @@ def run_host(app: Path, argv: list[str], run_dir: str, **env) -> dict:
 def test_the_header_replay_line_runs_in_the_host_app(host):
     """The file's own replay line, run as printed, replays the plan in the app that wrote it: the same
     decision, its own overrides kept, no detection; no key of autoep's appears in the host's config."""
-    first = run_host(host, [sys.executable, "train.py", "steps=3", "parallel.ep_size=2"], "runs/a")
-    assert first["source"] == "auto" and first["steps"] == 3 and first["ep_size"] == 2
+    first = run_host(host, [sys.executable, "train.py", "steps=3", "parallel.on_drift=redetect"], "runs/a")
+    assert first["source"] == "auto" and first["steps"] == 3 and first["on_drift"] == "redetect"
     assert first["keys"] == ["model", "optimizer", "parallel", "steps"]
     path = host / "runs" / "a" / "resolved.yaml"
     lines = path.read_text().splitlines()
     command = [ln[len("#   "):] for ln in lines if ln.startswith("#   ") and "from Python" not in ln]
     assert len(command) == 1, lines[:6]
     argv = shlex.split(command[0])
-    assert argv[:2] == ["python", "train.py"] and "steps=3" in argv and "parallel.ep_size=2" not in argv
+    assert argv[:2] == ["python", "train.py"] and "steps=3" in argv and not any("on_drift" in a for a in argv)
     assert argv[-1] == f"++parallel.replay={path}"
     again = run_host(host, [sys.executable, *argv[1:]], "runs/b", HOST_NO_DETECT="1")
-    assert (again["fingerprint"], again["ep_size"], again["steps"]) == (first["fingerprint"], 2, 3)
+    assert (again["fingerprint"], again["on_drift"], again["steps"]) == (first["fingerprint"], "redetect", 3)
     assert again["keys"] == first["keys"]
+    assert "replaying its frozen plan" in again["stdout"] + again["stderr"]
     b = yaml.safe_load((host / "runs" / "b" / "resolved.yaml").read_text())
     assert b["parallel"] == yaml.safe_load(path.read_text())["parallel"]  # the replay records the same plan
     assert f'autoep.load_plan({str(path)!r})' in path.read_text()
@@ -289,3 +280,23 @@ def test_empty_or_foreign_resolved_yaml_replayed_by_autoep_plan_is_a_clear_error
     with pytest.raises(PlanError, match=r"holds only a frozen parallel section.*autoep-plan \+\+parallel.replay=x"):
         check_primary(Path("x"), host_plan, "autoep-plan")
     check_primary(Path("x"), {"defaults": ["resolved_schema", "_self_"], **host_plan, "model": {}}, "autoep-plan")
+
+
+
+def test_the_factory_override_in_docs_overrides_resolves_like_the_target_one():
+    """docs/overrides.md's `_factory_` line, composed by autoep's own tree, is the same plan as its `_target_` line."""
+    from test_config import DOC_OVERRIDES, compose_train
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "overrides.md").read_text()
+    by_factory = DOC_OVERRIDES[0].replace("{_target_:", "{_factory_:")
+    assert f"autoep-plan '{by_factory}'" in doc
+    import torch
+
+    resolved = []
+    for override in (DOC_OVERRIDES[0], by_factory):
+        cfg = compose_train([override])
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+        resolved.append(resolve_plan(cfg.parallel, model))
+    assert plan_hash(resolved[0]) == plan_hash(resolved[1])
+    assert resolved[0].plan[0].decision.source == "explicit"

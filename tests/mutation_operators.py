@@ -18,6 +18,7 @@ import copy
 import functools
 from typing import Callable
 
+from mutation_live_operators import LIVE_OPERATORS
 from mutation_loop_operators import (
     op_acc_from_input,
     op_acc_other_index,
@@ -525,4 +526,5 @@ SOURCE_OPERATORS: dict[str, Callable] = {
     "experts_call_by_keyword": op_experts_call_by_keyword,
     "experts_call_extra_keyword": op_experts_call_extra_keyword,
     "decorate": op_decorate,
+    **LIVE_OPERATORS,  # issue 17: splice fidelity and autograd around the exchange
 }

@@ -19,12 +19,14 @@ written next to ``_target_`` in the resolved config (for auto decisions ``struct
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Callable, TypeVar
 
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from autoep.detect.names import recording
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
@@ -80,6 +82,34 @@ def proven_experts(module: nn.Module, structure: dict | MoeStructure, prove: Cal
     if given != proven:
         raise UnsupportedModuleStructure(name, f"structure says {given} but the experts compute {proven}")
     return proof
+
+
+@contextlib.contextmanager
+def watching_facts(block: nn.Module):
+    """Around a recipe's ``validate``: every plain number its proofs fold from ``block`` or its submodules
+    (``names.instance_attr``: a count, a top-k, a flag) is checked again before each call of the block; a
+    value changed since apply raises, naming it, instead of running a plan proven for the old one."""
+    with recording() as facts:
+        yield
+    paths = {id(m): p for p, m in block.named_modules()}
+    block._autoep_facts = tuple((paths[id(m)], name, value) for m, name, value in facts.values() if id(m) in paths)
+    if block._autoep_facts and not getattr(block, "_autoep_watching", False):
+        block._autoep_watching = True
+        block.register_forward_pre_hook(_check_facts_hook)
+
+
+def _check_facts_hook(module: nn.Module, args) -> None:
+    for path, name, value in module._autoep_facts:
+        try:
+            owner = module.get_submodule(path)
+        except AttributeError:
+            continue  # a submodule the recipe replaced (ModuleList experts stacked): its own facts went with it
+        now = getattr(owner, name, None)
+        if type(now) is not type(value) or now != value:
+            where = f"{path}.{name}" if path else name
+            raise RuntimeError(f"{type(module).__name__}.{where} is {now!r}, but the expert-parallel plan was proven "
+                               f"with {where}={value!r} when it was applied; set it back, or apply the plan to a "
+                               f"model built with the new value")
 
 
 def join_backward_exchanges(block: nn.Module, ep_mesh) -> None:

@@ -29,10 +29,13 @@ from blocks import (
     CountedExpertsMoE,
     DefaultScaleMoE,
     FeedForward,
+    GroupedExperts,
     HalfScaledMoE,
     MoE,
+    PaddedGroupedExperts,
     PrivateNameMoE,
     PropertyCountMoE,
+    TitanMoE,
     make_rebindable_moe_class,
 )
 from distributed import guarded, run_cases
@@ -228,6 +231,21 @@ def test_a_code_swap_after_apply_stops_the_spliced_method():
     torch.testing.assert_close(ep(x), block(x))
     cls.forward.__code__ = HalfScaledMoE.forward.__code__
     with pytest.raises(RuntimeError, match=r"MoE.forward had its __code__ replaced after apply_plan"):
+        ep(x)
+
+
+def test_an_experts_code_swap_after_apply_stops_the_replaced_experts_forward():
+    """Grouped experts: EP computes the experts' forward proven at apply; once their class runs other code,
+    the EP experts raise instead."""
+    block = _seeded(lambda: TitanMoE(hidden=16, num_experts=4, top_k=2))
+    experts_cls = _fresh_class(GroupedExperts)
+    block.experts.__class__ = experts_cls
+    ep = make_ep(block, detect_moe_structure(block), None)
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(ep(x), block(x))
+    experts_cls.forward.__code__ = PaddedGroupedExperts.forward.__code__
+    with pytest.raises(RuntimeError, match=r"GroupedExperts.forward was replaced, or its __code__ swapped, after "
+                                           r"apply_plan"):
         ep(x)
 
 

@@ -20,6 +20,8 @@ written next to ``_target_`` in the resolved config (for auto decisions ``struct
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import types
 from typing import Callable, TypeVar
 
@@ -134,9 +136,27 @@ def _join_exchanges_hook(module: nn.Module, args, output):
 
 def bind_experts_forward(experts: nn.Module, spec, forward: Callable) -> None:
     """Replace ``experts.forward`` (on the instance) by ``forward``, which reads what it needs from
-    ``experts._autoep_ep = spec`` (fixed at apply time)."""
+    ``experts._autoep_ep = spec`` (fixed at apply time). Each call first checks that the experts' class
+    still runs the forward code that was proven: one swapped or replaced after apply raises."""
     experts._autoep_ep = spec
-    experts.forward = types.MethodType(forward, experts)
+    experts._autoep_proven_code = _forward_code(type(experts))
+    experts.forward = types.MethodType(_live(forward), experts)
+
+
+def _forward_code(cls: type):
+    return getattr(inspect.unwrap(cls.forward), "__code__", None)
+
+
+def _live(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def checked(self, *args, **kwargs):
+        if _forward_code(type(self)) is not self._autoep_proven_code:
+            raise RuntimeError(f"{type(self).__name__}.forward was replaced, or its __code__ swapped, after "
+                               f"apply_plan; the expert-parallel experts compute the forward proven at apply "
+                               f"time. Apply the plan again to a fresh model built with the new code")
+        return forward(self, *args, **kwargs)
+
+    return checked
 
 
 def shard_weights_at(experts: nn.Module, paths, ep_mesh, *, name: str) -> None:

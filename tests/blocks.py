@@ -1378,3 +1378,41 @@ class LoRAExpertsMoE(MoE):
     def __init__(self, *, hidden=16, ffn=32, num_experts=4, top_k=2):
         super().__init__(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k)
         self.experts = nn.ModuleList([LoRAFeedForward(hidden, ffn) for _ in range(num_experts)])
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts that can change (issue 17): what the detector folds from the block's attributes
+# ---------------------------------------------------------------------------------------------
+
+
+class CountedExpertsMoE(MoE):
+    """``MoE`` whose loop runs over ``range(self.num_experts)``: the count is a plain attribute."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.num_experts = self.config.num_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = F.softmax(self.gate(x), dim=1, dtype=torch.float)
+        top_scores, selected_experts = torch.topk(scores, self.config.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for i in range(self.num_experts):
+            token_idx, slot = torch.where(selected_experts == i)
+            out.index_add_(0, token_idx, self.experts[i](x[token_idx]) * top_scores[token_idx, slot, None])
+        return out.view(bs, slen, dim)
+
+
+class PropertyCountMoE(CountedExpertsMoE):
+    """The count a property: in eval the last expert is left out (a value read at detection, in train
+    mode, that differs later)."""
+
+    def __init__(self, **kw):
+        MoE.__init__(self, **kw)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts) if self.training else len(self.experts) - 1

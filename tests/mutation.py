@@ -20,7 +20,10 @@ loop skips, a class a function builds; grouped experts called as ``experts(x_sor
   (``obj.__class__ = Mutant``).
 - run-time-state mutants (``mutation_runtime``): no source change; instance ``forward``, hooks,
   ``__call__`` overrides, tied / frozen / heterogeneous experts, instance ``_apply_gate``, ``act_fn``,
-  the gate's float constants doubled or made learnable.
+  the gate's float constants doubled or made learnable; a ``forward`` whose ``__code__`` was edited after
+  import, a block number made a property (issue 17; its source operators, ``mutation_live_operators``:
+  private names, default arguments and closure variables rebound, routing weights edited in place after
+  the loop, an empty experts output dropped).
 
 Verdicts (``evaluate``): the detector raising anything but ``UnsupportedModuleStructure`` is a **crash**;
 a mutant whose own forward/backward raises is **invalid** (listed, not counted, whatever the detector
@@ -367,7 +370,7 @@ def source_mutator(site: SourceSite, edit: Edit) -> Callable[[nn.Module], None]:
             caller = function_tree(inspect.unwrap(getattr(site.cls, site.method)))
             cache["cls"] = with_method(site.cls, site.method, caller, f"{edit.prelude}\n{edited}")
         if "cls" not in cache:
-            cache["cls"] = with_method(site.cls, site.method, edit.tree, edit.prelude)
+            cache["cls"] = with_method(site.cls, site.method, edit.tree, edit.prelude, edit.closure)
         for obj in role_objects(block, site.role):
             obj.__class__ = cache["cls"]
             if edit.tweak is not None:

@@ -19,6 +19,7 @@ import functools
 from typing import Callable
 
 import torch
+from mutation_live_operators import LIVE_OPERATORS
 from mutation_loop_operators import (
     op_acc_from_input,
     op_acc_other_index,
@@ -585,4 +586,5 @@ SOURCE_OPERATORS: dict[str, Callable] = {
     "batch_stats": op_batch_stats,
     "inplace_input": op_inplace_input,
     "buffer_write": op_buffer_write,
+    **LIVE_OPERATORS,  # issue 17: splice fidelity and autograd around the exchange
 }

@@ -3,7 +3,9 @@
 ``op(block, role) -> mutate(block) | None`` (None where the operator does not apply to that role):
 an instance ``forward``, forward and pre hooks, a ``__call__`` override, a ``functools.wraps``ed
 forward set at run time, tied / frozen / differently sized experts, another or a non-element-wise
-``act_fn``, an instance ``_apply_gate``, a doubled or learnable constant of the experts' gate. Roles:
+``act_fn``, an instance ``_apply_gate``, a doubled or learnable constant of the experts' gate; a class
+``forward`` whose ``__code__`` was edited after import (its file shows the original), a plain number of
+the block made a property that changes in eval (issue 17). Roles:
 ``block``, ``router`` (the gate or router module), ``experts`` (batched experts: the container is
 called), ``expert`` (ModuleList experts), ``act`` (the experts' ``act_fn`` where the model defines its
 class, e.g. a soft-capped SwiGLU); source sites also use ``act:<Class>`` (the model-defined modules
@@ -614,6 +616,62 @@ def rt_other_activation(block, role):
     return apply
 
 
+_SWAPPED_NAMES = {"softmax": "log_softmax", "silu": "gelu", "sigmoid": "tanh", "gelu": "silu"}
+
+
+def _edited_code(code: types.CodeType) -> types.CodeType | None:
+    """``code`` with its float constants doubled, or where it has none, a function it calls by name swapped
+    for a like one (``softmax`` -> ``log_softmax``, ``silu`` -> ``gelu``): what runs is not what its file
+    says (None where it has neither)."""
+    consts = tuple(c * 2 if type(c) is float else c for c in code.co_consts)
+    if consts != code.co_consts:
+        return code.replace(co_consts=consts)
+    names = tuple(_SWAPPED_NAMES.get(n, n) for n in code.co_names)
+    return code.replace(co_names=names) if names != code.co_names else None
+
+
+def rt_code_edited(block, role):
+    """The object's class ``forward`` replaced by a copy whose ``__code__`` has its constants edited
+    (``code.replace``, as a patching tool would): its source file still shows the original."""
+    forward = type(_one(block, role)).forward
+    if type(_one(block, role)).__module__.startswith("torch.") or not isinstance(forward, types.FunctionType) or hasattr(forward, "__wrapped__") \
+            or _edited_code(forward.__code__) is None:
+        return None
+    cache = {}
+
+    def apply(b):
+        obj = _one(b, role)
+        if "cls" not in cache:
+            f = type(obj).forward
+            g = types.FunctionType(_edited_code(f.__code__), f.__globals__, f.__name__, f.__defaults__,
+                                   f.__closure__)
+            g.__qualname__, g.__kwdefaults__ = f.__qualname__, f.__kwdefaults__
+            cache["cls"] = type(type(obj).__name__, (type(obj),), {"forward": g, "__module__": type(obj).__module__})
+        obj.__class__ = cache["cls"]
+
+    return apply
+
+
+def rt_attr_property(block, role):
+    """The block's first plain number attribute (``top_k``, ``num_experts``, ...) made a property of a
+    subclass: the value as stored while training, one less in eval (a fact that changes later)."""
+    if role != "block":
+        return None
+    names = [k for k, v in vars(block).items() if type(v) is int and not k.startswith("_") and v > 1]
+    if not names:
+        return None
+    name, cache = names[0], {}
+
+    def apply(b):
+        if "cls" not in cache:
+            prop = property(lambda self: self.__dict__["_autoep_" + name] - (0 if self.training else 1))
+            cache["cls"] = type(type(b).__name__, (type(b),), {name: prop, "__module__": type(b).__module__})
+        b.__dict__["_autoep_" + name] = b.__dict__.pop(name)
+        b.__class__ = cache["cls"]
+
+    return apply
+
+
 RUNTIME_OPERATORS: dict[str, Callable] = {
     "instance_forward": rt_instance_forward,
     "forward_hook": rt_forward_hook,
@@ -641,4 +699,6 @@ RUNTIME_OPERATORS: dict[str, Callable] = {
     "dropout_expert": rt_dropout_expert,
     "shared_param": rt_shared_param,
     "other_activation": rt_other_activation,
+    "code_edited": rt_code_edited,  # issue 17: the source read is not the code that runs
+    "attr_property": rt_attr_property,  # issue 17: a fact computed on each read
 }

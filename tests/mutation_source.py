@@ -62,14 +62,14 @@ def exec_subclass(orig: type, class_body: str, *, prelude: str = "", decorator: 
     return cls
 
 
-def with_method(cls: type, method: str, tree: ast.FunctionDef, prelude: str = "") -> type:
+def with_method(cls: type, method: str, tree: ast.FunctionDef, prelude: str = "", closure: dict | None = None) -> type:
     """``cls`` subclassed with ``method`` defined by ``tree``, as if the model file had been edited: the
     class decorator of transformers' experts interface is re-applied (with its own arguments) to a
-    ``forward`` it wrapped; a method that read closure variables reads the same ones."""
+    ``forward`` it wrapped; a method that read closure variables reads the same ones (and ``closure``'s)."""
     wrapped = method == "forward" and hasattr(cls.forward, "__wrapped__")
     decorator = _experts_decorator(cls) if wrapped else ""
-    closure = inspect.getclosurevars(inspect.unwrap(getattr(cls, method))).nonlocals
-    closure = {k: v for k, v in closure.items() if k != "__class__"}  # zero-arg super(): see below
+    own = inspect.getclosurevars(inspect.unwrap(getattr(cls, method))).nonlocals
+    closure = {k: v for k, v in own.items() if k != "__class__"} | (closure or {})  # zero-arg super(): below
     mutant = exec_subclass(cls, method_source(tree), prelude=prelude, decorator=decorator, check=method,
                            closure=closure or None)
     # Zero-arg super() in the edited method means what it meant in the edited file: the class after the
@@ -297,6 +297,7 @@ class Edit:
     tree: ast.FunctionDef
     prelude: str = ""
     tweak: Callable[[nn.Module], None] | None = None
+    closure: dict | None = None  # closure variables the edited method reads, besides the original's
 
 
 def each(fn: ast.FunctionDef, locate, mutate, prelude: str = "", tweak=None) -> list[Edit]:

@@ -1,5 +1,5 @@
-"""Splice fidelity (issue 17): the method autoep splices is the live one, and the source it proves is the
-code that runs.
+"""Splice fidelity and facts that can change (issue 17): the method autoep splices is the live one, the
+source it proves is the code that runs, and what it folds from the block's attributes stays true.
 
 - compiled in its class's scope: private ``self.__x`` names read as the class reads them;
 - with the live function's own ``__defaults__`` / ``__kwdefaults__`` (never re-evaluated: a global
@@ -7,7 +7,9 @@ code that runs.
   rebound after apply is seen by the model and by its spliced twin alike);
 - the source read is checked against ``fn.__code__``: a ``__code__`` edited after import, or a file edited
   on disk after import, is refused; proofs are cached per code object, so a ``__code__`` swapped after a
-  detection is proven again; the fingerprint sees a swap; a swap after apply stops the spliced method.
+  detection is proven again; the fingerprint sees a swap; a swap after apply stops the spliced method;
+- a property is not folded as a fact (refused); a plain number folded at apply and changed later stops the
+  EP block, naming it.
 
 EP parity on 1, 2 and 4 gloo ranks (one rank without tokens) against the blocks' own forward/backward.
 """
@@ -23,8 +25,21 @@ import blocks
 import pytest
 import torch
 import torch.nn.functional as F
-from blocks import DefaultScaleMoE, FeedForward, HalfScaledMoE, MoE, PrivateNameMoE, make_rebindable_moe_class
+from blocks import (
+    CountedExpertsMoE,
+    DefaultScaleMoE,
+    FeedForward,
+    GroupedExperts,
+    HalfScaledMoE,
+    MoE,
+    PaddedGroupedExperts,
+    PrivateNameMoE,
+    PropertyCountMoE,
+    TitanMoE,
+    make_rebindable_moe_class,
+)
 from distributed import guarded, run_cases
+from mutation import inputs, make_ep
 from rank_parity import SPLITS, ep_mesh, parity
 from torch import nn
 
@@ -82,8 +97,22 @@ def _code_swapped_after_a_detection(rank, world_size, mesh, split):
     parity(block, rank, world_size, mesh, split)
 
 
+def _count_changed_after_apply(rank, world_size, mesh, split):
+    """``num_experts`` was 4 when the plan was proven (the loop's ``range(self.num_experts)`` became the
+    exchange over 4 experts); set to 3 afterwards, the block's own loop would skip expert 3: the EP block
+    refuses to run, naming it. The count as it was runs exactly."""
+    block = _seeded(CountedExpertsMoE)
+    ep = make_ep(block, detect_moe_structure(block), mesh)
+    ep.num_experts = 3
+    with pytest.raises(RuntimeError, match=r"CountedExpertsMoE.num_experts is 3, but the expert-parallel plan was "
+                                           r"proven with num_experts=4"):
+        ep(inputs(block, batch=split[rank]))
+    parity(block, rank, world_size, mesh, split)
+
+
 CASES = {
     "private_names": _private_names,
+    "count_changed_after_apply": _count_changed_after_apply,
     "default_arguments": _default_arguments,
     "closure_rebound_after_apply": _closure_rebound_after_apply,
     "code_swapped_after_a_detection": _code_swapped_after_a_detection,
@@ -184,11 +213,17 @@ def test_a_file_edited_on_disk_after_import_is_refused(tmp_path):
         del sys.modules["edited_moe_model"]
 
 
+def test_a_property_is_not_folded_as_a_fact():
+    """``num_experts`` a property that leaves the last expert out in eval: read at detection (in train mode)
+    it would be 4; the block is refused naming it, not run as 4 experts in eval."""
+    with pytest.raises(UnsupportedModuleStructure, match=r"self.num_experts is a property of PropertyCountMoE, "
+                                                         r"computed on each read"):
+        detect_moe_structure(_seeded(PropertyCountMoE))
+
+
 def test_a_code_swap_after_apply_stops_the_spliced_method():
     """After apply the block runs its spliced method; once the class's forward has other code, it raises
     instead of running the code proven at apply time."""
-    from mutation import make_ep
-
     cls = _fresh_class(MoE)
     block = _seeded(lambda: cls())
     ep = make_ep(block, detect_moe_structure(block), None)
@@ -196,6 +231,21 @@ def test_a_code_swap_after_apply_stops_the_spliced_method():
     torch.testing.assert_close(ep(x), block(x))
     cls.forward.__code__ = HalfScaledMoE.forward.__code__
     with pytest.raises(RuntimeError, match=r"MoE.forward had its __code__ replaced after apply_plan"):
+        ep(x)
+
+
+def test_an_experts_code_swap_after_apply_stops_the_replaced_experts_forward():
+    """Grouped experts: EP computes the experts' forward proven at apply; once their class runs other code,
+    the EP experts raise instead."""
+    block = _seeded(lambda: TitanMoE(hidden=16, num_experts=4, top_k=2))
+    experts_cls = _fresh_class(GroupedExperts)
+    block.experts.__class__ = experts_cls
+    ep = make_ep(block, detect_moe_structure(block), None)
+    x = torch.randn(2, 3, 16)
+    torch.testing.assert_close(ep(x), block(x))
+    experts_cls.forward.__code__ = PaddedGroupedExperts.forward.__code__
+    with pytest.raises(RuntimeError, match=r"GroupedExperts.forward was replaced, or its __code__ swapped, after "
+                                           r"apply_plan"):
         ep(x)
 
 

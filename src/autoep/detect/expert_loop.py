@@ -56,7 +56,7 @@ from autoep.detect.loop_values import (
     ShapeItem,
     Weight,
 )
-from autoep.detect.names import Scope, mangled
+from autoep.detect.names import Scope, instance_attr, mangled
 from autoep.detect.source import Refusal
 
 # The torch functions a region may call, by identity with the genuine builtins (not a snapshot of
@@ -176,10 +176,7 @@ class Prover:
 
     def _self_attr(self, node: ast.Attribute):
         name = mangled(self.scope.fn, node.attr)  # ``self.__x`` in a class body reads ``_Class__x``
-        if name in vars(self.owner) and name not in ("training",):
-            value = vars(self.owner)[name]
-        else:
-            value = getattr(self.owner, name, None)
+        value = instance_attr(self.owner, name, f"{self.where} line {node.lineno}")
         if self.batched and isinstance(value, nn.Parameter) and name in self.owner._parameters:
             return Param(name)
         if not self.batched and value is self.experts and type(value) in (nn.ModuleList, nn.ModuleDict):

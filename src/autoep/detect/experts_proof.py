@@ -22,7 +22,7 @@ from autoep.detect import elementwise, row_norm
 from autoep.detect.expert_loop import Attr, Obj, Opaque, Prover, no_grad_block
 from autoep.detect.flat_experts import AccView, FlatLayout, FlatProver, flat_layout
 from autoep.detect.loop_context import plain_method
-from autoep.detect.names import Scope
+from autoep.detect.names import Scope, instance_attr
 from autoep.detect.source import Refusal, function_tree
 
 # ---------------------------------------------------------------------------------------------
@@ -400,8 +400,8 @@ class _RowLocal:
         if isinstance(node, ast.Name):
             return self.env[node.id] if node.id in self.env else Obj(self.scope.lookup(node.id))
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-            value = getattr(self.experts, node.attr, None)
             what = f"{type(self.experts).__name__}.{node.attr}"
+            value = instance_attr(self.experts, node.attr, what)
             if isinstance(value, nn.Module) and node.attr in self.experts._modules:
                 try:
                     elementwise.check_activation_module(value, what)

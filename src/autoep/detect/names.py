@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
+import contextvars
+import functools
 import inspect
+import types
 
 from autoep.detect.source import Refusal
 
@@ -37,6 +41,51 @@ def mangled(fn, name: str) -> str:
     parts = code.co_qualname.split(".") if code is not None else []
     cls = parts[-2].lstrip("_") if len(parts) >= 2 and parts[-2] != "<locals>" else ""
     return f"_{cls}{name}" if cls else name
+
+
+# ---------------------------------------------------------------------------------------------
+# Attributes a proof folds as facts
+# ---------------------------------------------------------------------------------------------
+
+_RECORD: contextvars.ContextVar = contextvars.ContextVar("autoep_folded_facts", default=None)
+_NOT_FACTS = ("training",)  # changes by design (train/eval); proofs that read it say what they do with it
+
+
+def instance_attr(owner, name: str, where: str):
+    """``owner.<name>`` as a proof reads it. Refused where it is computed on each read (a property, a
+    descriptor): a value folded at detection could differ at a later call (e.g. in eval). A plain number
+    is recorded (``recording``), so the runtime can check it is still that value."""
+    static = inspect.getattr_static(type(owner), name, _MISSING)
+    cached = isinstance(static, functools.cached_property) and name in vars(owner)
+    if static is not _MISSING and _computed(static) and not cached:
+        raise Refusal(f"{where}: self.{name} is a {type(static).__name__} of {type(owner).__name__}, computed on "
+                      f"each read; autoep folds the values a block reads at detection, and this one may differ "
+                      f"later (e.g. in eval). Store it as a plain attribute")
+    value = getattr(owner, name, None)
+    record = _RECORD.get()
+    if record is not None and type(value) in (bool, int, float) and name not in _NOT_FACTS:
+        record.setdefault((id(owner), name), (owner, name, value))
+    return value
+
+
+def _computed(static) -> bool:
+    """A class attribute whose value is computed on each read of the instance's attribute."""
+    if isinstance(static, (types.FunctionType, staticmethod, classmethod, types.MemberDescriptorType,
+                           types.GetSetDescriptorType, types.BuiltinFunctionType, types.MethodDescriptorType,
+                           types.WrapperDescriptorType)):
+        return False
+    return isinstance(static, (property, functools.cached_property)) or hasattr(type(static), "__get__")
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect ``{(id(module), name): (module, name, value)}`` of the plain numbers proofs fold inside."""
+    facts: dict = {}
+    token = _RECORD.set(facts)
+    try:
+        yield facts
+    finally:
+        _RECORD.reset(token)
 
 
 class Scope:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from autoep.detect.names import Scope, mangled
+from autoep.detect.names import Scope, instance_attr, mangled
 from autoep.detect.source import Refusal
 
 _START, _END, _N, _E, _LIST, _EXPERT, _OUT, _ZERO = (
@@ -211,7 +211,7 @@ class _SplitProof:
         self.refuse(node)
 
     def _self_attr(self, node: ast.Attribute):
-        value = getattr(self.block, mangled(self.scope.fn, node.attr), None)
+        value = instance_attr(self.block, mangled(self.scope.fn, node.attr), f"{self.where} line {node.lineno}")
         if node.attr == self.attr and type(value) is nn.ModuleList:
             return ("experts",)
         if type(value) is int:

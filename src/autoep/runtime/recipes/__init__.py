@@ -19,12 +19,16 @@ written next to ``_target_`` in the resolved config (for auto decisions ``struct
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import types
 from typing import Callable, TypeVar
 
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from autoep.detect.names import recording
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
@@ -82,6 +86,34 @@ def proven_experts(module: nn.Module, structure: dict | MoeStructure, prove: Cal
     return proof
 
 
+@contextlib.contextmanager
+def watching_facts(block: nn.Module):
+    """Around a recipe's ``validate``: every plain number its proofs fold from ``block`` or its submodules
+    (``names.instance_attr``: a count, a top-k, a flag) is checked again before each call of the block; a
+    value changed since apply raises, naming it, instead of running a plan proven for the old one."""
+    with recording() as facts:
+        yield
+    paths = {id(m): p for p, m in block.named_modules()}
+    block._autoep_facts = tuple((paths[id(m)], name, value) for m, name, value in facts.values() if id(m) in paths)
+    if block._autoep_facts and not getattr(block, "_autoep_watching", False):
+        block._autoep_watching = True
+        block.register_forward_pre_hook(_check_facts_hook)
+
+
+def _check_facts_hook(module: nn.Module, args) -> None:
+    for path, name, value in module._autoep_facts:
+        try:
+            owner = module.get_submodule(path)
+        except AttributeError:
+            continue  # a submodule the recipe replaced (ModuleList experts stacked): its own facts went with it
+        now = getattr(owner, name, None)
+        if type(now) is not type(value) or now != value:
+            where = f"{path}.{name}" if path else name
+            raise RuntimeError(f"{type(module).__name__}.{where} is {now!r}, but the expert-parallel plan was proven "
+                               f"with {where}={value!r} when it was applied; set it back, or apply the plan to a "
+                               f"model built with the new value")
+
+
 def join_backward_exchanges(block: nn.Module, ep_mesh) -> None:
     """Every rank joins the backward of the exchanges ``block`` runs, even where the block's own code drops
     an exchange's output from its graph (torchtune's ``if routed_output.numel() > 0:`` on a rank without
@@ -104,9 +136,27 @@ def _join_exchanges_hook(module: nn.Module, args, output):
 
 def bind_experts_forward(experts: nn.Module, spec, forward: Callable) -> None:
     """Replace ``experts.forward`` (on the instance) by ``forward``, which reads what it needs from
-    ``experts._autoep_ep = spec`` (fixed at apply time)."""
+    ``experts._autoep_ep = spec`` (fixed at apply time). Each call first checks that the experts' class
+    still runs the forward code that was proven: one swapped or replaced after apply raises."""
     experts._autoep_ep = spec
-    experts.forward = types.MethodType(forward, experts)
+    experts._autoep_proven_code = _forward_code(type(experts))
+    experts.forward = types.MethodType(_live(forward), experts)
+
+
+def _forward_code(cls: type):
+    return getattr(inspect.unwrap(cls.forward), "__code__", None)
+
+
+def _live(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def checked(self, *args, **kwargs):
+        if _forward_code(type(self)) is not self._autoep_proven_code:
+            raise RuntimeError(f"{type(self).__name__}.forward was replaced, or its __code__ swapped, after "
+                               f"apply_plan; the expert-parallel experts compute the forward proven at apply "
+                               f"time. Apply the plan again to a fresh model built with the new code")
+        return forward(self, *args, **kwargs)
+
+    return checked
 
 
 def shard_weights_at(experts: nn.Module, paths, ep_mesh, *, name: str) -> None:

@@ -42,6 +42,7 @@ from autoep.runtime.recipes import (
     local_tensor,
     proven_experts,
     shard_weights_at,
+    watching_facts,
 )
 
 
@@ -65,7 +66,8 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
     """Bind the EP experts forward on ``module.experts`` (factory contract: ``autoep.runtime.recipes``)."""
     facts = as_structure(structure)
     experts = module.experts
-    roles = validate(module, structure=facts)
+    with watching_facts(module):
+        roles = validate(module, structure=facts)
     join_backward_exchanges(module, ep_mesh)
     own_forward = experts_forward(type(experts))
     if roles.flat is not None:

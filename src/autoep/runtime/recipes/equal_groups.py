@@ -33,6 +33,7 @@ from autoep.runtime.recipes import (
     join_backward_exchanges,
     local_tensor,
     proven_experts,
+    watching_facts,
 )
 from autoep.runtime.recipes.grouped import _local_swiglu, shard_grouped_weights
 
@@ -49,7 +50,8 @@ class _EpEqualGroups:
 def ep_equal_group_experts(module: nn.Module, *, ep_mesh=None, structure: dict | MoeStructure) -> None:
     """Shard the expert weights and bind the EP experts forward on ``module.experts`` (factory contract:
     ``autoep.runtime.recipes``)."""
-    proof = validate(module, structure=structure)
+    with watching_facts(module):
+        proof = validate(module, structure=structure)
     experts = module.experts
     own_forward = type(experts).forward
     shard_grouped_weights(experts, proof.grouped, ep_mesh, name=type(module).__name__)

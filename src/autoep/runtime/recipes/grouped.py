@@ -35,6 +35,7 @@ from autoep.runtime.recipes import (
     local_tensor,
     proven_experts,
     shard_weights_at,
+    watching_facts,
 )
 
 
@@ -51,7 +52,8 @@ class _EpGrouped:
 def ep_grouped_experts(module: nn.Module, *, ep_mesh=None, structure: dict | MoeStructure) -> None:
     """Shard the expert weights and bind the EP experts forward on ``module.experts`` (factory contract:
     ``autoep.runtime.recipes``)."""
-    proof = validate(module, structure=structure)
+    with watching_facts(module):
+        proof = validate(module, structure=structure)
     experts = module.experts
     own_forward = type(experts).forward
     shard_grouped_weights(experts, proof, ep_mesh, name=type(module).__name__)

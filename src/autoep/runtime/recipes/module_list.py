@@ -39,7 +39,7 @@ from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.apply import shard_expert_tensor
 from autoep.runtime.dispatch import ep_experts_forward, ep_grouped_forward
 from autoep.runtime.experts import glu_gate, grouped_swiglu
-from autoep.runtime.recipes import ep_group_of, join_backward_exchanges, local_tensor
+from autoep.runtime.recipes import ep_group_of, join_backward_exchanges, local_tensor, watching_facts
 
 
 class StackedSwiGLUExperts(nn.Module):
@@ -361,7 +361,8 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     exchange: routing, jitter, shared branch and return are the model's own code.
     """
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
-    plans = validate(module, structure=structure)
+    with watching_facts(module):
+        plans = validate(module, structure=structure)
     stack_module_list_experts(module, structure=structure)
     shard_stacked_experts(module, ep_mesh)
     ep_group = ep_group_of(ep_mesh)

@@ -156,7 +156,8 @@ def test_a_code_object_edited_after_import_is_refused():
 
 
 def test_an_expert_forward_swapped_after_a_detection_is_proven_again():
-    """The experts' proof is cached by code object: a swapped expert ``forward`` is read and refused."""
+    """The experts' proof is cached by code object: a swapped expert ``forward`` is read again (the doubled
+    output is no SwiGLU any more: row-local only, where a stale cache would still say swiglu)."""
     expert_cls = _fresh_class(FeedForward)
 
     class Block(MoE):
@@ -165,10 +166,10 @@ def test_an_expert_forward_swapped_after_a_detection_is_proven_again():
             self.experts = nn.ModuleList([expert_cls(16, 32) for _ in range(4)])
 
     block = _seeded(Block)
-    assert detect_moe_structure(block).expert_storage == "module_list"
+    before = detect_moe_structure(block)
+    assert (before.expert_storage, before.expert_kind) == ("module_list", "swiglu")
     expert_cls.forward.__code__ = _doubled_expert.__code__
-    with pytest.raises(UnsupportedModuleStructure, match=r"expert FeedForward.forward line 2: `2.0` is not understood"):
-        detect_moe_structure(block)
+    assert detect_moe_structure(block).expert_kind == "row_local"
 
 
 def _doubled_expert(self, x):

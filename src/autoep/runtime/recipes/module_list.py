@@ -33,7 +33,7 @@ from autoep.detect.splice import compile_spliced
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.dispatch import ep_experts_forward, ep_grouped_forward
-from autoep.runtime.recipes import ep_group_of, join_backward_exchanges, watching_facts
+from autoep.runtime.recipes import ep_group_of, experts_of, join_backward_exchanges, watching_facts
 from autoep.runtime.recipes.local_experts import _ACTIVATIONS, local_expert_fn, place_experts, spec_of
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +176,9 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     with watching_facts(module):
         plans = validate(module, structure=structure)
     identities = int(structure.get("identity_experts", 0))
-    place_experts(module, path="experts", num_experts=len(module.experts) - identities, identity_experts=identities,
+    container = experts_of(module, structure)
+    place_experts(module, path=structure.get("experts_path", "experts"), num_experts=len(container) - identities,
+                  identity_experts=identities,
                   ep_mesh=ep_mesh, swiglu=_swiglu(module, structure), act=str(structure.get("expert_act") or ""),
                   fast_path=fast_path, name=type(module).__name__)
     ep_group = ep_group_of(ep_mesh)
@@ -198,7 +200,7 @@ def _swiglu(module: nn.Module, structure: dict) -> tuple[str, str, str] | None:
     if structure.get("expert_kind", "swiglu") != "swiglu" or len(names) != 3 or not all(names):
         return None
     if act == "act_fn":
-        first = module.experts[0]
+        first = next(iter(experts_of(module, structure).children()))
         if any(True for _ in getattr(first, "act_fn", nn.Identity()).parameters()):
             return None  # a learnable activation differs per expert: only their own forwards apply it
         return names

@@ -9,6 +9,13 @@ and the same per-rank tokens, side by side in one spawned gloo group:
   autoep       apply_plan with the batched recipe (all-to-all + grouped local experts)
   hf-<impl>    transformers.distributed expert parallelism, ep_implementation="all_to_all", experts
                implementation <impl> (eager, batched_mm, grouped_mm; from_config's default is grouped_mm)
+The same routing and weights as a v4-style block with ModuleList experts (tests/blocks.py
+MixtralStyleSparseMoeBlock, softmax top-k renormalised, as Qwen3-MoE with norm_topk_prob), module_list recipe:
+  ml-plain     the block's own per-expert loop, all experts, no exchange
+  ml-stacked   the grouped GEMM on weights stacked once at apply time (what the recipe did before the experts
+               stayed the model's own modules: the "today" of the fast path)
+  ml-fast      the fast path: the grouped GEMM on the local experts' own weights, stacked every step
+  ml-own       the experts' own forward (fast_path=False), one nn.Linear chain per local expert
 Printed per contender: tokens/s per rank, ratio to autoep, bytes exchanged per step against the minimum
 (tokens x top_k x hidden x dtype bytes, each of dispatch and combine, forward and backward),
 expert parameter bytes per rank against the dense block's, and the process's peak RSS.
@@ -59,7 +66,22 @@ def build_block(args) -> nn.Module:
     return block
 
 
-def autoep_block(block, mesh):
+def module_list_block(block, top_k: int) -> nn.Module:
+    """The v4-style twin of the Qwen3 block: same gate, each expert's gate/up/down rows of the batched weights."""
+    from blocks import MixtralStyleSparseMoeBlock
+
+    E, twoF, D = block.experts.gate_up_proj.shape
+    twin = MixtralStyleSparseMoeBlock(hidden=D, ffn=twoF // 2, num_experts=E, top_k=top_k)
+    with torch.no_grad():
+        twin.gate.weight.copy_(block.gate.weight)
+        for e, expert in enumerate(twin.experts):
+            expert.gate_proj.weight.copy_(block.experts.gate_up_proj[e, : twoF // 2])
+            expert.up_proj.weight.copy_(block.experts.gate_up_proj[e, twoF // 2:])
+            expert.down_proj.weight.copy_(block.experts.down_proj[e])
+    return twin
+
+
+def autoep_block(block, mesh, **fn_kwargs):
     from autoep.detect.structure import detect_moe_structure
     from autoep.plan.archetypes import compute_fn_config
     from autoep.runtime.apply import apply_plan
@@ -67,9 +89,27 @@ def autoep_block(block, mesh):
     holder = nn.Module()
     holder.mlp = copy.deepcopy(block)
     s = detect_moe_structure(holder.mlp)
-    plan = {"plan": [{"match": "mlp", "local_compute_fn": compute_fn_config(s), "decision": {"modules": ["mlp"]}}]}
+    fn = {**compute_fn_config(s), **fn_kwargs}
+    plan = {"plan": [{"match": "mlp", "local_compute_fn": fn, "decision": {"modules": ["mlp"]}}]}
     apply_plan(holder, plan, mesh)
     return holder.mlp
+
+
+def stack_once(block) -> nn.Module:
+    """The module_list fast path with the local experts' weights stacked once, as leaves of their own (the layout
+    the recipe kept before: ``experts.gate_up_proj``/``down_proj``), instead of from the experts every step."""
+    from autoep.runtime.experts import glu_gate, grouped_swiglu
+    from autoep.runtime.recipes import local_experts
+
+    spec = local_experts.spec_of(block)
+    local = list(block.experts)[spec.first: spec.first + spec.num_local]
+    with torch.no_grad():
+        gate_up = torch.stack([torch.cat([x.gate_proj.weight, x.up_proj.weight]) for x in local]).requires_grad_()
+        down = torch.stack([x.down_proj.weight for x in local]).requires_grad_()
+    block._stacked = (gate_up, down)
+    act = glu_gate(local[0].act_fn)
+    local_experts._grouped = lambda spec, experts, x, counts: grouped_swiglu(x, counts, gate_up, down, apply_gate=act)
+    return block
 
 
 def hf_block(block, ep_mesh, tp_mesh, impl: str):
@@ -103,7 +143,11 @@ def time_step(block, x, grad, steps: int) -> tuple[float, int]:
 
 def expert_bytes(block) -> int:
     total = 0
+    if hasattr(block, "_stacked"):
+        return sum(t.numel() * t.element_size() for t in block._stacked)
     for p in block.experts.parameters():
+        if p.is_meta:
+            continue  # another rank's ModuleList expert: a meta stand-in, nothing allocated
         local = p.to_local() if hasattr(p, "to_local") else p
         total += local.numel() * local.element_size()
     return total
@@ -141,6 +185,13 @@ def worker(rank: int, world_size: int, args, name: str) -> dict:
         b = block
     elif name == "autoep":
         b = autoep_block(block, ep_mesh)
+    elif name == "ml-plain":
+        b = module_list_block(block, args.top_k)
+    elif name in ("ml-fast", "ml-stacked"):
+        b = autoep_block(module_list_block(block, args.top_k), ep_mesh)
+        b = stack_once(b) if name == "ml-stacked" else b
+    elif name == "ml-own":
+        b = autoep_block(module_list_block(block, args.top_k), ep_mesh, fast_path=False)
     else:
         b = hf_block(block, mesh2["ep"], mesh2["tp"], name.removeprefix("hf-"))
     del block
@@ -170,6 +221,7 @@ def main(argv=None) -> None:
     p.add_argument("--hf-impls", nargs="*", default=["eager", "grouped_mm"])
     args = p.parse_args(argv)
     names = ["plain", "autoep"] + [f"hf-{impl}" for impl in args.hf_impls]
+    names += ["ml-plain", "ml-stacked", "ml-fast", "ml-own"]
     # One spawned group per contender, so each rank's peak memory is that contender's alone.
     results = {name: spawn(args.world_size, "ep_layer:worker", args, name) for name in names}
     report(results, args)
@@ -196,6 +248,11 @@ def report(results: dict[str, list[dict]], args) -> None:
               f"{max(r['peak_mb'] for r in rows):>12.0f}{max(r['step_mb'] for r in rows):>13.0f}")
     print(f"minimum a2a bytes/step, all ranks = {W} x 4 x {args.tokens} x {args.top_k} x {args.hidden} x 4 B = {minimum:,}; "
           "step peak MB = peak RSS growth during the timed steps (max over ranks)")
+    if "ml-stacked" in results:
+        today = min(r["tok_s"] for r in results["ml-stacked"])
+        ratios = ", ".join(f"{n} {min(r['tok_s'] for r in results[n]) / today:.2f}x"
+                           for n in ("ml-fast", "ml-own", "ml-plain") if n in results)
+        print(f"ModuleList experts vs ml-stacked (weights stacked once, the recipe before): {ratios}")
 
 
 if __name__ == "__main__":

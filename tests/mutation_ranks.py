@@ -23,6 +23,7 @@ from mutation import Outcome, Run, detect, differences, forward_backward, inputs
 from mutation_runtime import RUNTIME_OPERATORS
 
 from autoep.errors import LiveStateError
+from autoep.runtime.recipes.local_experts import expert_owners
 
 # Mutants whose failure shows only on several ranks (a rank without tokens skips a collective).
 # mix_rows: an expert's rows are another set on another rank (in one process the same rows, reordered).
@@ -54,10 +55,11 @@ def _ranks_round(block, structure, x, split, rank, group, mesh, flat=False, arou
     ep = mutation.make_ep(block, structure, mesh)  # looked up at call time (tests replace it)
     with around():
         got = forward_backward(ep, _slices(x, split)[rank], seed=100 + rank, flat=flat)
+    module_experts = expert_owners(ep)
     reduced = set()
     for name, p in ep.named_parameters(remove_duplicate=False):
-        if hasattr(p, "full_tensor") or name not in got.grads:
-            continue  # expert shards: gathered by param_grads
+        if hasattr(p, "full_tensor") or name not in got.grads or name in module_experts:
+            continue  # expert shards and ModuleList experts: gathered by param_grads
         if got.grads[name] is None:  # every rank joins every all-reduce, with or without a grad
             got.grads[name] = torch.zeros_like(p)
         if id(got.grads[name]) not in reduced:  # a tied parameter's grad is one tensor: reduce it once

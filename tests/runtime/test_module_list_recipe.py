@@ -45,7 +45,6 @@ from autoep.runtime.recipes.local_experts import (
     full_state_dict_of_experts,
     gather_experts,
     load_owned_state_dict,
-    release_remote_experts,
 )
 from autoep.runtime.recipes.module_list import ep_module_list_block
 
@@ -226,8 +225,7 @@ def _check_meta_checkpoint_roundtrip(rank, world_size):
         model = nn.ModuleDict({n: _make(n) for n in names})
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)) if world_size > 1 else None
     apply_plan(model, _plan(model), mesh)
-    model.to_empty(device="cpu")
-    release_remote_experts(model)  # to_empty allocated the other ranks' experts too
+    model.to_empty(device="cpu")  # allocates this rank's experts only: the others stay meta stand-ins
     assert all(p.is_meta != place.local for n, p in model.named_parameters() if (place := expert_owners(model).get(n)))
     load_owned_state_dict(model, ref.state_dict())
 
@@ -389,3 +387,16 @@ def test_refuses_what_it_cannot_reproduce():
     with pytest.raises(UnsupportedModuleStructure, match=r"expert_kind='swiglu', but the experts are proven "
                                                           r"expert_kind='row_local'"):
         ep_module_list_block(biased, ep_mesh=None, structure=structure)
+
+
+def test_an_expert_shared_outside_the_experts_is_refused():
+    """Releasing another rank's expert would drop it where the block uses it again (here: as its shared expert)."""
+    block = _make("research_w1w2w3")
+    block.shared = block.experts[3]
+    structure = detect_moe_structure(_make("research_w1w2w3"))
+    with pytest.raises(UnsupportedModuleStructure, match=r"shared \(FeedForward\) shares an expert's module"):
+        ep_module_list_block(block, ep_mesh=None, structure=structure)
+    tied = _make("research_w1w2w3")
+    tied.experts[1].w1.weight = tied.experts[0].w1.weight
+    with pytest.raises(UnsupportedModuleStructure, match="tied|share"):
+        ep_module_list_block(tied, ep_mesh=None, structure=structure)

@@ -69,6 +69,9 @@ def _check(kind: str, rank: int, world_size: int):
             assert p is own_params[name] and not p.is_meta and p.requires_grad  # the model's own object
         else:
             assert p.is_meta and not p.requires_grad  # another rank's expert: never allocated here
+    model.to("cpu").double()  # module conversions keep the stand-ins on meta, in the converted dtype
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float64 and p.is_meta == (name in owners and not owners[name].local)
     local = {k for k, place in owners.items() if place.local}
     per_rank = 4 // world_size
     assert {place.expert for place in owners.values() if place.local} == set(range(rank * per_rank, (rank + 1) * per_rank))

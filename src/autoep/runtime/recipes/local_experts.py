@@ -8,8 +8,9 @@ contiguous experts ``[r*L, (r+1)*L)`` (L = E // ep_size), as the exchange sends 
   - its local experts keep their parameters and buffers AS THE SAME OBJECTS (tensor hooks,
     post-accumulate-grad hooks, optimizer-in-backward and tensor-subclass weights keep working);
   - every other expert's parameters and buffers become ``meta`` stand-ins with ``requires_grad=False``
-    (never allocated, never trained here). ``model.to_empty`` would allocate them: materialise with
-    ``autoep.train.pretrained.materialise`` or call ``release_remote_experts(model)`` afterwards.
+    (never allocated, never trained here). ``model.to(device)``, ``.cuda()``, ``.to_empty(...)``, ``.bfloat16()``
+    keep them on ``meta`` (the expert's ``_apply`` is replaced on the instance) while taking the dtype the
+    conversion gives, so a gather still receives the owner's dtype.
 
 The ownership query (used by checkpoints, export and trainer integrations)::
 
@@ -30,6 +31,7 @@ Shape legend: S rows grouped by local expert, D hidden, F expert intermediate si
 
 from __future__ import annotations
 
+import types
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -153,32 +155,52 @@ def _check_unshared(block: nn.Module, spec: LocalExperts, name: str) -> None:
                                                  f"a tensor; EP keeps each expert on one rank")
             seen[id(t)] = str(e)
     inside = {id(m) for expert in experts for m in expert.modules()}
-    for m in block.modules():
-        if id(m) in inside:
+    for mname, m in block.named_modules(remove_duplicate=False):
+        if mname == spec.path or mname.startswith(f"{spec.path}."):
             continue
-        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
-            if id(t) in seen:
-                raise UnsupportedModuleStructure(type(block).__name__, f"{name}: expert {seen[id(t)]} shares a tensor "
-                                                 f"with {type(m).__name__} outside the experts; EP keeps each expert "
-                                                 f"on one rank")
+        shared = id(m) in inside or any(id(t) in seen for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+        if shared:
+            raise UnsupportedModuleStructure(type(block).__name__, f"{name}: {mname or 'the block'} "
+                                             f"({type(m).__name__}) shares an expert's module or tensor outside the "
+                                             f"experts; EP keeps each expert on one rank")
 
 
 def _release(block: nn.Module, spec: LocalExperts) -> None:
-    """Every remote expert's parameters and buffers become ``meta`` stand-ins (``requires_grad=False``)."""
+    """Every remote expert's parameters and buffers become ``meta`` stand-ins (``requires_grad=False``) that
+    module conversions keep on ``meta``."""
     for e, expert in enumerate(expert_modules(container_of(block, spec))[: spec.num_experts]):
-        if spec.is_local(e):
-            continue
-        for m in expert.modules():
-            for pname, p in m._parameters.items():
-                if p is not None and not (p.is_meta and not p.requires_grad):
-                    m._parameters[pname] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
-            for bname, b in m._buffers.items():
-                if b is not None and not b.is_meta:
-                    m._buffers[bname] = b.to("meta")
+        if not spec.is_local(e):
+            _stand_in_apply(expert, lambda t: t)
+            expert._apply = types.MethodType(_stand_in_apply, expert)
+
+
+def _stand_in_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` for an expert another rank owns: its tensors stay ``meta`` stand-ins, in the dtype
+    ``fn`` would give (``.to(device)`` or ``to_empty`` allocate nothing; ``.bfloat16()`` changes the dtype)."""
+    for m in self.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                meta = _meta_like(p, fn)
+                if meta is not p or p.requires_grad:
+                    m._parameters[name] = nn.Parameter(meta, requires_grad=False)
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = _meta_like(b, fn)
+    return self
+
+
+def _meta_like(t: Tensor, fn) -> Tensor:
+    try:
+        dtype = fn(torch.empty(0, dtype=t.dtype)).dtype  # the conversion on an empty probe: its dtype only
+    except Exception:  # noqa: BLE001 - a conversion that cannot run on a probe keeps the dtype
+        dtype = t.dtype
+    if t.is_meta and dtype == t.dtype:
+        return t
+    return torch.empty(t.shape, dtype=dtype, device="meta")
 
 
 def release_remote_experts(model: nn.Module) -> None:
-    """Make every remote expert a ``meta`` stand-in again (after ``model.to_empty``, which allocates them)."""
+    """Make every remote expert a ``meta`` stand-in again (idempotent; e.g. after a tensor was assigned to one)."""
     for block in model.modules():
         spec = spec_of(block)
         if spec is not None:

@@ -95,6 +95,9 @@ def autoep_block(block, mesh, **fn_kwargs):
     return holder.mlp
 
 
+_STACKED: dict[int, tuple] = {}  # id(first local expert) -> (gate_up, down) stacked once, for ml-stacked blocks
+
+
 def stack_once(block) -> nn.Module:
     """The module_list fast path with the local experts' weights stacked once, as leaves of their own (the layout
     the recipe kept before: ``experts.gate_up_proj``/``down_proj``), instead of from the experts every step."""
@@ -107,8 +110,18 @@ def stack_once(block) -> nn.Module:
         gate_up = torch.stack([torch.cat([x.gate_proj.weight, x.up_proj.weight]) for x in local]).requires_grad_()
         down = torch.stack([x.down_proj.weight for x in local]).requires_grad_()
     block._stacked = (gate_up, down)
-    act = glu_gate(local[0].act_fn)
-    local_experts._grouped = lambda spec, experts, x, counts: grouped_swiglu(x, counts, gate_up, down, apply_gate=act)
+    _STACKED[id(local[0])] = (gate_up, down, glu_gate(local[0].act_fn))
+    if not _STACKED.get("patched"):
+        each_step = local_experts._grouped
+
+        def grouped(spec, experts, x, counts):
+            stacked = _STACKED.get(id(experts[0]))
+            if stacked is None:
+                return each_step(spec, experts, x, counts)
+            return grouped_swiglu(x, counts, stacked[0], stacked[1], apply_gate=stacked[2])
+
+        local_experts._grouped = grouped
+        _STACKED["patched"] = True
     return block
 
 
@@ -181,6 +194,8 @@ def worker(rank: int, world_size: int, args, name: str) -> dict:
     x = torch.randn(1, args.tokens, args.hidden, generator=g)
     grad = torch.randn(1, args.tokens, args.hidden, generator=g)
 
+    if name.startswith("interleaved:"):
+        return interleaved(block, ep_mesh, x, grad, args, name.removeprefix("interleaved:").split(","))
     if name == "plain":
         b = block
     elif name == "autoep":
@@ -205,6 +220,29 @@ def worker(rank: int, world_size: int, args, name: str) -> dict:
             "peak_mb": peak, "step_mb": max(peak - rss0, 0.0)}
 
 
+def build(name: str, block, ep_mesh, args) -> nn.Module:
+    if name == "autoep":
+        return autoep_block(block, ep_mesh)
+    if name == "ml-plain":
+        return module_list_block(block, args.top_k)
+    if name in ("ml-fast", "ml-stacked"):
+        b = autoep_block(module_list_block(block, args.top_k), ep_mesh)
+        return stack_once(b) if name == "ml-stacked" else b
+    if name == "ml-own":
+        return autoep_block(module_list_block(block, args.top_k), ep_mesh, fast_path=False)
+    raise ValueError(f"--interleave takes autoep and ml-* contenders, not {name!r}")
+
+
+def interleaved(block, ep_mesh, x, grad, args, names: list[str]) -> dict:
+    """The contenders in one process group, one step of each in turn (load that comes and goes hits each alike)."""
+    blocks = {n: build(n, block, ep_mesh, args) for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(args.steps):
+        for n, b in blocks.items():
+            times[n].append(time_step(b, x, grad, 1)[0])
+    return {n: args.tokens / sorted(t)[len(t) // 2] for n, t in times.items()}
+
+
 def main(argv=None) -> None:
     from distributed import spawn
 
@@ -219,9 +257,17 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     # batched_mm gathers a (2F x D) weight per (token, expert) pair: ~100x slower here; opt in by name.
     p.add_argument("--hf-impls", nargs="*", default=["eager", "grouped_mm"])
+    p.add_argument("--interleave", nargs="*", default=["ml-stacked", "ml-fast", "ml-own", "autoep"],
+                   help="contenders also timed in one process group, one step of each in turn ([] to skip)")
     args = p.parse_args(argv)
     names = ["plain", "autoep"] + [f"hf-{impl}" for impl in args.hf_impls]
     names += ["ml-plain", "ml-stacked", "ml-fast", "ml-own"]
+    if args.interleave:
+        ratios = spawn(args.world_size, "ep_layer:worker", args, "interleaved:" + ",".join(args.interleave))
+        tok_s = {n: min(r[n] for r in ratios) for n in args.interleave}  # the slowest rank sets the step
+        base = tok_s[args.interleave[0]]
+        print(f"interleaved ({args.steps} rounds, one step of each in turn), vs {args.interleave[0]}: "
+              + ", ".join(f"{n} {v:.0f} tok/s/rank = {v / base:.2f}x" for n, v in tok_s.items()), flush=True)
     # One spawned group per contender, so each rank's peak memory is that contender's alone.
     results = {name: spawn(args.world_size, "ep_layer:worker", args, name) for name in names}
     report(results, args)

@@ -2,6 +2,7 @@
 
     python bench/ep_layer.py                       # defaults below, 2 ranks, prints one table
     python bench/ep_layer.py --tokens 1024 --steps 5
+    python bench/ep_layer.py --contenders --steps 9     # only the interleaved line (ModuleList paths vs before)
 
 Every contender runs the same block (Qwen3MoeSparseMoeBlock from a small config), the same weights
 and the same per-rank tokens, side by side in one spawned gloo group:
@@ -259,9 +260,13 @@ def main(argv=None) -> None:
     p.add_argument("--hf-impls", nargs="*", default=["eager", "grouped_mm"])
     p.add_argument("--interleave", nargs="*", default=["ml-stacked", "ml-fast", "ml-own", "autoep"],
                    help="contenders also timed in one process group, one step of each in turn ([] to skip)")
+    p.add_argument("--contenders", nargs="*", default=None,
+                   help="the contenders of the table, each in its own process group (default: all; none: only "
+                        "the interleaved line)")
     args = p.parse_args(argv)
     names = ["plain", "autoep"] + [f"hf-{impl}" for impl in args.hf_impls]
     names += ["ml-plain", "ml-stacked", "ml-fast", "ml-own"]
+    names = names if args.contenders is None else args.contenders
     if args.interleave:
         ratios = spawn(args.world_size, "ep_layer:worker", args, "interleaved:" + ",".join(args.interleave))
         tok_s = {n: min(r[n] for r in ratios) for n in args.interleave}  # the slowest rank sets the step
@@ -270,7 +275,8 @@ def main(argv=None) -> None:
               + ", ".join(f"{n} {v:.0f} tok/s/rank = {v / base:.2f}x" for n, v in tok_s.items()), flush=True)
     # One spawned group per contender, so each rank's peak memory is that contender's alone.
     results = {name: spawn(args.world_size, "ep_layer:worker", args, name) for name in names}
-    report(results, args)
+    if results:
+        report(results, args)
 
 
 def report(results: dict[str, list[dict]], args) -> None:

@@ -233,6 +233,12 @@ def _state_keys(expert: nn.Module) -> list[str]:
     return [k for k in expert.state_dict(keep_vars=True)]
 
 
+def remote_names(block: nn.Module) -> set[str]:
+    """Names (relative to ``block``) of the ``meta`` stand-ins of experts another ep rank owns: their own
+    tensors (and any hooks on them) live on that rank."""
+    return {k for k, place in expert_owners(block).items() if not place.local}
+
+
 def owned_state_dict(model: nn.Module, state: dict | None = None) -> dict:
     """``state`` (default ``model.state_dict()``) without the remote experts' stand-ins: what this rank saves
     and loads. Each expert's tensors are in exactly the state of the ranks owning it (one per edp replica)."""

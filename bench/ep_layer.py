@@ -2,6 +2,7 @@
 
     python bench/ep_layer.py                       # defaults below, 2 ranks, prints one table
     python bench/ep_layer.py --tokens 1024 --steps 5
+    python bench/ep_layer.py --contenders --steps 9     # only the interleaved line (ModuleList paths vs before)
 
 Every contender runs the same block (Qwen3MoeSparseMoeBlock from a small config), the same weights
 and the same per-rank tokens, side by side in one spawned gloo group:
@@ -9,6 +10,13 @@ and the same per-rank tokens, side by side in one spawned gloo group:
   autoep       apply_plan with the batched recipe (all-to-all + grouped local experts)
   hf-<impl>    transformers.distributed expert parallelism, ep_implementation="all_to_all", experts
                implementation <impl> (eager, batched_mm, grouped_mm; from_config's default is grouped_mm)
+The same routing and weights as a v4-style block with ModuleList experts (tests/blocks.py
+MixtralStyleSparseMoeBlock, softmax top-k renormalised, as Qwen3-MoE with norm_topk_prob), module_list recipe:
+  ml-plain     the block's own per-expert loop, all experts, no exchange
+  ml-stacked   the grouped GEMM on weights stacked once at apply time (what the recipe did before the experts
+               stayed the model's own modules: the "today" of the fast path)
+  ml-fast      the fast path: the grouped GEMM on the local experts' own weights, stacked every step
+  ml-own       the experts' own forward (fast_path=False), one nn.Linear chain per local expert
 Printed per contender: tokens/s per rank, ratio to autoep, bytes exchanged per step against the minimum
 (tokens x top_k x hidden x dtype bytes, each of dispatch and combine, forward and backward),
 expert parameter bytes per rank against the dense block's, and the process's peak RSS.
@@ -59,7 +67,22 @@ def build_block(args) -> nn.Module:
     return block
 
 
-def autoep_block(block, mesh):
+def module_list_block(block, top_k: int) -> nn.Module:
+    """The v4-style twin of the Qwen3 block: same gate, each expert's gate/up/down rows of the batched weights."""
+    from blocks import MixtralStyleSparseMoeBlock
+
+    E, twoF, D = block.experts.gate_up_proj.shape
+    twin = MixtralStyleSparseMoeBlock(hidden=D, ffn=twoF // 2, num_experts=E, top_k=top_k)
+    with torch.no_grad():
+        twin.gate.weight.copy_(block.gate.weight)
+        for e, expert in enumerate(twin.experts):
+            expert.gate_proj.weight.copy_(block.experts.gate_up_proj[e, : twoF // 2])
+            expert.up_proj.weight.copy_(block.experts.gate_up_proj[e, twoF // 2:])
+            expert.down_proj.weight.copy_(block.experts.down_proj[e])
+    return twin
+
+
+def autoep_block(block, mesh, **fn_kwargs):
     from autoep.detect.structure import detect_moe_structure
     from autoep.plan.archetypes import compute_fn_config
     from autoep.runtime.apply import apply_plan
@@ -67,9 +90,40 @@ def autoep_block(block, mesh):
     holder = nn.Module()
     holder.mlp = copy.deepcopy(block)
     s = detect_moe_structure(holder.mlp)
-    plan = {"plan": [{"match": "mlp", "local_compute_fn": compute_fn_config(s), "decision": {"modules": ["mlp"]}}]}
+    fn = {**compute_fn_config(s), **fn_kwargs}
+    plan = {"plan": [{"match": "mlp", "local_compute_fn": fn, "decision": {"modules": ["mlp"]}}]}
     apply_plan(holder, plan, mesh)
     return holder.mlp
+
+
+_STACKED: dict[int, tuple] = {}  # id(first local expert) -> (gate_up, down) stacked once, for ml-stacked blocks
+
+
+def stack_once(block) -> nn.Module:
+    """The module_list fast path with the local experts' weights stacked once, as leaves of their own (the layout
+    the recipe kept before: ``experts.gate_up_proj``/``down_proj``), instead of from the experts every step."""
+    from autoep.runtime.experts import glu_gate, grouped_swiglu
+    from autoep.runtime.recipes import local_experts
+
+    spec = local_experts.spec_of(block)
+    local = list(block.experts)[spec.first: spec.first + spec.num_local]
+    with torch.no_grad():
+        gate_up = torch.stack([torch.cat([x.gate_proj.weight, x.up_proj.weight]) for x in local]).requires_grad_()
+        down = torch.stack([x.down_proj.weight for x in local]).requires_grad_()
+    block._stacked = (gate_up, down)
+    _STACKED[id(local[0])] = (gate_up, down, glu_gate(local[0].act_fn))
+    if not _STACKED.get("patched"):
+        each_step = local_experts._grouped
+
+        def grouped(spec, experts, x, counts):
+            stacked = _STACKED.get(id(experts[0]))
+            if stacked is None:
+                return each_step(spec, experts, x, counts)
+            return grouped_swiglu(x, counts, stacked[0], stacked[1], apply_gate=stacked[2])
+
+        local_experts._grouped = grouped
+        _STACKED["patched"] = True
+    return block
 
 
 def hf_block(block, ep_mesh, tp_mesh, impl: str):
@@ -103,7 +157,11 @@ def time_step(block, x, grad, steps: int) -> tuple[float, int]:
 
 def expert_bytes(block) -> int:
     total = 0
+    if hasattr(block, "_stacked"):
+        return sum(t.numel() * t.element_size() for t in block._stacked)
     for p in block.experts.parameters():
+        if p.is_meta:
+            continue  # another rank's ModuleList expert: a meta stand-in, nothing allocated
         local = p.to_local() if hasattr(p, "to_local") else p
         total += local.numel() * local.element_size()
     return total
@@ -137,10 +195,19 @@ def worker(rank: int, world_size: int, args, name: str) -> dict:
     x = torch.randn(1, args.tokens, args.hidden, generator=g)
     grad = torch.randn(1, args.tokens, args.hidden, generator=g)
 
+    if name.startswith("interleaved:"):
+        return interleaved(block, ep_mesh, x, grad, args, name.removeprefix("interleaved:").split(","))
     if name == "plain":
         b = block
     elif name == "autoep":
         b = autoep_block(block, ep_mesh)
+    elif name == "ml-plain":
+        b = module_list_block(block, args.top_k)
+    elif name in ("ml-fast", "ml-stacked"):
+        b = autoep_block(module_list_block(block, args.top_k), ep_mesh)
+        b = stack_once(b) if name == "ml-stacked" else b
+    elif name == "ml-own":
+        b = autoep_block(module_list_block(block, args.top_k), ep_mesh, fast_path=False)
     else:
         b = hf_block(block, mesh2["ep"], mesh2["tp"], name.removeprefix("hf-"))
     del block
@@ -152,6 +219,29 @@ def worker(rank: int, world_size: int, args, name: str) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"sec": sec, "tok_s": args.tokens / sec, "a2a_bytes": a2a, "expert_bytes": expert_bytes(b),
             "peak_mb": peak, "step_mb": max(peak - rss0, 0.0)}
+
+
+def build(name: str, block, ep_mesh, args) -> nn.Module:
+    if name == "autoep":
+        return autoep_block(block, ep_mesh)
+    if name == "ml-plain":
+        return module_list_block(block, args.top_k)
+    if name in ("ml-fast", "ml-stacked"):
+        b = autoep_block(module_list_block(block, args.top_k), ep_mesh)
+        return stack_once(b) if name == "ml-stacked" else b
+    if name == "ml-own":
+        return autoep_block(module_list_block(block, args.top_k), ep_mesh, fast_path=False)
+    raise ValueError(f"--interleave takes autoep and ml-* contenders, not {name!r}")
+
+
+def interleaved(block, ep_mesh, x, grad, args, names: list[str]) -> dict:
+    """The contenders in one process group, one step of each in turn (load that comes and goes hits each alike)."""
+    blocks = {n: build(n, block, ep_mesh, args) for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(args.steps):
+        for n, b in blocks.items():
+            times[n].append(time_step(b, x, grad, 1)[0])
+    return {n: args.tokens / sorted(t)[len(t) // 2] for n, t in times.items()}
 
 
 def main(argv=None) -> None:
@@ -168,11 +258,25 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     # batched_mm gathers a (2F x D) weight per (token, expert) pair: ~100x slower here; opt in by name.
     p.add_argument("--hf-impls", nargs="*", default=["eager", "grouped_mm"])
+    p.add_argument("--interleave", nargs="*", default=["ml-stacked", "ml-fast", "ml-own", "autoep"],
+                   help="contenders also timed in one process group, one step of each in turn ([] to skip)")
+    p.add_argument("--contenders", nargs="*", default=None,
+                   help="the contenders of the table, each in its own process group (default: all; none: only "
+                        "the interleaved line)")
     args = p.parse_args(argv)
     names = ["plain", "autoep"] + [f"hf-{impl}" for impl in args.hf_impls]
+    names += ["ml-plain", "ml-stacked", "ml-fast", "ml-own"]
+    names = names if args.contenders is None else args.contenders
+    if args.interleave:
+        ratios = spawn(args.world_size, "ep_layer:worker", args, "interleaved:" + ",".join(args.interleave))
+        tok_s = {n: min(r[n] for r in ratios) for n in args.interleave}  # the slowest rank sets the step
+        base = tok_s[args.interleave[0]]
+        print(f"interleaved ({args.steps} rounds, one step of each in turn), vs {args.interleave[0]}: "
+              + ", ".join(f"{n} {v:.0f} tok/s/rank = {v / base:.2f}x" for n, v in tok_s.items()), flush=True)
     # One spawned group per contender, so each rank's peak memory is that contender's alone.
     results = {name: spawn(args.world_size, "ep_layer:worker", args, name) for name in names}
-    report(results, args)
+    if results:
+        report(results, args)
 
 
 def report(results: dict[str, list[dict]], args) -> None:
@@ -196,6 +300,11 @@ def report(results: dict[str, list[dict]], args) -> None:
               f"{max(r['peak_mb'] for r in rows):>12.0f}{max(r['step_mb'] for r in rows):>13.0f}")
     print(f"minimum a2a bytes/step, all ranks = {W} x 4 x {args.tokens} x {args.top_k} x {args.hidden} x 4 B = {minimum:,}; "
           "step peak MB = peak RSS growth during the timed steps (max over ranks)")
+    if "ml-stacked" in results:
+        today = min(r["tok_s"] for r in results["ml-stacked"])
+        ratios = ", ".join(f"{n} {min(r['tok_s'] for r in results[n]) / today:.2f}x"
+                           for n in ("ml-fast", "ml-own", "ml-plain") if n in results)
+        print(f"ModuleList experts vs ml-stacked (weights stacked once, the recipe before): {ratios}")
 
 
 if __name__ == "__main__":

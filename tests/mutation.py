@@ -493,24 +493,19 @@ def forward_backward(block: nn.Module, x: torch.Tensor, seed: int, flat: bool = 
 def param_grads(block: nn.Module) -> dict:
     """Every parameter's grad by its name in the model's own layout (tied names listed each): stacked
     ModuleList experts written back per expert, DTensor grads gathered (a collective on several ranks)."""
+    from autoep.runtime.recipes.local_experts import gather_experts, spec_of
+
     grads = {}
     for name, p in block.named_parameters(remove_duplicate=False):
         g = p.grad
         if hasattr(p, "full_tensor"):  # a rank without a grad still joins the gather, with zeros
             g = (g if g is not None else torch.zeros_like(p)).full_tensor()  # NOTE: collective over ep
         grads[name] = g
-    if not is_module_list(block) and any(n.startswith("experts.") for n in grads) and _stacked(block):
-        from autoep.runtime.recipes.module_list import unstack_module_list_experts
-
-        has_grad = block.experts.gate_up_proj.grad is not None
-        per_expert = unstack_module_list_experts(block, grad=has_grad)  # NOTE: collective over ep
-        grads = {n: g for n, g in grads.items() if not n.startswith("experts.")}
-        grads |= {n: g if has_grad else None for n, g in per_expert.items()}
+    if spec_of(block) is not None:  # ModuleList experts: each expert's grad from the rank owning it
+        has_grad = any(p.grad is not None for p in block.experts.parameters())
+        per_expert = gather_experts(block, grad=True)  # NOTE: collective over ep
+        grads |= {n: g if has_grad else None for n, g in per_expert.items() if n in grads}
     return grads
-
-
-def _stacked(block: nn.Module) -> bool:
-    return getattr(block.experts, "proj_names", None) is not None
 
 
 def differences(ref: Run, got: Run) -> list[str]:

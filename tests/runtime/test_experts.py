@@ -31,7 +31,7 @@ def _reference(x, counts, gate_up, down, gate_up_bias, down_bias, transposed, ga
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("D,Fi", [(16, 8), (6, 5)])  # aligned (grouped_mm) / unaligned (loop)
+@pytest.mark.parametrize("D,Fi", [(16, 8), (6, 5), (16, 0)])  # aligned (grouped_mm) / unaligned / zero width (loop)
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("gate", [GATE, _interleaved_gate], ids=["glu", "interleaved"])
@@ -66,6 +66,46 @@ def test_grouped_mm_path_is_taken_when_aligned():
     assert not can_use_grouped_mm(x[:, :6], torch.randn(3, 6, 8))  # 24-byte rows
     assert not can_use_grouped_mm(x, torch.randn(3, 16, 6))  # 24-byte output rows
     assert not can_use_grouped_mm(x.double(), torch.randn(3, 16, 8).double())  # no CPU fp64 kernel
+
+
+def test_zero_width_experts_take_the_loop():
+    """The kernels refuse the strides of an empty operand ("strides should be multiple of 16 bytes")."""
+    x = torch.randn(10, 16)
+    assert not can_use_grouped_mm(x, torch.randn(3, 16, 0))
+    assert not can_use_grouped_mm(x[:, :0], torch.randn(3, 0, 16))
+
+
+def test_zero_width_transformers_block_equals_its_own_forward():
+    """Ernie-4.5-VL's sparse block with expert width 0 (what a tiny config can give) under the batched recipe:
+    no crash, output and input grad equal its own forward."""
+    import copy
+
+    from torch import nn
+    from transformers.models.ernie4_5_vl_moe import modeling_ernie4_5_vl_moe as modeling
+    from transformers.models.ernie4_5_vl_moe.configuration_ernie4_5_vl_moe import Ernie4_5_VLMoeTextConfig
+
+    from autoep.detect.structure import detect_moe_structure
+    from autoep.plan.archetypes import compute_fn_config
+    from autoep.runtime.apply import apply_plan
+
+    config = Ernie4_5_VLMoeTextConfig(hidden_size=32, moe_intermediate_size=[0, 0], moe_num_experts=4, moe_k=2)
+    torch.manual_seed(0)
+    ref = modeling.Ernie4_5_VLMoeSparseMoeBlock(config, intermediate_size=0)
+    assert ref.experts.down_proj.shape[-1] == 0
+    model = nn.ModuleDict({"mlp": copy.deepcopy(ref)})
+    structure = detect_moe_structure(model["mlp"])
+    decision = {"source": "auto", "structure": structure.as_dict(), "modules": ["mlp"]}
+    apply_plan(model, {"plan": [{"match": "mlp", "local_compute_fn": compute_fn_config(structure),
+                                 "decision": decision}]}, None)
+    outs = []
+    for block in (model["mlp"], ref):
+        x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+        outs.append((out, x.grad))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want)
 
 
 def test_grouped_linear_accepts_expanded_grad():

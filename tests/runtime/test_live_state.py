@@ -64,10 +64,17 @@ def _apply_refuses(holder, plan, world_size, *needles):
 
 
 def _grad_hook(world_size):
+    """ModuleList experts stay the model's own parameter objects on the rank owning them (issue 16): a gradient
+    hook on one is kept there, not refused (tests/runtime/test_module_list_recipe.py checks that it runs)."""
+    from autoep.runtime.recipes.local_experts import expert_owners
+
     holder = _holder(L.moe())
     plan = _plan(holder, world_size)
     name = L.with_grad_hook(holder.mlp)
-    _apply_refuses(holder, plan, world_size, f"mlp.{name} carries 1 gradient hook(s) (register_hook)")
+    hooked = holder.mlp.get_parameter(name)
+    apply_plan(holder, plan, _mesh(world_size))
+    place = expert_owners(holder)[f"mlp.{name}"]
+    assert (holder.mlp.get_parameter(name) is hooked) == place.local
 
 
 def _post_accumulate_hook(world_size):
@@ -110,7 +117,7 @@ def _patched_linear_forward_at_apply(world_size):
 
 
 APPLY_CASES = {
-    "gradient hook on an expert weight": _grad_hook,
+    "gradient hook on a ModuleList expert weight: kept": _grad_hook,
     "post-accumulate hook (optimizer in backward)": _post_accumulate_hook,
     "fake-quant tensor-subclass weights": _fake_quant,
     "routed expert tied to the shared expert": _tied_to_shared_expert,

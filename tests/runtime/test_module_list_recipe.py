@@ -40,12 +40,13 @@ from autoep.detect.structure import detect_moe_structure
 from autoep.errors import UnsupportedModuleStructure
 from autoep.plan.archetypes import compute_fn_config
 from autoep.runtime.apply import apply_plan
-from autoep.runtime.recipes.module_list import (
-    ep_module_list_block,
-    load_module_list_state_dict,
-    module_list_state_dict,
-    unstack_module_list_experts,
+from autoep.runtime.recipes.local_experts import (
+    expert_owners,
+    full_state_dict_of_experts,
+    gather_experts,
+    load_owned_state_dict,
 )
+from autoep.runtime.recipes.module_list import ep_module_list_block
 
 D, SEQ = 16, 3
 BATCH_PER_RANK = {1: [4], 2: [1, 3], 4: [2, 0, 3, 1]}  # sequences per rank; uneven, one rank empty
@@ -85,6 +86,11 @@ BLOCKS = {
 }
 
 
+# The same blocks with the experts' own forward forced (``fast_path=False``): the path every non-SwiGLU expert takes.
+OWN_FORWARD = ["mixtral_jitter", "qwen2_moe_norm", "idle_experts", "sorted_split", "zero_experts", "deepseek_remote"]
+BLOCKS |= {f"{name}+own": BLOCKS[name] for name in OWN_FORWARD}
+
+
 def _hooked(block):
     """A forward hook on the block itself: the block's __call__ still runs it around the spliced forward."""
     block.register_forward_hook(lambda module, args, out: out * 0.5)
@@ -92,8 +98,8 @@ def _hooked(block):
 
 
 def _make(name: str) -> nn.Module:
-    torch.manual_seed(sum(map(ord, name)))
-    block = BLOCKS[name]()
+    torch.manual_seed(sum(map(ord, name.removesuffix("+own"))))
+    block = BLOCKS[name.removesuffix("+own")]()
     if hasattr(block, "e_score_correction_bias"):
         block.e_score_correction_bias.normal_(0, 0.1)  # nonzero, so choice and weight scores differ
     return block.train()
@@ -104,7 +110,7 @@ def _data(name: str, world_size: int):
     g = torch.Generator().manual_seed(7)
     batches = [max(b, 1) for b in BATCH_PER_RANK[world_size]] if name in NO_EMPTY_RANK else BATCH_PER_RANK[world_size]
     x = torch.randn(sum(batches), SEQ, D, generator=g)
-    if name == "idle_experts":
+    if name.startswith("idle_experts"):
         x = x.abs()
     grad_out = torch.randn(x.shape, generator=g)
     grad_logits = torch.randn(sum(batches) * SEQ, 8, generator=g)
@@ -138,25 +144,26 @@ def _reference(name, slices):
     return block, results
 
 
-def _plan(model: nn.Module) -> dict:
+def _plan(model: nn.Module, **fn_kwargs) -> dict:
     """The frozen plan resolve_plan would write: one entry per block, decided by the real detector."""
     plan = []
     for name, block in model.items():
         structure = detect_moe_structure(block)
         decision = {"source": "auto", "structure": structure.as_dict(), "modules": [name]}
-        plan.append({"match": name, "local_compute_fn": compute_fn_config(structure), "decision": decision})
+        fn = {**compute_fn_config(structure), **fn_kwargs}
+        plan.append({"match": name, "local_compute_fn": fn, "decision": decision})
     return {"plan": plan}
 
 
 def _ep_block(name, mesh):
     model = nn.ModuleDict({"mlp": _make(name)})
-    apply_plan(model, _plan(model), mesh)
+    apply_plan(model, _plan(model, **({"fast_path": False} if name.endswith("+own") else {})), mesh)
     return model["mlp"]
 
 
 def _expert_grads(block, edp_group):
     # NOTE: collective (gathers expert shards over ep), then the edp replicas' grads are summed.
-    grads = unstack_module_list_experts(block, grad=True)
+    grads = gather_experts(block, grad=True)
     if edp_group is not None:
         for g in grads.values():
             dist.all_reduce(g, group=edp_group)
@@ -180,7 +187,7 @@ def _check_block(name, rank, world_size, mesh_shape):
             dist.all_reduce(g)  # NOTE: collective; replicated router/shared grads sum over ranks
     edp_group = mesh.get_group("edp") if mesh is not None and mesh.ndim == 2 else None
     expert_grads = _expert_grads(block, edp_group)
-    expert_weights = unstack_module_list_experts(block)
+    expert_weights = gather_experts(block)
 
     ref_out, ref_x_grad = ref_results[rank]
     torch.testing.assert_close(out, ref_out)  # the tuple (hidden, router_logits) where the block returns one
@@ -218,18 +225,47 @@ def _check_meta_checkpoint_roundtrip(rank, world_size):
         model = nn.ModuleDict({n: _make(n) for n in names})
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)) if world_size > 1 else None
     apply_plan(model, _plan(model), mesh)
-    model.to_empty(device="cpu")
-    rest = load_module_list_state_dict(model, ref.state_dict())
-    model.load_state_dict(rest, strict=False)
+    model.to_empty(device="cpu")  # allocates this rank's experts only: the others stay meta stand-ins
+    assert all(p.is_meta != place.local for n, p in model.named_parameters() if (place := expert_owners(model).get(n)))
+    load_owned_state_dict(model, ref.state_dict())
 
     x, _, _ = _data("deepseek_v3", world_size)[rank]
     outs = [model[n](x) for n in names]
-    saved = module_list_state_dict(model)  # NOTE: collective (gathers the expert shards)
+    saved = full_state_dict_of_experts(model)  # NOTE: collective (each expert from its owner)
     for n, out in zip(names, outs):
         torch.testing.assert_close(out, ref[n](x))
     assert saved.keys() == ref.state_dict().keys()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(saved[k], v, msg=lambda m: f"{k}: {m}")
+
+
+def _check_live_state(rank, world_size):
+    """State that lives on the experts, added after apply_plan, is honoured as the model's own forward honours
+    it: a forward hook on an expert Linear (the fast path steps aside, the experts' own forward runs it), a
+    tensor hook rescaling an expert weight's grad, a post-accumulate-grad hook, all on the model's own objects."""
+    name = "research_w1w2w3"
+    slices = _data(name, world_size)
+    ref = _make(name)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)) if world_size > 1 else None
+    block = _ep_block(name, mesh)
+    accumulated = []
+    for model in (ref, block):
+        for e, expert in enumerate(model.experts):
+            expert.w2.register_forward_hook(lambda mod, args, out: out * 0.5)
+            if not expert.w1.weight.is_meta:  # this rank's own expert (all of them in the reference)
+                expert.w1.weight.register_hook(lambda g: g * 3)
+                if model is block:
+                    expert.w3.weight.register_post_accumulate_grad_hook(lambda p, e=e: accumulated.append(e))
+    ref_out, ref_x_grad = [_run(ref, *s, seed=100 + r) for r, s in enumerate(slices)][rank]
+    out, x_grad = _run(block, *slices[rank], seed=100 + rank)
+    grads = gather_experts(block, grad=True)  # NOTE: collective
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(x_grad, ref_x_grad)
+    ref_params = dict(ref.named_parameters())
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_params[n].grad, msg=lambda m: f"{n}: {m}")
+    per_rank = 4 // world_size
+    assert sorted(accumulated) == list(range(rank * per_rank, (rank + 1) * per_rank))
 
 
 def module_list_cases(rank, world_size):
@@ -240,6 +276,7 @@ def module_list_cases(rank, world_size):
             guarded(results, f"{name} mesh={mesh_shape}", _check_block, name, rank, world_size, mesh_shape)
     guarded(results, "meta_checkpoint_roundtrip", _check_meta_checkpoint_roundtrip, rank, world_size)
     guarded(results, "deepseek_remote eval", _check_eval_mode, "deepseek_remote", rank, world_size)
+    guarded(results, "live_state", _check_live_state, rank, world_size)
     return results
 
 
@@ -255,7 +292,7 @@ def multi_rank(request):
 
 def test_multi_rank_parity(multi_rank):
     world_size, results = multi_rank
-    assert len(results) >= len(BLOCKS) + 2, f"only {sorted(results)} ran"
+    assert len(results) >= len(BLOCKS) + 3, f"only {sorted(results)} ran"
     failed = {name: errs for name, errs in results.items() if errs}
     assert not failed, f"world_size={world_size}: " + "\n".join(f"{n}:\n{e[0]}" for n, e in failed.items())
 
@@ -268,12 +305,64 @@ def test_meta_checkpoint_roundtrip_single_process():
     _check_meta_checkpoint_roundtrip(0, 1)
 
 
+def test_live_state_single_process():
+    _check_live_state(0, 1)
+
+
+def test_fast_path_runs_where_proven_and_steps_aside_otherwise(monkeypatch):
+    """The grouped GEMM runs for proven SwiGLU experts in plain state; a hook on an expert, a weight that is
+    not a plain Parameter, or fast_path=False run the experts' own forwards instead."""
+    from autoep.runtime.recipes import local_experts
+
+    calls = {"grouped": 0, "own": 0}
+    for fn, key in ((local_experts._grouped, "grouped"), (local_experts.own_forward, "own")):
+        monkeypatch.setattr(local_experts, fn.__name__,
+                            lambda *a, fn=fn, key=key: calls.__setitem__(key, calls[key] + 1) or fn(*a))
+    x = torch.randn(2, SEQ, D)
+
+    def ran(block) -> str:
+        before = dict(calls)
+        block(x)
+        return "grouped" if calls["grouped"] > before["grouped"] else "own" if calls["own"] > before["own"] else ""
+
+    assert ran(_ep_block("research_w1w2w3", None)) == "grouped"
+    assert ran(_ep_block("research_w1w2w3+own", None)) == "own"
+    hooked = _ep_block("research_w1w2w3", None)
+    handle = hooked.experts[1].w1.register_forward_pre_hook(lambda mod, args: None)
+    assert ran(hooked) == "own"
+    handle.remove()
+    assert ran(hooked) == "grouped"
+
+    class Scaled(nn.Parameter):  # a tensor-subclass weight (QAT fake-quant style)
+        pass
+
+    hooked.experts[0].w3.weight = Scaled(hooked.experts[0].w3.weight.detach())
+    assert ran(hooked) == "own"
+
+
+def test_zero_width_experts_fall_back_to_their_own_forward():
+    """Experts whose intermediate width is 0 (a tiny Ernie-4.5-VL config gives one): the grouped kernel's
+    stride checks would fail; autoep runs the exact path and equals the block's own forward."""
+    ref = MoE(hidden=D, ffn=0, num_experts=4, top_k=2)
+    model = nn.ModuleDict({"mlp": copy.deepcopy(ref)})
+    apply_plan(model, _plan(model), None)
+    x = torch.randn(2, SEQ, D, requires_grad=True)
+    out = model["mlp"](x)
+    out.sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    ref_out = ref(x_ref)
+    ref_out.sum().backward()
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
 def test_deepcopy_of_applied_block_is_independent():
     """The bound forward belongs to its block: a deep copy must not run the original's weights."""
     block = _ep_block("research_w1w2w3", None)
     twin = copy.deepcopy(block)
     with torch.no_grad():
-        twin.experts.down_proj.zero_()
+        for expert in twin.experts:
+            expert.w2.weight.zero_()
     x = torch.randn(2, SEQ, D)
     assert twin(x).abs().max() == 0
     assert block(x).abs().max() > 0
@@ -298,3 +387,16 @@ def test_refuses_what_it_cannot_reproduce():
     with pytest.raises(UnsupportedModuleStructure, match=r"expert_kind='swiglu', but the experts are proven "
                                                           r"expert_kind='row_local'"):
         ep_module_list_block(biased, ep_mesh=None, structure=structure)
+
+
+def test_an_expert_shared_outside_the_experts_is_refused():
+    """Releasing another rank's expert would drop it where the block uses it again (here: as its shared expert)."""
+    block = _make("research_w1w2w3")
+    block.shared = block.experts[3]
+    structure = detect_moe_structure(_make("research_w1w2w3"))
+    with pytest.raises(UnsupportedModuleStructure, match=r"shared \(FeedForward\) shares an expert's module"):
+        ep_module_list_block(block, ep_mesh=None, structure=structure)
+    tied = _make("research_w1w2w3")
+    tied.experts[1].w1.weight = tied.experts[0].w1.weight
+    with pytest.raises(UnsupportedModuleStructure, match="tied|share"):
+        ep_module_list_block(tied, ep_mesh=None, structure=structure)

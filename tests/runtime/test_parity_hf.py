@@ -121,19 +121,18 @@ def moe_block_names(model: nn.Module) -> list[str]:
 def gathered_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's grad as the reference sees it: expert DTensors gathered, dense summed over ranks;
     ModuleList experts the module_list recipe stacked are written back in the model's own layout."""
-    from autoep.runtime.recipes.module_list import StackedSwiGLUExperts, unstack_module_list_experts
+    from autoep.runtime.recipes.local_experts import gather_experts, spec_of
 
     out, stacked = {}, set()
     for name, sub in model.named_modules():
-        if isinstance(sub, StackedSwiGLUExperts):
-            block = name.rpartition(".")[0]
-            prefix = f"{block}." if block else ""
-            grads = unstack_module_list_experts(model.get_submodule(block), grad=True)  # NOTE: collective
+        if spec_of(sub) is not None:
+            prefix = f"{name}." if name else ""
+            grads = gather_experts(sub, grad=True)  # NOTE: collective (each expert's grad from its owner)
             out.update({prefix + k: v for k, v in grads.items()})
-            stacked |= {f"{name}.{p}" for p, _ in sub.named_parameters()}
+            stacked |= {prefix + k for k in grads}
     for name, p in model.named_parameters():
         if name in stacked:
-            continue  # stacked ModuleList experts: written back in the model's own layout above
+            continue  # ModuleList experts: gathered from their owners above
         g = p.grad
         if isinstance(p, DTensor):
             assert g is not None, f"{name}: expert param has no grad (a rank without tokens must still get zeros)"

@@ -19,6 +19,7 @@ from module_list_lm import model_config
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
+from autoep.runtime.recipes.local_experts import expert_owners, full_state_dict_of_experts
 from autoep.train.config import CONF_DIR
 
 SMALL = ["trainer.steps=5", "optim.warmup_steps=2", "trainer.log_every=100", "data.seq_len=16", "trainer.device=cpu"]
@@ -36,14 +37,22 @@ def run(*overrides: str, model: dict | None = None) -> dict:
     model_ = result.pop("model")
     result["weights"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                          for n, p in model_.named_parameters()}  # NOTE: gathers expert shards (collective)
+    experts = full_state_dict_of_experts(model_)  # NOTE: collective; ModuleList experts, each from its owner
+    result["weights"] |= {n: experts[n] for n in expert_owners(model_)}
     metrics = Path(result["run_dir"]) / "metrics.jsonl"
     result["expert_load"] = [json.loads(line)["expert_load"] for line in metrics.read_text().splitlines()]
     return result
 
 
 def module_list_worker(rank: int, world_size: int, tmp: str) -> dict:
-    return run("parallel.ep_size=2", f"data.batch_size={GLOBAL_ROWS // world_size}", f"run_dir={tmp}/ml_ep2",
-               model=model_config())
+    rows = f"data.batch_size={GLOBAL_ROWS // world_size}"
+    out = run("parallel.ep_size=2", rows, "trainer.ckpt_every=2", f"run_dir={tmp}/ml_ep2", model=model_config())
+    # Resume at ep_size=1 (edp=2): every rank now owns every expert, read from the keys each owner wrote.
+    out["ep1"] = run("parallel.ep_size=1", rows, f"trainer.resume={tmp}/ml_ep2/checkpoints/step_00000002",
+                     f"run_dir={tmp}/ml_ep1_resumed", model=model_config())
+    out["fsdp2"] = run("parallel.ep_size=2", rows, "trainer.dense_sharding=fsdp2", f"run_dir={tmp}/ml_fsdp2",
+                       model=model_config())
+    return out
 
 
 def four_rank_worker(rank: int, world_size: int, tmp: str) -> dict:
@@ -66,10 +75,13 @@ def assert_same_training(a: dict, b: dict) -> None:
 def test_module_list_model_ep2_equals_single_process(tmp_path):
     ep2 = spawn(2, "test_train_worlds:module_list_worker", str(tmp_path))
     single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp_path}/ml_ep1", model=model_config())
-    assert any(".experts.gate_up_proj" in n for n in single["weights"])  # the recipe stacked the ModuleList
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in single["weights"]  # the ModuleList keeps its own names
     assert single["losses"][-1] < single["losses"][0]
+    resumed = {"losses": single["losses"][2:], "weights": single["weights"]}
     for rank in (0, 1):
         assert_same_training(ep2[rank], single)
+        assert_same_training(ep2[rank]["ep1"], resumed)
+        assert_same_training(ep2[rank]["fsdp2"], single)
     # Router load is counted for replaced-forward blocks too: every (token, top-k) pair of both layers, each step.
     pairs = GLOBAL_ROWS * 16 * 2 * 2
     assert [sum(step) for step in single["expert_load"]] == [pairs] * 5

@@ -45,6 +45,7 @@ from autoep.runtime import grads, state
 from autoep.runtime.apply import apply_plan, ep_mesh_of
 from autoep.runtime.export import export_hf
 from autoep.runtime.mesh import check_distributed, check_mesh, check_world, make_mesh, world_of
+from autoep.runtime.recipes.local_experts import expert_owners
 
 __all__ = ["ExpertParallel", "load_plan"]
 
@@ -128,7 +129,11 @@ class ExpertParallel:
         DDP ignore list: expert parameters are reduced by ``finish_gradients`` over ``edp``, never by DDP."""
         module = self.model if module is None else module
         experts = {id(p) for p in self.expert_parameters()}
-        names = [n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in experts]
+        # ModuleList experts: this rank's own and the other ranks' meta stand-ins (DDP would broadcast them).
+        tensors = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
+        experts |= {id(tensors[n]) for n in expert_owners(self.model) if n in tensors}
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        names = [n for n, p in named if id(p) in experts]
         setattr(module, DDP_IGNORE, sorted(set(getattr(module, DDP_IGNORE, ())) | set(names)))
 
     # -- gradients -------------------------------------------------------------------------------------------

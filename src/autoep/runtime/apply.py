@@ -7,8 +7,9 @@ Parameters after ``apply_plan``:
   - expert parameters (every parameter registered directly on ``block.experts``, dim 0 = expert) are
     ``nn.Parameter(DTensor)`` placed ``Shard(0)`` on ``ep`` (``Replicate()`` on ``edp``); each rank
     holds ``num_experts // ep_size`` whole experts; names are unchanged; ``.full_tensor()`` gathers.
-    ModuleList experts hold no direct parameters: their recipe stacks them and calls
-    ``shard_expert_tensor`` itself.
+    ModuleList/ModuleDict experts hold no direct parameters: their recipe keeps them as the model's own
+    modules, this rank's experts as they are and the others' as ``meta`` stand-ins
+    (``autoep.runtime.recipes.local_experts``; ``expert_owners(model)`` says which rank owns which key).
   - every other parameter stays a plain tensor (replicated; the trainer's FSDP/DDP owns it).
 
 Materialising after ``apply_plan`` (the trainer's job): a model built on ``meta`` gets meta DTensor

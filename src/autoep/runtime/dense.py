@@ -4,8 +4,8 @@
 world with one all-reduce after backward. ``fsdp2``: ``fully_shard`` each decoder layer (the parent of
 every planned MoE block) and then the root over a 1-D ``dp`` mesh of the whole world; dense parameters
 become ``Shard(0)`` DTensors on ``dp``, gathered per layer for forward/backward and reduce-scattered in
-backward. Expert parameters (``Shard(0)`` on ``ep``, placed by ``apply_plan``) are handed to FSDP as
-``ignored_params``: FSDP never gathers or reduces them, and ``grads.reduce_grads`` still sums their grads
+backward. Expert parameters (``Shard(0)`` on ``ep``, or ModuleList experts placed by ``apply_plan``) are handed
+to FSDP as ``ignored_params``: FSDP never gathers or reduces them, and ``grads.reduce_grads`` still sums their grads
 over ``edp``.
 
 Gradient scale: each rank backpropagates ``loss_r / (W * accum)`` (see ``autoep.runtime.grads``), so dense grads
@@ -34,7 +34,10 @@ def shard_dense(model: nn.Module, block_names: list[str], world: int, device: to
     """
     # NOTE: collective; a 1-D mesh over the world (one new process group) for the dense shards.
     dp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    ignored = {p for p in model.parameters() if is_expert(p)}
+    from autoep.runtime.recipes.local_experts import expert_owners
+
+    module_experts = expert_owners(model)  # ModuleList experts: this rank's own and the meta stand-ins of others
+    ignored = {p for n, p in model.named_parameters() if is_expert(p) or n in module_experts}
     layers = {name.rpartition(".")[0] for name in block_names if "." in name}
     for name in sorted(layers):
         fully_shard(model.get_submodule(name), mesh=dp_mesh, ignored_params=ignored)

@@ -63,6 +63,10 @@ def can_use_grouped_mm(x_SD: Tensor, w_LIO: Tensor) -> bool:
     """Whether ``grouped_mm(x, w)`` (w viewed as (L, in, out)) runs on this device, dtype and layout."""
     if _grouped_mm_op is None or x_SD.dtype != w_LIO.dtype:
         return False
+    if 0 in w_LIO.shape[1:]:
+        # A zero-width expert (in or out size 0; a tiny config can give one): the kernels read the strides of
+        # an empty operand and refuse them ("strides should be multiple of 16 bytes"). The loop is exact.
+        return False
     if x_SD.device.type == "cuda":
         # CUDA kernels: bf16 only in every torch that has them; sm80+.
         if w_LIO.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x_SD.device) < (8, 0):

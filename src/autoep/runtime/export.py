@@ -29,7 +29,7 @@ log = logging.getLogger("autoep.export")
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """Every parameter and persistent buffer, full, on CPU, in the model's own layout; tied ones once.
     A collective over the expert (and FSDP2) meshes: every rank calls it, in the same order."""
-    from autoep.runtime.recipes.module_list import module_list_state_dict
+    from autoep.runtime.recipes.local_experts import full_state_dict_of_experts
 
     first_name: dict[int, str] = {}
     tied = set()
@@ -38,7 +38,7 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
             tied.add(name)
         first_name.setdefault(id(p), name)
     state = {}
-    for name, value in module_list_state_dict(model).items():
+    for name, value in full_state_dict_of_experts(model).items():
         if name in tied:
             continue
         if isinstance(value, DTensor):

@@ -28,17 +28,21 @@ from torch.distributed.tensor import DTensor
 
 from autoep.runtime.dense import is_expert
 from autoep.runtime.recipes import local_tensor
+from autoep.runtime.recipes.local_experts import local_expert_names
 
 CONVENTIONS = ("mean", "sum")
 
 
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense, expert) trainable parameters; experts are the DTensors ``apply_plan`` sharded on ``ep``
-    (dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under ``trainer.dense_sharding=fsdp2``)."""
+    """(dense, expert) trainable parameters; experts are the DTensors ``apply_plan`` sharded on ``ep`` and this
+    rank's own module experts (plain tensors, ``autoep.runtime.recipes.local_experts``; the other ranks' are
+    frozen ``meta`` stand-ins, left out). Dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under
+    ``trainer.dense_sharding=fsdp2``."""
+    own = local_expert_names(model)
     dense, expert = [], []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (expert if is_expert(p) else dense).append(p)
+            (expert if is_expert(p) or name in own else dense).append(p)
     return dense, expert
 
 

@@ -102,6 +102,12 @@ def after_block(block: nn.Module, name: str, held: list[_Held], experts_path: st
     run it): the state is named, never dropped. ``requires_grad`` must come through unchanged."""
     cls = type(block).__name__
     now = {id(p) for p in block.parameters()}
+    # ModuleList experts another ep rank owns are meta stand-ins here: their tensors, and hooks on them, live
+    # (and run) on the owner, which keeps them as they are.
+    from autoep.runtime.recipes.local_experts import remote_names  # recipes import apply, which imports this
+
+    remote = {f"{name}.{n}" for n in remote_names(block)}
+    held = [h for h in held if h.name not in remote]
     for h in held:
         if h.state and id(h.tensor) not in now:
             raise UnsupportedModuleStructure(cls, f"{h.name} carries {' and '.join(h.state)}; autoep replaces it by "
@@ -109,7 +115,8 @@ def after_block(block: nn.Module, name: str, held: list[_Held], experts_path: st
                                              f"Register them after apply_plan, on the parameters it leaves")
     experts = _experts(block, experts_path)
     before = {h.tensor.requires_grad for h in held}
-    after = {p.requires_grad for p in experts.parameters()} if experts is not None else before
+    after = {p.requires_grad for n, p in block.named_parameters()
+             if n.startswith(f"{experts_path}.") and f"{name}.{n}" not in remote} if experts is not None else before
     if held and after != before:
         raise UnsupportedModuleStructure(cls, f"{name}.{experts_path}: requires_grad was {sorted(before)} before autoep "
                                          f"replaced the expert parameters and is {sorted(after)} after")

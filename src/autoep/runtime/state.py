@@ -37,6 +37,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from autoep.errors import CheckpointError
+from autoep.runtime.recipes.local_experts import (
+    expert_owners,
+    gather_expert_optim_state,
+    gather_experts,
+    owned_optim_state,
+    remote_experts_hidden,
+    spec_of,
+)
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -75,8 +83,9 @@ def save_sharded(path, model: nn.Module, optimizer=None, *, per_rank: Callable[[
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed save
         tmp.mkdir(parents=True)
     barrier()
-    state = {"model": get_model_state_dict(model)} if optimizer is None else dict(
-        zip(("model", "optim"), get_state_dict(model, optimizer)))
+    with remote_experts_hidden(model):  # ModuleList experts: each saved by the ranks owning it (DCP dedups edp)
+        state = {"model": get_model_state_dict(model)} if optimizer is None else dict(
+            zip(("model", "optim"), get_state_dict(model, optimizer)))
     with single_process_quiet():
         dcp.save(state, checkpoint_id=str(tmp))
     if per_rank is not None:
@@ -97,10 +106,11 @@ def load_sharded(path, model: nn.Module, optimizer=None, *, key: str = "path", f
     if not (path / ".metadata").is_file():
         what = "no such checkpoint directory" if not path.is_dir() else "incomplete (no DCP .metadata)"
         raise CheckpointError(f"{key}={str(path)!r}: {what}; {fix}")
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-    else:
-        state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+    with remote_experts_hidden(model):  # ModuleList experts: each rank reads the ones it owns now
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+        else:
+            state = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     try:
         with single_process_quiet():
             dcp.load(state, checkpoint_id=str(path))
@@ -108,26 +118,41 @@ def load_sharded(path, model: nn.Module, optimizer=None, *, key: str = "path", f
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise CheckpointError(f"{key}={str(path)!r}: DCP load failed, the checkpoint is damaged or of another model "
                               f"or optimiser ({type(e).__name__}: {first}); {fix}") from None
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with remote_experts_hidden(model):
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def full_model_state(model: nn.Module) -> dict:
-    """Every parameter and buffer at its full shape (experts gathered), the model's own names, on every rank."""
-    return get_model_state_dict(model, options=FULL)
+    """Every parameter and buffer at its full shape (experts gathered; ModuleList experts each from the rank
+    owning it), the model's own names, on every rank. A collective."""
+    with remote_experts_hidden(model):
+        state = get_model_state_dict(model, options=FULL)
+    for name, block in model.named_modules():
+        if spec_of(block) is not None:
+            prefix = f"{name}." if name else ""
+            state.update({prefix + k: v for k, v in gather_experts(block).items()})  # NOTE: collective over ep
+    return {k: state[k] for k in model.state_dict()}  # the model's own key order
 
 
 def load_full_model_state(model: nn.Module, state: dict) -> None:
-    """The inverse of ``full_model_state``: each expert tensor sliced back to this rank's shard (strict)."""
-    set_model_state_dict(model, state, options=FULL)
+    """The inverse of ``full_model_state``: each expert tensor sliced back to this rank's shard, ModuleList
+    experts other ranks own skipped (strict: every other key must be there, nothing else)."""
+    remote = {k for k, place in expert_owners(model).items() if not place.local}
+    with remote_experts_hidden(model):
+        set_model_state_dict(model, {k: v for k, v in state.items() if k not in remote}, options=FULL)
 
 
 def full_optim_state(model: nn.Module, optimizer) -> dict:
-    """The optimiser's state keyed by parameter name, expert moments gathered to full shape, on every rank."""
-    return get_optimizer_state_dict(model, optimizer, options=FULL)
+    """The optimiser's state keyed by parameter name, expert moments gathered to full shape (ModuleList experts'
+    from the rank owning them), on every rank. A collective."""
+    with remote_experts_hidden(model):
+        state = get_optimizer_state_dict(model, optimizer, options=FULL)
+    return gather_expert_optim_state(model, state)
 
 
 def load_full_optim_state(model: nn.Module, optimizer, state: dict) -> None:
-    set_optimizer_state_dict(model, optimizer, state, options=FULL)
+    with remote_experts_hidden(model):
+        set_optimizer_state_dict(model, optimizer, owned_optim_state(model, state), options=FULL)

@@ -6,7 +6,6 @@ plain values; only ``autoep.train.trainer`` reads the config.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -15,8 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from autoep.errors import ConfigError
-from autoep.runtime.recipes.module_list import StackedSwiGLUExperts
-from autoep.train.pretrained import expert_rows
+from autoep.runtime.recipes.local_experts import register_counts_hook, spec_of
 
 
 def causal_lm_loss(model: nn.Module, input_ids_BL: Tensor, aux_loss_coef: float = 0.0) -> Tensor:
@@ -47,9 +45,9 @@ class ExpertLoad:
     """Counts tokens per routed expert, summed over layers and ranks.
 
     Blocks that keep their own forward call ``experts(hidden, top_k_index, ...)``: this rank's routed
-    (token, expert) pairs are counted there. Blocks whose whole forward the module_list recipe replaced
-    call ``experts(x_SD, tokens_per_local_expert)`` on the rows the exchange brought to this rank's own
-    experts: those counts land at the rank's expert offset. Blocks calling grouped experts
+    (token, expert) pairs are counted there. Blocks whose expert loop the module_list recipe replaced report
+    the rows the exchange brought to this rank's own experts (``register_counts_hook``): those counts land at
+    the rank's expert offset. Blocks calling grouped experts
     ``experts(x_sorted, num_tokens_per_expert)`` pass this rank's counts per expert: added as they are.
     Experts called on E equal groups of rows (Llama-4's ``experts(rows)``, each token once per expert,
     pre-scaled by its score): the rows of group e that are not all zero are the tokens routed to e.
@@ -61,17 +59,16 @@ class ExpertLoad:
         self.counts_E = torch.zeros(num_experts, dtype=torch.long)
         self.layers = 0
         for name in block_names:
-            experts = getattr(model.get_submodule(name), "experts", None)
-            if isinstance(experts, StackedSwiGLUExperts):
-                rows = expert_rows(experts.gate_up_proj)
-                experts.register_forward_pre_hook(functools.partial(self._local_hook, rows.start if rows else 0))
+            block = model.get_submodule(name)
+            experts = getattr(block, "experts", None)
+            if spec_of(block) is not None:
+                register_counts_hook(block, self._local_hook)
                 self.layers += 1
             elif isinstance(experts, nn.Module):
                 experts.register_forward_pre_hook(self._hook, with_kwargs=True)
                 self.layers += 1
 
-    def _local_hook(self, first_expert: int, module, args):
-        tokens_per_local_expert = args[1]
+    def _local_hook(self, first_expert: int, tokens_per_local_expert: Tensor):
         self.counts_E[first_expert:first_expert + len(tokens_per_local_expert)] += tokens_per_local_expert.detach().cpu()
 
     def _hook(self, module, args, kwargs):

@@ -16,8 +16,8 @@ What is read from where:
     same mapping is read, not run: its renamings are applied to the keys, and each converter made of
     ``MergeModulelist(dim=0)`` [+ ``Concatenate(dim=d)``] becomes "stack these per-expert keys for my
     experts, then concatenate the parts on dim d". Any other converter that matches a key is refused.
-  - experts a ``module_list`` recipe stacked (``StackedSwiGLUExperts``) from a checkpoint in the
-    model's own ``experts.{e}.{gate|up|down}.weight`` layout, the same way.
+  - ModuleList/ModuleDict experts (``module_list`` recipe) keep the model's own names: a rank reads its own
+    experts' keys and never the others' (their parameters stay ``meta`` stand-ins; ``local_experts``).
   - non-persistent buffers (rotary ``inv_freq``) are in no checkpoint: ``parameters_on_meta`` lets the
     modules' own ``__init__`` compute them for real, and ``materialise`` keeps them.
   - tied parameters (``lm_head.weight`` is ``embed_tokens.weight``) stay one tensor, read once.
@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoep.errors import ConfigError
 from autoep.runtime.recipes import local_tensor
+from autoep.runtime.recipes.local_experts import expert_owners
 
 log = logging.getLogger(__name__)
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -91,18 +92,29 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
+def _remote_ids(model: nn.Module) -> set[int]:
+    """Tensors of experts another ep rank owns (``meta`` stand-ins this rank never allocates)."""
+    remote = {k for k, place in expert_owners(model).items() if not place.local}
+    if not remote:
+        return set()
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    return {id(tensors[k]) for k in remote if k in tensors}
+
+
 def materialise(model: nn.Module, device) -> None:
-    """Allocate every meta parameter (uninitialised) on ``device``; a parameter shared by several modules
-    (tied embeddings) stays one tensor. Real buffers move to ``device`` with their values."""
+    """Allocate every meta parameter (uninitialised) on ``device``, except the ``meta`` stand-ins of experts
+    another ep rank owns; a parameter shared by several modules (tied embeddings) stays one tensor. Real
+    buffers move to ``device`` with their values."""
     allocated: dict[int, nn.Parameter] = {}
+    remote = _remote_ids(model)
     for module in model.modules():
         for name, p in module._parameters.items():
-            if p is not None and p.is_meta:
+            if p is not None and p.is_meta and id(p) not in remote:
                 if id(p) not in allocated:
                     allocated[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                 module._parameters[name] = allocated[id(p)]
         for name, b in module._buffers.items():
-            if b is not None:
+            if b is not None and id(b) not in remote:
                 module._buffers[name] = torch.empty_like(b, device=device) if b.is_meta else b.to(device)
 
 
@@ -252,29 +264,7 @@ def source_map(model: nn.Module, keys: list[str]) -> dict[str, str | PerExpert]:
                 break
         else:
             sources[renamed] = key
-    stacked = _stacked_module_list_sources(model, sources)
-    for entry in stacked.values():
-        for part in entry.parts:
-            for key in part.values():
-                sources.pop(key)
-    sources.update(stacked)
     return sources
-
-
-def _stacked_module_list_sources(model: nn.Module, sources: dict) -> dict[str, PerExpert]:
-    """Experts a module_list recipe stacked, read from the model's own ``experts.{e}.{proj}.weight`` keys."""
-    from autoep.runtime.recipes.module_list import StackedSwiGLUExperts
-
-    found = {}
-    for name, sub in model.named_modules():
-        if not isinstance(sub, StackedSwiGLUExperts) or f"{name}.gate_up_proj" in sources:
-            continue
-        gate, up, down = sub.proj_names
-        per_expert = {n: {e: f"{name}.{e}.{n}.weight" for e in range(sub.num_experts)} for n in (gate, up, down)}
-        if all(k in sources for part in per_expert.values() for k in part.values()):
-            found[f"{name}.gate_up_proj"] = PerExpert([per_expert[gate], per_expert[up]], concat_dim=1)
-            found[f"{name}.down_proj"] = PerExpert([per_expert[down]])
-    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +303,11 @@ def load_pretrained(model: nn.Module, path, device) -> dict:
     sources = source_map(model, ckpt.keys())
     materialise(model, device)
     missing, used, own, num_experts = [], 0, set(), None
+    owners = expert_owners(model)
     for name, tensor in _state_tensors(model):
+        place = owners.get(name)
+        if place is not None and not place.local:
+            continue  # another ep rank's expert: never read here
         source = sources.get(name)
         if source is None:
             missing.append(name)
@@ -336,6 +330,10 @@ def load_pretrained(model: nn.Module, path, device) -> dict:
     if missing:
         raise PretrainedError(f"model.pretrained_path={str(path)!r} lacks {len(missing)} tensors the model has, "
                               f"e.g. {missing[:3]}; it was saved from another model, point it at a matching checkpoint")
+    if owners and not own:  # module experts (module_list recipe): this rank's own ids, whole expert keys
+        ids = sorted({p.expert for p in owners.values() if p.local})
+        num_experts = 1 + max(p.expert for p in owners.values())
+        own = {(ids[0], ids[-1] + 1)} if ids and len(ids) < num_experts else set()
     experts = sorted(own)[0] if len(own) == 1 else None
     log.info("loaded %d model tensors from %s: read %d checkpoint tensors, %.2f MiB%s", used, path, ckpt.tensors_read,
              ckpt.bytes_read / 2**20, f"; experts {experts[0]}-{experts[1] - 1} of {num_experts} (this rank's own)"

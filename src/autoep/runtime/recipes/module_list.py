@@ -1,21 +1,18 @@
-"""Recipe for v4-style MoE blocks: routing written in the block, a ``ModuleList`` of SwiGLU experts
-called in a per-expert loop.
+"""Recipe for v4-style MoE blocks: routing written in the block, a ``ModuleList`` (or ``ModuleDict``) of expert
+modules called in a per-expert loop.
 
 The block's own forward runs: autoep recompiles the method holding the proven expert loop from its own
 source, globals and closure with only that loop replaced by a call into ``ep_experts_forward``
 (``autoep.detect.splice``). Routing, jitter, scaling, the shared branch, aux losses and the return structure
 are the model's own code; this module holds no routing code.
 
-Expert storage changes once, at apply time: the ``ModuleList`` is replaced by ``StackedSwiGLUExperts``
-holding ``experts.gate_up_proj`` (E, 2F, D) = [gate | up] and ``experts.down_proj`` (E, D, F), the
-transformers v5 names and layout. After apply these stacked parameters are the trained ones (the
-per-expert ``experts.{e}.gate_proj.weight`` names no longer exist); their gradients equal the
-per-expert gradients of the original layout, stacked. ``unstack_module_list_experts`` writes them
-back in the model's own layout for checkpoints; ``load_module_list_experts`` reads that layout in.
+The experts stay the model's own modules (``autoep.runtime.recipes.local_experts``): parameter names and
+``state_dict()`` keys are unchanged, each rank keeps its local experts' own parameter objects and holds
+``meta`` stand-ins for the others, and after the exchange each local expert's own forward runs on its rows,
+or, where the experts are proven bias-free SwiGLUs, the grouped-GEMM fast path on their own weights.
 
-Agreement with ``apply_plan``: it shards only parameters registered directly on ``block.experts``, and
-a ModuleList has none, so it shards nothing here; this factory stacks the experts and shards the
-stacked parameters itself with ``autoep.runtime.apply.shard_expert_tensor`` (local slice, no communication).
+Agreement with ``apply_plan``: it shards only parameters registered directly on ``block.experts``, and a
+ModuleList has none, so it shards nothing here; this factory places the experts itself (no communication).
 
 Shape legend: T tokens on this rank, K top-k, D hidden, F expert intermediate size, E routed experts,
 S (token, expert) rows grouped by local expert.
@@ -29,204 +26,15 @@ import types
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autoep.detect.module_list_proof import module_list_facts, module_list_plan
 from autoep.detect.source import Refusal
 from autoep.detect.splice import compile_spliced
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
-from autoep.runtime.apply import shard_expert_tensor
 from autoep.runtime.dispatch import ep_experts_forward, ep_grouped_forward
-from autoep.runtime.experts import glu_gate, grouped_swiglu
-from autoep.runtime.recipes import ep_group_of, join_backward_exchanges, local_tensor, watching_facts
-
-
-class StackedSwiGLUExperts(nn.Module):
-    """The block's experts stacked once: ``down(act(gate(x)) * up(x))`` per expert, grouped compute.
-
-    ``gate_up_proj`` (E, 2F, D) and ``down_proj`` (E, D, F) are the expert parameters (dim 0 = expert,
-    sharded ``Shard(0)`` over ep). ``proj_names`` and ``act_fn`` remember the original layout.
-    """
-
-    def __init__(self, gate_up_EFD: Tensor, down_EDF: Tensor, act_fn: nn.Module, proj_names: tuple[str, ...],
-                 identity_experts: int = 0):
-        super().__init__()
-        self.num_experts = gate_up_EFD.shape[0]
-        self.identity_experts = identity_experts  # trailing zero-compute experts: ids [E, E + this) add w * x
-        self.gate_up_proj = nn.Parameter(gate_up_EFD, requires_grad=gate_up_EFD.requires_grad)
-        self.down_proj = nn.Parameter(down_EDF, requires_grad=down_EDF.requires_grad)
-        self.act_fn = act_fn
-        self.proj_names = proj_names
-
-    def __len__(self) -> int:  # the block's own code may still read len(self.experts)
-        return self.num_experts + self.identity_experts
-
-    def forward(self, x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
-        """Rows of ``x_SD`` grouped by this rank's local experts -> their outputs (S, D)."""
-        return grouped_swiglu(
-            x_SD,
-            tokens_per_local_expert,
-            local_tensor(self.gate_up_proj),
-            local_tensor(self.down_proj),
-            apply_gate=glu_gate(self.act_fn),
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Stacking (apply time) and unstacking (checkpoints)
-# ---------------------------------------------------------------------------------------------
-
-
-def _proj_names(module: nn.Module, structure: dict) -> tuple[str, str, str]:
-    """(gate, up, down) projection names the detector proved, e.g. ``gate_proj,up_proj,down_proj``."""
-    names = tuple(structure.get("expert_projs") or ())
-    if len(names) != 3 or not all(names):
-        reason = f"structure.expert_projs={structure.get('expert_projs')!r}; expected [gate, up, down] names"
-        raise UnsupportedModuleStructure(type(module).__name__, reason)
-    return names
-
-
-_ACT_MODULES = {"silu": nn.SiLU, "relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh}
-
-
-def _act_fn(module: nn.Module, structure: dict) -> nn.Module:
-    """The experts' activation the detector proved: their own ``act_fn`` module, or ``F.silu``."""
-    act = structure.get("expert_act")
-    if act in _ACT_MODULES:
-        return _ACT_MODULES[act]()
-    if act != "act_fn":
-        reason = f"structure.expert_act={act!r}; expected act_fn or silu"
-        raise UnsupportedModuleStructure(type(module).__name__, reason)
-    act_fn = module.experts[0].act_fn
-    if any(True for _ in act_fn.parameters()):
-        # A learnable activation would be a dense parameter under `experts`, which is sharded as expert.
-        raise UnsupportedModuleStructure(type(module).__name__, "the experts' act_fn has parameters")
-    return act_fn
-
-
-def stack_module_list_experts(module: nn.Module, *, structure: dict) -> None:
-    """Replace ``module.experts`` (a ModuleList of SwiGLU experts) by ``StackedSwiGLUExperts``.
-
-    Works on meta (no allocation beyond the stacked tensors' own). Idempotent: already stacked
-    experts are left alone. ``structure`` supplies ``expert_projs`` and ``expert_act`` as the
-    detector proved them; biased or non-Linear projections raise ``UnsupportedModuleStructure``.
-    """
-    experts = module.experts
-    if isinstance(experts, StackedSwiGLUExperts):
-        return
-    names = _proj_names(module, structure)
-    identities = int(structure.get("identity_experts", 0))
-    experts = list(experts)[: len(experts) - identities]
-    if any(type(e) is nn.Identity for e in experts) or not all(type(e) is nn.Identity for e in module.experts[len(experts):]):
-        reason = f"structure.identity_experts={identities} does not match the trailing nn.Identity experts"
-        raise UnsupportedModuleStructure(type(module).__name__, reason)
-    for e, expert in enumerate(experts):
-        for n in names:
-            lin = getattr(expert, n, None)
-            if type(lin) is not nn.Linear or lin.bias is not None:
-                reason = f"experts[{e}].{n} is not a bias-free nn.Linear"
-                raise UnsupportedModuleStructure(type(module).__name__, reason)
-            if isinstance(lin.weight, DTensor):
-                raise UnsupportedModuleStructure(
-                    type(module).__name__, "ModuleList experts are already DTensors; stack them before sharding"
-                )
-    gate, up, down = names
-    # Layout change, once: [gate | up] along the output dim, then experts along a new dim 0.
-    with torch.no_grad():
-        gate_up_EFD = torch.stack([torch.cat([getattr(x, gate).weight, getattr(x, up).weight]) for x in experts])
-        down_EDF = torch.stack([getattr(x, down).weight for x in experts])
-    grad = any(p.requires_grad for x in experts for p in x.parameters())
-    module.experts = StackedSwiGLUExperts(
-        gate_up_EFD.requires_grad_(grad), down_EDF.requires_grad_(grad), _act_fn(module, structure), names,
-        identity_experts=identities,
-    )
-
-
-def _full(t: Tensor) -> Tensor:
-    # NOTE: collective over ep for a DTensor (all-gather of the expert shards); every ep rank must call.
-    full_tensor = getattr(t, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else t
-
-
-def unstack_module_list_experts(module: nn.Module, *, grad: bool = False) -> dict[str, Tensor]:
-    """The stacked experts (or, ``grad=True``, their gradients) in the model's own ModuleList layout:
-    ``{"experts.{e}.{gate_proj|up_proj|down_proj}.weight": full tensor}`` relative to the block.
-
-    Gathers the expert shards (a collective: every rank of the ep group must call it).
-    """
-    experts: StackedSwiGLUExperts = module.experts
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    if grad:
-        gate_up, down = gate_up.grad, down.grad
-    gate_up_EFD, down_EDF = _full(gate_up).detach(), _full(down).detach()
-    gate, up, down_name = experts.proj_names
-    F_ = down_EDF.shape[-1]
-    out = {}
-    for e in range(experts.num_experts):
-        out[f"experts.{e}.{gate}.weight"] = gate_up_EFD[e, :F_]
-        out[f"experts.{e}.{up}.weight"] = gate_up_EFD[e, F_:]
-        out[f"experts.{e}.{down_name}.weight"] = down_EDF[e]
-    return out
-
-
-def _stacked_blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """``{state-dict key prefix of the block: block}`` for every block whose experts this recipe stacked."""
-    blocks = {}
-    for name, sub in model.named_modules():
-        if isinstance(sub, StackedSwiGLUExperts):
-            parent = name.rpartition(".")[0]
-            blocks[f"{parent}." if parent else ""] = model.get_submodule(parent)
-    return blocks
-
-
-def module_list_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """``model.state_dict()`` with every stacked block's experts back in the model's own ModuleList
-    layout (full tensors): what a checkpoint in the model's own format holds. A collective over ep."""
-    blocks = _stacked_blocks(model)
-    state = {
-        k: v for k, v in model.state_dict().items() if not any(k.startswith(p + "experts.") for p in blocks)
-    }
-    for prefix, block in blocks.items():
-        state.update({prefix + k: v for k, v in unstack_module_list_experts(block).items()})
-    return state
-
-
-def load_module_list_state_dict(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Fill every stacked block's experts (this rank's shard) from a state dict in the model's own
-    layout; return the remaining entries for ``model.load_state_dict(rest, strict=False)``."""
-    rest = dict(state)
-    for prefix, block in _stacked_blocks(model).items():
-        mine = {k[len(prefix) :]: rest.pop(k) for k in list(rest) if k.startswith(prefix + "experts.")}
-        load_module_list_experts(block, mine)
-    return rest
-
-
-def load_module_list_experts(module: nn.Module, state: dict[str, Tensor]) -> None:
-    """Copy ModuleList-layout expert weights (keys as ``unstack_module_list_experts`` writes them)
-    into the stacked parameters; a sharded parameter takes only this rank's experts."""
-    experts: StackedSwiGLUExperts = module.experts
-    gate, up, down = experts.proj_names
-    weight = [{n: state[f"experts.{e}.{n}.weight"] for n in (gate, up, down)} for e in range(experts.num_experts)]
-    gate_up_EFD = torch.stack([torch.cat([w[gate], w[up]]) for w in weight])
-    down_EDF = torch.stack([w[down] for w in weight])
-    for param, full in ((experts.gate_up_proj, gate_up_EFD), (experts.down_proj, down_EDF)):
-        if isinstance(param, DTensor):
-            # This rank's slice under the parameter's own placements; local, no communication.
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        with torch.no_grad():
-            local_tensor(param).copy_(full)
-
-
-def shard_stacked_experts(module: nn.Module, ep_mesh) -> None:
-    """Make the stacked expert parameters ``Shard(0)`` DTensors over ``ep_mesh`` unless they already are
-    (``apply_plan`` shards only parameters registered directly on ``block.experts``; a ModuleList has none)."""
-    experts = module.experts
-    for name in ("gate_up_proj", "down_proj"):
-        param = getattr(experts, name)
-        if ep_mesh is not None and not isinstance(param, DTensor):
-            setattr(experts, name, shard_expert_tensor(param, ep_mesh, name=f"{type(module).__name__}.experts.{name}"))
-
+from autoep.runtime.recipes import ep_group_of, experts_of, join_backward_exchanges, watching_facts
+from autoep.runtime.recipes.local_experts import _ACTIVATIONS, local_expert_fn, place_experts, spec_of
 
 # ---------------------------------------------------------------------------------------------
 # The spliced expert loop and the factory
@@ -240,17 +48,18 @@ def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK:
     _check_no_alias(module, acc, x_TD, top_k_index_TK, top_k_weights_TK)
     if add_at_rows:
         _check_each_expert_once(module, top_k_index_TK)
+    spec = spec_of(module)
     out_TD = ep_experts_forward(
         x_TD,
         top_k_index_TK,
         top_k_weights_TK,
-        num_experts=module.experts.num_experts,
+        num_experts=spec.num_experts,
         ep_group=ep_group,
-        expert_fn=module.experts,
+        expert_fn=local_expert_fn(module),
         out_dtype=torch.float32 if acc.dtype == torch.float32 else acc.dtype,
         acc_dtype=acc.dtype,  # a narrower accumulator is summed as the loop sums it (expert order, rounding)
     )
-    if module.experts.identity_experts:
+    if spec.identity_experts:
         out_TD = out_TD + _identity_experts(module, acc, x_TD, top_k_index_TK, top_k_weights_TK)
     rows_T = torch.arange(top_k_index_TK.shape[0], device=acc.device)
     acc.index_add_(0, rows_T, out_TD.to(acc.dtype))
@@ -261,10 +70,10 @@ def ep_split_loop(module: nn.Module, rows_SD: Tensor, counts, *, ep_group, empty
     contiguous rows of expert e, in expert order, each through its expert, concatenated, with the experts
     spread over ``ep_group``. Python's slicing is kept: slices past the last row are cut short, and rows
     past the last slice are not in the result."""
-    E = module.experts.num_experts
+    E = spec_of(module).num_experts
     counts_E = _slice_counts(module, torch.as_tensor(counts).to(device=rows_SD.device, dtype=torch.long),
                              rows_SD.shape[0], E)
-    out_SD = ep_grouped_forward(rows_SD, counts_E, num_experts=E, ep_group=ep_group, expert_fn=module.experts)
+    out_SD = ep_grouped_forward(rows_SD, counts_E, num_experts=E, ep_group=ep_group, expert_fn=local_expert_fn(module))
     if empty_1d and out_SD.shape[0] == 0:
         # The block's own ``rows.new_empty(0)``, as a view of the exchange's output: a rank without rows
         # must stay in the autograd graph, or it would skip the exchange's backward and hang its peers.
@@ -280,7 +89,8 @@ def ep_masked_loop(module: nn.Module, y_SD: Tensor, x_SD: Tensor, ids_S: Tensor,
         raise RuntimeError(f"{type(module).__name__}: its masked expert loop reads ids {tuple(ids_S.shape)} for "
                            f"rows {tuple(x_SD.shape)}; autoep's exchange needs one id per row of (rows, hidden)")
     _check_no_alias(module, y_SD, x_SD, ids_S)
-    E = module.experts.num_experts
+    spec = spec_of(module)
+    E = spec.num_experts
     # ``ids == e`` holds for an integer-valued id of any dtype (2.0 == 2), never for 2.5 or nan.
     ids_long_S = ids_S.long()
     whole_S = ids_long_S == ids_S
@@ -288,11 +98,11 @@ def ep_masked_loop(module: nn.Module, y_SD: Tensor, x_SD: Tensor, ids_S: Tensor,
     send_S1 = torch.where(routed_S, ids_long_S, torch.full_like(ids_long_S, E)).unsqueeze(1)  # E: padding
     ones_S1 = torch.ones((ids_S.shape[0], 1), dtype=torch.float32, device=x_SD.device)
     out_SD = ep_experts_forward(x_SD, send_S1, ones_S1, num_experts=E, ep_group=ep_group,
-                                expert_fn=module.experts, out_dtype=x_SD.dtype)
+                                expert_fn=local_expert_fn(module), out_dtype=x_SD.dtype)
     # y * 1.0 in fp32 and back is exact: out_SD holds each routed row's own expert output.
     y_SD[routed_S] = out_SD[routed_S]
-    if module.experts.identity_experts:
-        identity_S = whole_S & (ids_long_S >= E) & (ids_long_S < E + module.experts.identity_experts)
+    if spec.identity_experts:
+        identity_S = whole_S & (ids_long_S >= E) & (ids_long_S < E + spec.identity_experts)
         y_SD[identity_S] = x_SD[identity_S]
 
 
@@ -321,8 +131,9 @@ def _identity_experts(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_
         # The loop would round each identity product into the narrow accumulator in expert order.
         raise RuntimeError(f"{type(module).__name__}: identity experts with a {acc.dtype} accumulator; autoep "
                            "sums identity experts only into a float32 accumulator")
-    E = module.experts.num_experts
-    is_identity_TK = (top_k_index_TK >= E) & (top_k_index_TK < E + module.experts.identity_experts)
+    spec = spec_of(module)
+    E = spec.num_experts
+    is_identity_TK = (top_k_index_TK >= E) & (top_k_index_TK < E + spec.identity_experts)
     # The loop reads x at the ids' token rows, which are the first T rows (as the exchange does). Copies:
     # the product saves them for backward, and the model may edit its own tensors in place after the loop.
     contrib_TKD = x_TD[: top_k_index_TK.shape[0]].clone().unsqueeze(1) * top_k_weights_TK.clone().unsqueeze(-1)
@@ -352,19 +163,24 @@ def _check_no_alias(module: nn.Module, acc: Tensor, *read: Tensor) -> None:
                            "reads (x, expert ids or weights); autoep cannot run that loop as an exchange")
 
 
-def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructure) -> None:
+def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructure, fast_path: bool = True) -> None:
     """Make a v4-style block EP-ready in place (factory contract: ``autoep.runtime.recipes``).
 
-    Proves the block's expert loop (refusing what it cannot prove), stacks the experts, shards them
-    ``Shard(0)`` over ``ep_mesh`` (``None``: no exchange; ``PlanError`` where ep_size does not divide the
-    expert count), and binds the block's own method recompiled with only that loop replaced by the
-    exchange: routing, jitter, shared branch and return are the model's own code.
+    Proves the block's expert loop (refusing what it cannot prove), places the experts (this rank keeps its
+    own, the others become ``meta`` stand-ins; ``PlanError`` where ep_size does not divide the expert count;
+    ``ep_mesh=None``: no exchange), and binds the block's own method recompiled with only that loop replaced by
+    the exchange: routing, jitter, shared branch and return are the model's own code. ``fast_path=False``
+    runs the experts' own forward even where the grouped GEMM is proven to compute the same.
     """
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
     with watching_facts(module):
         plans = validate(module, structure=structure)
-    stack_module_list_experts(module, structure=structure)
-    shard_stacked_experts(module, ep_mesh)
+    identities = int(structure.get("identity_experts", 0))
+    container = experts_of(module, structure)
+    place_experts(module, path=structure.get("experts_path", "experts"), num_experts=len(container) - identities,
+                  identity_experts=identities,
+                  ep_mesh=ep_mesh, swiglu=_swiglu(module, structure), act=str(structure.get("expert_act") or ""),
+                  fast_path=fast_path, name=type(module).__name__)
     ep_group = ep_group_of(ep_mesh)
     join_backward_exchanges(module, ep_mesh)
     for method in dict.fromkeys(plan.method for plan in plans):
@@ -374,6 +190,21 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
             spliced = torch.no_grad()(spliced)  # the method's own (only) decorator, proven by the detector
         # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run.
         setattr(module, method, types.MethodType(spliced, module))
+
+
+def _swiglu(module: nn.Module, structure: dict) -> tuple[str, str, str] | None:
+    """(gate, up, down) where the grouped-GEMM fast path may run: the experts are proven bias-free SwiGLUs
+    (``expert_kind`` "swiglu", three projections, an activation the fast path can apply), else None."""
+    names = tuple(structure.get("expert_projs") or ())
+    act = structure.get("expert_act")
+    if structure.get("expert_kind", "swiglu") != "swiglu" or len(names) != 3 or not all(names):
+        return None
+    if act == "act_fn":
+        first = next(iter(experts_of(module, structure).children()))
+        if any(True for _ in getattr(first, "act_fn", nn.Identity()).parameters()):
+            return None  # a learnable activation differs per expert: only their own forwards apply it
+        return names
+    return names if act in _ACTIVATIONS else None
 
 
 def _region_fn(plan, ep_group):
@@ -391,8 +222,8 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_):
     ones. Returns the splice plans (one per expert region); raises ``UnsupportedModuleStructure`` naming the key otherwise."""
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
     name = type(module).__name__
-    if isinstance(getattr(module, "experts", None), StackedSwiGLUExperts):
-        raise UnsupportedModuleStructure(name, "the block is already EP-ready (experts stacked)")
+    if spec_of(module) is not None:
+        raise UnsupportedModuleStructure(name, "the block is already EP-ready (apply_plan ran on it)")
     if not isinstance(getattr(module, "experts", None), nn.ModuleList):
         raise UnsupportedModuleStructure(name, "the module_list recipe needs a ModuleList of experts")
     try:

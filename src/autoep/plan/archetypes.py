@@ -62,19 +62,20 @@ TABLE: dict[tuple[str, str], Archetype] = {
 }
 
 
-# The expert kinds (``MoeStructure.expert_kind``) some recipe runs. "row_local" experts run only through their
-# own forward (issue 16, item 1: the own-forward runtime adds the kind here when it lands); until then the
-# table refuses them, so detection may prove them without any plan binding a recipe that cannot run them.
-RUNNABLE_EXPERT_KINDS = ("swiglu",)
+# The expert kinds (``MoeStructure.expert_kind``) a recipe runs, per storage: "swiglu" everywhere; "row_local"
+# experts only through their own forward, which the module_list recipe runs (runtime/recipes/local_experts.py).
+RUNNABLE_EXPERT_KINDS = ("swiglu", "row_local")
+OWN_FORWARD_STORAGE = ("module_list",)  # where "row_local" experts run (their own forward)
 
 
 def archetype_for(structure: MoeStructure, cls_name: str = "module") -> Archetype:
     """The row for ``structure``, or ``UnsupportedModuleStructure`` naming what has no recipe."""
-    if structure.expert_kind not in RUNNABLE_EXPERT_KINDS:
+    if structure.expert_kind not in RUNNABLE_EXPERT_KINDS or (
+            structure.expert_kind == "row_local" and structure.expert_storage not in OWN_FORWARD_STORAGE):
         raise UnsupportedModuleStructure(
             cls_name, f"its experts ({structure.experts_path}) are proven row-local (expert_kind="
                       f"{structure.expert_kind}) but not the SwiGLU the grouped-GEMM recipes compute; only their own "
-                      "forward can run them under EP, and no recipe runs experts' own forward yet")
+                      "forward can run them under EP, and only the module_list recipe runs experts' own forward")
     row = TABLE.get((structure.router, structure.expert_storage))
     if row is None:
         raise UnsupportedModuleStructure(

@@ -224,11 +224,14 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_):
     name = type(module).__name__
     if spec_of(module) is not None:
         raise UnsupportedModuleStructure(name, "the block is already EP-ready (apply_plan ran on it)")
-    if not isinstance(getattr(module, "experts", None), nn.ModuleList):
-        raise UnsupportedModuleStructure(name, "the module_list recipe needs a ModuleList of experts")
+    path = structure.get("experts_path", "experts")
+    experts = getattr(module, path, None)
+    if type(experts) not in (nn.ModuleList, nn.ModuleDict):
+        raise UnsupportedModuleStructure(name, f"the module_list recipe needs a ModuleList/ModuleDict of experts at "
+                                               f"structure.experts_path={path!r}")
     try:
-        proven = module_list_facts(module.experts)
-        plan = module_list_plan(module)
+        proven = module_list_facts(experts, path)
+        plan = module_list_plan(module, path)
     except Refusal as exc:
         raise UnsupportedModuleStructure(name, str(exc)) from None
     for key, value in proven.items():

@@ -166,9 +166,15 @@ def trainer(world_size: int, strategy="ddp", **kwargs) -> L.Trainer:
 
 
 def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter, expert shards gathered to full tensors (NOTE: collective; every rank calls it)."""
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in module.named_parameters()}
+    """Every parameter, expert shards gathered to full tensors and ModuleList experts from their owner ranks
+    (NOTE: collective; every rank calls it)."""
+    from autoep.runtime.recipes.local_experts import full_state_dict_of_experts
+
+    names = {n for n, _ in module.named_parameters()}
+    state = full_state_dict_of_experts(module) if torch.distributed.is_initialized() else module.state_dict()
+    state = {n: v for n, v in state.items() if n in names}
+    assert set(state) == names, f"parameters missing from the gathered state: {sorted(names - set(state))[:4]}"
+    return {n: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for n, v in state.items()}
 
 
 def fit(world_size: int, strategy="ddp", steps: int = 6, module_cls=MoeLM, **kwargs) -> dict:

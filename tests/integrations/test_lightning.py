@@ -82,11 +82,9 @@ def test_module_list_experts_train_the_same_losses(parity):
                                    torch.tensor(rank["module_list"]["ref"]["losses"]))
 
 
-@pytest.mark.xfail(strict=True, reason="on main the module_list recipe stacks ModuleList experts into "
-                   "StackedSwiGLUExperts under new parameter names (experts.gate_up_proj), so the weights (and a "
-                   "Lightning checkpoint) do not line up with the model's own; ep-own-forward keeps the model's own "
-                   "expert modules and names: remove this mark when it lands")
 def test_module_list_experts_keep_the_models_own_weights(parity):
+    """ModuleList experts stay the model's own modules and names (issue 16): every weight lines up with the run
+    without EP."""
     for rank in parity:
         assert_same_run(rank["module_list"]["ep"], rank["module_list"]["ref"])
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from mutation import Run, differences, forward_backward, inputs, make_ep, param_grads
 
 from autoep.detect.structure import detect_moe_structure
+from autoep.runtime.recipes.local_experts import expert_owners
 
 SPLITS = {1: ([2],), 2: ([1, 1], [2, 0]), 4: ([1, 0, 2, 1],)}  # sequences per rank; one rank without any
 HANG_S = 10
@@ -49,10 +50,10 @@ def parity(block, rank: int, world_size: int, mesh, split: list[int], *, after_a
     runs = [forward_backward(ref, s, seed=100 + r, flat=flat) for r, s in enumerate(slices)]
     ref_run = Run(runs[rank].outputs, runs[rank].x_grad, param_grads(ref))
     got = forward_backward(ep, slices[rank], seed=100 + rank, flat=flat)
-    reduced = set()
+    reduced, module_experts = set(), expert_owners(ep)
     for name, p in ep.named_parameters(remove_duplicate=False):
-        if hasattr(p, "full_tensor") or name not in got.grads or world_size == 1:
-            continue  # expert shards: gathered by param_grads
+        if hasattr(p, "full_tensor") or name not in got.grads or name in module_experts or world_size == 1:
+            continue  # expert shards and ModuleList experts: gathered from their owners by param_grads
         if got.grads[name] is None:  # every rank joins every all-reduce, with or without a grad
             got.grads[name] = torch.zeros_like(p)
         if id(got.grads[name]) not in reduced:

@@ -502,7 +502,7 @@ def param_grads(block: nn.Module) -> dict:
             g = (g if g is not None else torch.zeros_like(p)).full_tensor()  # NOTE: collective over ep
         grads[name] = g
     if spec_of(block) is not None:  # ModuleList experts: each expert's grad from the rank owning it
-        has_grad = any(p.grad is not None for p in block.experts.parameters())
+        has_grad = any(p.grad is not None for p in block.get_submodule(spec_of(block).path).parameters())
         per_expert = gather_experts(block, grad=True)  # NOTE: collective over ep
         grads |= {n: g if has_grad else None for n, g in per_expert.items() if n in grads}
     return grads

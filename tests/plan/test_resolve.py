@@ -251,7 +251,7 @@ def _structure_of(name):
 
 @pytest.mark.parametrize("name, target, edit, message", [
     # the module_list recipe on batched experts: caught here, not as a traceback at run time
-    ("qwen3_moe", "autoep.runtime.recipes.module_list.ep_module_list_block", {}, "needs a ModuleList of experts"),
+    ("qwen3_moe", "autoep.runtime.recipes.module_list.ep_module_list_block", {}, "needs a ModuleList/ModuleDict of experts"),
     # layout facts that differ from what the experts compute
     ("gpt_oss", "autoep.runtime.recipes.batched.ep_batched_experts", {"expert_transposed": False}, "structure says"),
     ("qwen3_moe", "autoep.runtime.recipes.batched.ep_batched_experts", {"activation": "clamped_glu"}, "structure says"),

@@ -168,10 +168,25 @@ def test_nan_compares_equal_only_where_the_own_forward_has_it():
 
 # Issue 17, sharing: multi-block targets. Each target's block twice in a model, its expert tensors then reached
 # by two names; ``resolve_plan`` (on the whole model) must refuse every one, whatever the family.
+def _share_pool(m):
+    """Block 1's experts (found where the detector proves them, under any name) are block 0's."""
+    from autoep.detect.structure import detect_moe_structure
+
+    path = detect_moe_structure(m.layers[0].mlp).experts_path
+    owner, _, attr = path.rpartition(".")
+    setattr(m.layers[1].mlp.get_submodule(owner), attr, m.layers[0].mlp.get_submodule(path))
+
+
+def _register_elsewhere(m):
+    from autoep.detect.structure import detect_moe_structure
+
+    m.probe = m.layers[0].mlp.get_submodule(detect_moe_structure(m.layers[0].mlp).experts_path)
+
+
 SHARES = {
-    "one expert pool in two blocks": lambda m: setattr(m.layers[1].mlp, "experts", m.layers[0].mlp.experts),
+    "one expert pool in two blocks": _share_pool,
     "one block registered twice": lambda m: setattr(m.layers[1], "mlp", m.layers[0].mlp),
-    "the experts registered elsewhere too": lambda m: setattr(m, "probe", m.layers[0].mlp.experts),
+    "the experts registered elsewhere too": _register_elsewhere,
 }
 
 

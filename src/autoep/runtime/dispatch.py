@@ -106,7 +106,11 @@ def ep_experts_forward(
     expert_ids_S = top_k_index_TK.reshape(-1)
     # Padding ids sort after every expert (sentinel E) and are neither sent nor computed.
     valid_S = (expert_ids_S >= 0) & (expert_ids_S < num_experts)
-    expert_ids_S = torch.where(valid_S, expert_ids_S, torch.full_like(expert_ids_S, num_experts))
+    if expert_ids_S.is_floating_point():
+        # The model's loop compares ids with ``== e``: a float id equal to an integer e is expert e, any
+        # other value (2.5, nan) matches no expert and adds nothing.
+        valid_S = valid_S & (expert_ids_S == expert_ids_S.round())
+    expert_ids_S = torch.where(valid_S, expert_ids_S, torch.full_like(expert_ids_S, num_experts)).long()
     # Stable sort: pairs of one expert keep token order, so every rank sees a deterministic layout.
     sorted_ids_S, perm_S = torch.sort(expert_ids_S, stable=True)
     tokens_per_expert_E = torch.bincount(sorted_ids_S, minlength=num_experts + 1)[:num_experts]

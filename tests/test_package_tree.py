@@ -10,6 +10,9 @@ import pytest
 import autoep
 
 PKG = Path(autoep.__file__).resolve().parent
+# The checkout (CI installs a wheel, so the installed package has no pyproject.toml beside it).
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src" / "autoep"
 # What each layer may import, besides itself. ``errors`` is shared by all.
 SHARED = {"errors", "targets", "conf"}  # leaves every layer may import (errors, _target_ paths, the YAML tree)
 MAY_IMPORT = {
@@ -119,7 +122,7 @@ def test_each_package_says_its_job():
 def _pyproject() -> dict:
     import tomllib
 
-    return tomllib.loads((PKG.parents[1] / "pyproject.toml").read_text())
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
 def test_console_scripts_name_callables():
@@ -137,6 +140,6 @@ def test_console_scripts_name_callables():
 def test_every_shipped_yaml_is_package_data():
     """A wheel carries only what ``package-data`` globs match: every YAML under src/autoep must be matched."""
     globs = _pyproject()["tool"]["setuptools"]["package-data"]["autoep"]
-    shipped = {p.relative_to(PKG) for g in globs for p in PKG.glob(g)}
-    missing = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.yaml") if p.relative_to(PKG) not in shipped)
+    shipped = {p.relative_to(SRC) for g in globs for p in SRC.glob(g)}
+    missing = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.yaml") if p.relative_to(SRC) not in shipped)
     assert not missing, f"YAML files a wheel would leave out (add them to package-data): {missing}"

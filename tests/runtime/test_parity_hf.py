@@ -175,10 +175,62 @@ def hf_class_case(rank: int, world_size: int, module_name: str, cls_name: str, c
     block, config = build_block(cls, configs, tiny=True)
     randomize_(block, 0)
     eager_experts_(block)
-    _block_parity(rank, world_size, block, config.hidden_size)
+    _block_parity(rank, world_size, block, config.hidden_size, config)
 
 
-def _block_parity(rank: int, world_size: int, ref: nn.Module, D: int) -> None:
+def layer_inputs(block: nn.Module, config, T: int, g: torch.Generator):
+    """``(a, b) -> kwargs`` for the rows a:b (one sequence) of a block whose forward takes more than hidden
+    states, by the parameters its forward declares (a whole decoder layer): ``input_ids`` (DeepSeek-V4's hash
+    routing), ``position_embeddings`` from the family's own rotary embedding class (``rotary_for``),
+    ``per_layer_input`` (Gemma-4's per-layer embeddings), ``shared_kv_states`` (a fresh dict: the layer may
+    store its keys there). Both sides get the same values."""
+    params = inspect.signature(block.forward).parameters
+    ids = torch.randint(0, 64, (1, T), generator=g) if "input_ids" in params else None
+    per_layer = getattr(config, "hidden_size_per_layer_input", None)
+    per_layer = torch.randn(1, T, per_layer, generator=g) if "per_layer_input" in params and per_layer else None
+    rotary = rotary_for(block, config) if "position_embeddings" in params else None
+
+    def extra(a: int, b: int) -> dict:
+        kwargs = {}
+        if ids is not None:
+            kwargs["input_ids"] = ids[:, a:b]
+        if per_layer is not None:
+            kwargs["per_layer_input"] = per_layer[:, a:b]
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary(b - a)
+        if "shared_kv_states" in params:
+            kwargs["shared_kv_states"] = {}
+        return kwargs
+
+    return extra
+
+
+def rotary_for(block: nn.Module, config):
+    """``T -> (cos, sin)`` for positions 0..T-1 from the rotary embedding class of the block's own modeling
+    module that builds from the block's config (for its layer's type where it takes one)."""
+    import sys
+
+    module = sys.modules[type(block).__module__]
+    layer_type = (getattr(config, "layer_types", None) or [None])[getattr(block, "layer_idx", 0) or 0]
+    tried = []
+    for name, cls in sorted(vars(module).items()):
+        if not (name.endswith("RotaryEmbedding") and isinstance(cls, type) and issubclass(cls, nn.Module)):
+            continue
+        kw = {"layer_type": layer_type} if "layer_type" in inspect.signature(cls.forward).parameters else {}
+        try:
+            rotary = cls(config)
+            x = torch.zeros(1, 1, config.hidden_size)
+            rotary(x, torch.arange(1)[None], **kw)
+        except Exception as exc:  # noqa: BLE001 - another class of the module (a vision rotary)
+            tried.append(f"{name}: {type(exc).__name__}")
+            continue
+        return lambda T, rotary=rotary, kw=kw: rotary(torch.zeros(1, T, config.hidden_size), torch.arange(T)[None], **kw)
+    raise RuntimeError(f"{type(block).__name__} takes position_embeddings; no rotary class of {module.__name__} "
+                       f"builds from its config ({tried})")
+
+
+def _block_parity(rank: int, world_size: int, ref: nn.Module, D: int, config=None, prepare_ep=None) -> None:
+    """``prepare_ep(ep_block)``, if given, runs after ``apply_plan`` (e.g. switches activation checkpointing on)."""
     from autoep.runtime.apply import apply_plan
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
@@ -193,11 +245,12 @@ def _block_parity(rank: int, world_size: int, ref: nn.Module, D: int) -> None:
     holder = nn.Module()
     holder.mlp = ep_block
     apply_plan(holder, ep_plan(holder, ["mlp"]), mesh)
+    if prepare_ep is not None:
+        prepare_ep(ep_block)
 
-    # A block that routes by token id (DeepSeek-V4's hash layers) takes the ids too; both sides get the same.
-    takes_ids = "input_ids" in inspect.signature(ref.forward).parameters
-    ids = torch.randint(0, 64, (1, sum(counts)), generator=g) if takes_ids else None
-    extra = (lambda a, b: {"input_ids": ids[:, a:b]}) if takes_ids else (lambda a, b: {})
+    # A block that routes by token id (DeepSeek-V4's hash layers) takes the ids too, a decoder layer its
+    # position embeddings (``layer_inputs``); both sides get the same.
+    extra = layer_inputs(ref, config, sum(counts), g)
 
     # The reference runs each rank's slice on its own, seeded as that rank is (a block that samples while
     # routing, e.g. PhiMoE's sparsemixer, draws the same noise), and sums the gradients over slices: the

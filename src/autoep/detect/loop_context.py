@@ -24,14 +24,20 @@ from autoep.detect.source import Refusal, function_tree
 _BRANCHING = (ast.IfExp, ast.BoolOp, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
 
-def always_reached(tree: ast.FunctionDef, node: ast.AST, what: str) -> None:
+def always_reached(tree: ast.FunctionDef, node: ast.AST, what: str, guards: list[str] | None = None) -> None:
     """``node`` sits in a top-level statement of ``tree`` with no ``return`` before it and no branch
-    around it: a rank that skipped it would leave its peers waiting in the exchange."""
-    for i, stmt in enumerate(tree.body):
-        inside = {id(n) for n in ast.walk(stmt)}
-        if id(node) not in inside:
-            if any(isinstance(n, ast.Return) for n in ast.walk(stmt)):
-                raise Refusal(f"{tree.name} line {stmt.lineno} may return before {what}")
+    around it: a rank that skipped it would leave its peers waiting in the exchange. With ``guards`` (a list
+    to fill), it may also sit in the body of ``if self.<attr>:`` statements (the same rules inside them):
+    their attribute names are appended, for the caller to fold on the instance (a constant ``True`` runs
+    the body on every rank and every call)."""
+    body = tree.body
+    while True:
+        stmt = _holding(body, node, tree.name, what)
+        test = stmt.test if isinstance(stmt, ast.If) else None
+        if guards is not None and test is not None and _self_attr(test, tree) \
+                and any(id(node) in {id(n) for n in ast.walk(s)} for s in stmt.body):
+            guards.append(test.attr)
+            body = stmt.body
             continue
         if isinstance(stmt, (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.Match)) and stmt is not node:
             raise Refusal(f"{tree.name} line {stmt.lineno}: {what} runs inside a `{type(stmt).__name__.lower()}`, "
@@ -39,7 +45,21 @@ def always_reached(tree: ast.FunctionDef, node: ast.AST, what: str) -> None:
         if any(isinstance(n, _BRANCHING) and id(node) in {id(m) for m in ast.walk(n)} for n in ast.walk(stmt)):
             raise Refusal(f"{tree.name} line {stmt.lineno}: {what} sits in a conditional expression")
         return
-    raise Refusal(f"{tree.name}: {what} not found")
+
+
+def _holding(body: list[ast.stmt], node: ast.AST, name: str, what: str) -> ast.stmt:
+    """The statement of ``body`` that holds ``node``, refusing a ``return`` in any statement before it."""
+    for stmt in body:
+        if id(node) in {id(n) for n in ast.walk(stmt)}:
+            return stmt
+        if any(isinstance(n, ast.Return) for n in ast.walk(stmt)):
+            raise Refusal(f"{name} line {stmt.lineno} may return before {what}")
+    raise Refusal(f"{name}: {what} not found")
+
+
+def _self_attr(test: ast.AST, tree: ast.FunctionDef) -> bool:
+    me = tree.args.args[0].arg if tree.args.args else "self"
+    return isinstance(test, ast.Attribute) and isinstance(test.value, ast.Name) and test.value.id == me
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoep.detect.names import Scope
+from autoep.detect.names import Scope, instance_attr
 from autoep.detect.source import Refusal, cached_by_code, function_tree
 
 SHARED_ATTRS = ("shared_expert", "shared_expert_gate", "shared_experts")
@@ -218,31 +218,40 @@ def shared_kind(module: nn.Module) -> str:
     return kinds[found]
 
 
-def experts_call(module: nn.Module, attr: str = "experts") -> None:
+def experts_call(module: nn.Module, attr: str = "experts") -> tuple[str, ...]:
     """The block calls ``self.<attr>`` (its experts, found by data flow) exactly once, always (a rank that
     skipped the call would hang its peers in the exchange), and touches it no other way (its weights are
-    sharded under EP)."""
-    from autoep.detect.experts_proof import unwrap_known
+    sharded under EP). A call under ``if self.<flag>:`` is always reached where the flag is the constant
+    ``True`` on this instance; returns those flags as ``MoeStructure.folded`` entries (``<flag>=True``)."""
+    from autoep.detect.wrappers import check_decorators, peel_forward
 
     cls = type(module)
     if "forward" in vars(module):
         raise Refusal(f"{cls.__name__} has an instance-level forward")
     if cls.__call__ is not nn.Module.__call__:
         raise Refusal(f"{cls.__name__} overrides __call__")
-    # The block's forward runs as written; its source must show the one experts call. Decorated forwards
-    # are refused: transformers' layer wrappers (activation checkpointing, kwarg deprecation) would be
-    # safe to look through, but the only classes they wrap are whole decoder layers that the parity suite
-    # cannot run standalone, so they stay refused until that is tested.
-    forward = unwrap_known(cls.forward, f"{cls.__name__}.forward", set())
-    if function_tree(forward).decorator_list:
-        raise Refusal(f"{cls.__name__}.forward is decorated; autoep does not know what the decorator does")
-    _experts_call_source(forward, cls.__name__, attr)
+    # The block's forward runs as written; its source must show the one experts call. transformers' layer
+    # wrappers (activation checkpointing, kwarg deprecation) are looked through where their code is the one
+    # autoep knows (``autoep.detect.wrappers``); any other wrapper or decorator is refused. Under activation
+    # checkpointing the forward runs again in backward: ``autoep.runtime.checkpointing`` checks that at each call.
+    peeled = peel_forward(cls)
+    check_decorators(peeled, f"{cls.__name__}.forward")
+    guards = _experts_call_source(peeled.forward, cls.__name__, attr)
+    folded = []
+    for name in guards:  # ``if self.<name>:`` around the call: folded on this instance, watched per call
+        value = instance_attr(module, name, f"{cls.__name__}.forward")
+        if value is not True:
+            raise Refusal(f"{cls.__name__}.forward: the experts call runs under `if self.{name}:`, and "
+                          f"self.{name} is {value!r}, not the constant True; a rank may skip it and hang its peers")
+        folded.append(f"{name}=True")
+    return tuple(folded)
 
 
 
 @cached_by_code
-def _experts_call_source(forward, cls_name: str, attr: str = "experts") -> None:
-    """The source half of ``experts_call``: cached per forward function (a patched class is re-proven)."""
+def _experts_call_source(forward, cls_name: str, attr: str = "experts") -> tuple[str, ...]:
+    """The source half of ``experts_call``: cached per forward function (a patched class is re-proven).
+    Returns the attribute names of the ``if self.<name>:`` statements around the call."""
     from autoep.detect.loop_context import always_reached, self_reads
 
     tree = function_tree(forward)
@@ -251,4 +260,6 @@ def _experts_call_source(forward, cls_name: str, attr: str = "experts") -> None:
     if len(reads) != 1 or len(calls) != 1:
         raise Refusal(f"{cls_name}.forward uses self.{attr} {len(reads)} times, {len(calls)} of them calls; "
                       "the experts contract is one call")
-    always_reached(tree, calls[0], "the experts call")
+    guards: list[str] = []
+    always_reached(tree, calls[0], "the experts call", guards)
+    return tuple(guards)

@@ -80,7 +80,8 @@ class MoeStructure:
     # only the experts' own forward may run it (expert_projs=(), expert_act="").
     expert_kind: str = "swiglu"
     # row_local experts: the constant instance attributes their proof read (branches folded, numbers computed
-    # with), ``<experts_path>.<e or *>.<attr>=<repr>``; a change after detection is drift (``folded_drift``).
+    # with), ``<experts_path>.<e or *>.<attr>=<repr>``; the block's flags its experts call runs under
+    # (``if self.<flag>:``, folded True), ``<flag>=True``; a change after detection is drift (``folded_drift``).
     folded: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -152,6 +153,7 @@ def _structure(module: nn.Module) -> MoeStructure:
     looped = module_list_proof.expert_container(module)
     path = looped if looped is not None else find_experts(module, looped)
     experts = module._modules.get(path) if path is not None else None
+    guards: tuple[str, ...] = ()
     if looped is not None or type(experts) is nn.ModuleList:
         storage = "module_list"
         facts = module_list_proof.module_list_facts(experts, path)
@@ -159,18 +161,20 @@ def _structure(module: nn.Module) -> MoeStructure:
     elif isinstance(experts, nn.Module) and grouped_proof.takes_groups(experts):
         storage = "grouped"
         facts = grouped_proof.grouped_experts_facts(experts)
-        routing_proof.experts_call(module, path)
+        guards = routing_proof.experts_call(module, path)
     elif isinstance(experts, nn.Module) and equal_groups_proof.takes_rows(experts):
         storage = "equal_groups"  # experts(rows) on E equal groups of rows (Llama-4)
         facts = equal_groups_proof.equal_groups_facts(experts)
-        routing_proof.experts_call(module, path)
+        guards = routing_proof.experts_call(module, path)
     elif isinstance(experts, nn.Module):
         storage = "batched_parameters"
         facts = experts_proof.batched_experts_facts(experts)
-        routing_proof.experts_call(module, path)
+        guards = routing_proof.experts_call(module, path)
     else:
         raise Refusal("no experts: no ModuleList/ModuleDict its forward loops over by expert id, no child holding "
                       "3-D expert parameters, no `experts` submodule")
+    if storage != "module_list" and guards:  # the block's flags that keep its experts call on (folded, watched)
+        facts = {**facts, "folded": tuple(facts.get("folded", ())) + guards}
     structure = MoeStructure(
         router=router, shared_experts=shared, expert_storage=storage, jitter=hasattr(module, "jitter_noise"),
         experts_path=path, **facts

@@ -61,6 +61,7 @@ def _candidate_configs(configs: list[type]):
                     nested.append(sub.text_config)
         for cfg in nested:
             _checkpoint_keys(cfg)
+            _moe_on(cfg)
             yield cfg
             yield from _layer_configs(cfg)
 
@@ -77,21 +78,41 @@ def _checkpoint_keys(config) -> None:
             setattr(config, key, getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
 
+# Switches that turn a dense-by-default config's MoE on (only keys the config holds as False are set): Gemma-4's
+# decoder layer builds its router and experts only with ``enable_moe_block``.
+MOE_SWITCHES = {"enable_moe_block": True}
+# Full (meta) sizes for the MoE keys such a config leaves None (only where a switch above was turned on): those
+# of a released fine-grained MoE (128 experts, top-8, each expert a quarter of the dense MLP's width).
+FULL_MOE = {"num_experts": 128, "top_k_experts": 8, "num_experts_per_tok": 8, "moe_intermediate_size": 0.25}
+
+
+def _moe_on(config) -> None:
+    switched = [k for k, v in MOE_SWITCHES.items() if getattr(config, k, None) is False]
+    if not switched:
+        return
+    for key in switched:
+        setattr(config, key, MOE_SWITCHES[key])
+    for key, value in FULL_MOE.items():
+        if hasattr(config, key) and getattr(config, key) is None:
+            setattr(config, key, value if isinstance(value, int) else max(1, int(config.intermediate_size * value)))
+
+
 # Sizes that make any transformers MoE config tiny (only keys the config already has are set).
 TINY = {
     "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16, "expert_intermediate_size": 16,
     "shared_expert_intermediate_size": 16, "shared_intermediate_size": 16, "ffn_hidden_size": 32,
     "moe_ffn_hidden_size": 16, "num_experts": 8, "n_routed_experts": 8, "num_local_experts": 8,
     "moe_num_experts": 8, "num_routed_experts": 8, "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2,
-    "moe_k": 2, "moe_top_k": 2, "num_selected_experts": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+    "moe_k": 2, "moe_top_k": 2, "num_selected_experts": 2, "top_k_experts": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
     "num_shared_experts": 1, "moe_num_shared_experts": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 8, "vocab_size": 128, "num_hidden_layers": 2,
     "moe_hidden_size": 24,  # MuseSpark's experts' own width (projected to and from hidden_size around them)
+    "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128,  # Gemma-4's per-layer input embeddings
 }
 # Keys a config may leave None when their layers are switched off by default (indexers): set for the tiny model.
 NONE_PER_LAYER = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 # Keys a config may leave None when its default is dense; a tiny build switches them on.
-MAY_BE_NONE = ("num_experts_per_tok", "n_group", "topk_group", "n_routed_experts", "num_experts",
+MAY_BE_NONE = ("num_experts_per_tok", "top_k_experts", "n_group", "topk_group", "n_routed_experts", "num_experts",
                "num_local_experts", "moe_intermediate_size", "intermediate_size", "n_shared_experts")
 
 
@@ -100,10 +121,16 @@ LAYER_SUB_CONFIGS = ("attn_config", "ffn_config")
 
 
 def _shrink(config) -> None:
+    layers = getattr(config, "num_hidden_layers", None)
     for key, value in TINY.items():
         cur = getattr(config, key, "absent")
         if (isinstance(cur, int) and not isinstance(cur, bool)) or (cur is None and key in MAY_BE_NONE):
             setattr(config, key, value)
+    n = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and n != layers:  # per-layer kinds follow the layer count (Gemma-4 checks them)
+        for key, value in list(vars(config).items()):
+            if key.endswith("_types") and isinstance(value, list) and len(value) == layers:
+                setattr(config, key, _layer_kinds(value, n))
     for key in LAYER_SUB_CONFIGS:
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "to_dict"):
@@ -156,7 +183,7 @@ def _build(cls: type, configs: list[type], *, shrink: bool, device: str):
 # Switches that make every layer of a tiny model MoE (only keys the config already has are set).
 ALL_LAYERS_MOE = {
     "first_k_dense_replace": 0, "num_dense_layers": 0, "moe_layer_start_index": 0, "moe_layer_end_index": 1,
-    "decoder_sparse_step": 1, "moe_layer_freq": 1, "moe_layer_interval": 1, "mlp_only_layers": [],
+    "decoder_sparse_step": 1, "moe_layer_freq": 1, "moe_layer_interval": 1, "mlp_only_layers": [], **MOE_SWITCHES,
 }
 # Attention sizes of the tiny model (MLA ranks, indexers) that TINY's block-level keys do not cover.
 TINY_ATTENTION = {
@@ -252,10 +279,7 @@ def _tiny_model_config(model_cls: type, overrides: dict):
     n = kwargs["num_hidden_layers"] = 2
     for key, value in default.items():
         if isinstance(value, list) and len(value) == default["num_hidden_layers"] and key.endswith("_types"):
-            kinds = list(dict.fromkeys(value))
-            if key == "mlp_layer_types":
-                kinds = [k for k in kinds if "dense" not in str(k)] or kinds
-            kwargs[key] = (kinds * n)[:n]
+            kwargs[key] = _layer_kinds(value, n, moe=key == "mlp_layer_types")
     if default.get("per_layer_config"):
         kwargs["per_layer_config"] = {}  # one tiny shape for every layer
     if "mlp_layer_types" in default and default["mlp_layer_types"] is None:
@@ -267,6 +291,15 @@ def _tiny_model_config(model_cls: type, overrides: dict):
     if "mrope_section" in inspect.getsource(inspect.getmodule(model_cls)):
         kwargs["rope_parameters"] = _tiny_mrope(default, {**kwargs, **overrides})
     return config_cls(**kwargs)
+
+
+def _layer_kinds(kinds: list, n: int, moe: bool = False) -> list:
+    """A per-layer list of kinds (attention, MLP) cut to ``n`` layers, keeping its first ``n`` distinct kinds
+    in order (a hybrid model keeps both; layer 0 keeps its kind); ``moe``: dense MLP kinds left out."""
+    distinct = list(dict.fromkeys(kinds))
+    if moe:
+        distinct = [k for k in distinct if "dense" not in str(k)] or distinct
+    return (distinct * n)[:n]
 
 
 def _tiny_mrope(default: dict, tiny: dict) -> dict:

@@ -28,7 +28,7 @@ from typing import Callable, TypeVar
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from autoep.detect.names import recording
+from autoep.detect.names import instance_attr, recording
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
@@ -83,7 +83,21 @@ def proven_experts(module: nn.Module, structure: dict | MoeStructure, prove: Cal
     given = {k: getattr(facts, k) for k in proven}
     if given != proven:
         raise UnsupportedModuleStructure(name, f"structure says {given} but the experts compute {proven}")
+    _block_flags(module, facts)
     return proof
+
+
+def _block_flags(block: nn.Module, facts: MoeStructure) -> None:
+    """The block's flags its experts call runs under, folded ``True`` by the detector (``MoeStructure.folded``
+    entries ``<flag>=True``): still ``True``, and read as facts (``watching_facts`` checks them per call)."""
+    for entry in facts.folded:
+        flag, _, value = entry.partition("=")
+        if "." in flag or value != "True":
+            continue  # an expert's constant (``<experts_path>.<e>.<attr>``): its recipe checks those
+        if instance_attr(block, flag, type(block).__name__) is not True:
+            raise UnsupportedModuleStructure(type(block).__name__, f"self.{flag} was True when the plan was made "
+                                             f"(its experts call runs under `if self.{flag}:`) and is "
+                                             f"{getattr(block, flag, None)!r} now; set it back or plan again")
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from autoep.detect.experts_proof import BatchedRoles, batched_proof, experts_for
 from autoep.detect.flat_experts import FlatLayout
 from autoep.detect.structure import MoeStructure
 from autoep.errors import PlanError
+from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_split_glu, grouped_swiglu
 from autoep.runtime.recipes import (
@@ -69,6 +70,7 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
     with watching_facts(module):
         roles = validate(module, structure=facts)
     join_backward_exchanges(module, ep_mesh)
+    guard_checkpointing(module, ep_mesh)
     own_forward = experts_forward(type(experts))
     if roles.flat is not None:
         shard_flat_experts(experts, roles.flat, ep_mesh, name=type(module).__name__)

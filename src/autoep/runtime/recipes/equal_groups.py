@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from autoep.detect.equal_groups_proof import EqualGroupsProof, equal_groups_proof
 from autoep.detect.structure import MoeStructure
+from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_grouped_forward
 from autoep.runtime.recipes import (
     bind_experts_forward,
@@ -58,6 +59,7 @@ def ep_equal_group_experts(module: nn.Module, *, ep_mesh=None, structure: dict |
     bind_experts_forward(experts, _EpEqualGroups(proof, ep_group_of(ep_mesh), inspect.signature(own_forward)),
                          _ep_forward)
     join_backward_exchanges(module, ep_mesh)
+    guard_checkpointing(module, ep_mesh)
 
 
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> EqualGroupsProof:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from autoep.detect.grouped_proof import GroupedProof, grouped_proof
 from autoep.detect.structure import MoeStructure
+from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_linear, grouped_swiglu
 from autoep.runtime.recipes import (
@@ -59,6 +60,7 @@ def ep_grouped_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
     shard_grouped_weights(experts, proof, ep_mesh, name=type(module).__name__)
     bind_experts_forward(experts, _EpGrouped(proof, ep_group_of(ep_mesh), inspect.signature(own_forward)), _ep_forward)
     join_backward_exchanges(module, ep_mesh)
+    guard_checkpointing(module, ep_mesh)
 
 
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> GroupedProof:

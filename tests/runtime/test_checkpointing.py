@@ -1,0 +1,110 @@
+"""Activation checkpointing of a block whose experts exchange tokens (``autoep.runtime.checkpointing``):
+exact under torch's own ``checkpoint`` (reentrant and not), refused at the block's call under any other
+``_gradient_checkpointing_func``. Gemma-4's decoder layer (a ``GradientCheckpointingLayer``) on 2 gloo ranks,
+against its own forward without checkpointing."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from distributed import guarded, run_cases
+from test_parity_hf import _block_parity, eager_experts_, randomize_
+from torch.utils.checkpoint import checkpoint
+
+pytest.importorskip("transformers")
+
+
+def gemma4_layer():
+    import transformers.models.gemma4 as family
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextDecoderLayer
+
+    from autoep.tools.tiny import build_block, family_configs
+
+    block, config = build_block(Gemma4TextDecoderLayer, family_configs(family), tiny=True)
+    randomize_(block, 0)
+    eager_experts_(block)
+    return block, config
+
+
+def _checkpointed(fn, calls: list):
+    def prepare(ep_block):
+        ep_block.gradient_checkpointing = True
+        ep_block._gradient_checkpointing_func = fn
+        ep_block.experts.register_forward_hook(lambda *_: calls.append(1))
+
+    return prepare
+
+
+def exact_case(rank: int, world_size: int, use_reentrant: bool) -> None:
+    block, config = gemma4_layer()
+    calls: list = []
+    fn = functools.partial(checkpoint, use_reentrant=use_reentrant)
+    _block_parity(rank, world_size, block, config.hidden_size, config, prepare_ep=_checkpointed(fn, calls))
+    # The experts ran twice: the forward and its recomputation in backward (the exchange ran again, in step).
+    assert len(calls) == 2, calls
+
+
+def refused_case(rank: int, world_size: int, fn) -> None:
+    block, config = gemma4_layer()
+    with pytest.raises(RuntimeError, match=r"Gemma4TextDecoderLayer\.gradient_checkpointing is True .*"
+                                           r"gradient_checkpointing_enable"):
+        _block_parity(rank, world_size, block, config.hidden_size, config, prepare_ep=_checkpointed(fn, []))
+
+
+def _no_context():
+    return torch.utils.checkpoint.noop_context_fn()
+
+
+REFUSED = {
+    "context_fn": functools.partial(checkpoint, use_reentrant=False, context_fn=_no_context),
+    "own_function": lambda function, *args: function(*args),
+    "positional": functools.partial(checkpoint, lambda *a: a),
+}
+
+
+def checkpointing_cases(rank: int, world_size: int) -> dict:
+    results = {}
+    for reentrant in (False, True):
+        guarded(results, f"exact/reentrant={reentrant}", exact_case, rank, world_size, reentrant)
+    for name, fn in REFUSED.items():
+        guarded(results, f"refused/{name}", refused_case, rank, world_size, fn)
+    return results
+
+
+_RESULTS: dict = {}
+
+
+def _case(name: str) -> None:
+    if not _RESULTS:
+        _RESULTS.update(run_cases(2, "test_checkpointing:checkpointing_cases"))
+    assert name in _RESULTS, f"case {name} did not run"
+    assert not _RESULTS[name], "\n".join(_RESULTS[name])
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_exact_under_torch_checkpoint(use_reentrant):
+    """Outputs, input grads, router and dense grads summed, expert grads gathered equal the layer's own
+    forward without checkpointing, while every rank recomputes its layer (and the exchange) in backward."""
+    _case(f"exact/reentrant={use_reentrant}")
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_other_checkpoint_functions_are_refused_at_the_call(name):
+    _case(f"refused/{name}")
+
+
+def test_unknown_checkpoint_reasons():
+    from autoep.runtime.checkpointing import unknown_checkpoint
+
+    assert unknown_checkpoint(checkpoint) == ""
+    assert unknown_checkpoint(functools.partial(checkpoint, use_reentrant=True, preserve_rng_state=False)) == ""
+    assert "context_fn" in unknown_checkpoint(REFUSED["context_fn"])
+    assert "use_reentrant" in unknown_checkpoint(functools.partial(checkpoint, use_reentrant="yes"))
+    assert unknown_checkpoint(REFUSED["own_function"]) == "not torch.utils.checkpoint.checkpoint"
+
+    @functools.wraps(checkpoint)
+    def patched(function, *args, **kwargs):  # a wrapper copying torch's names is not torch's checkpoint
+        return checkpoint(function, *args, **kwargs)
+
+    assert unknown_checkpoint(patched) == "not torch.utils.checkpoint.checkpoint"

@@ -238,7 +238,16 @@ def targets() -> list[Target]:
         Target("hf/llama4", _llama4_block, empty_rank=False),
         # Row-local experts in third-party idioms (issue 16), found by data flow under other names.
         *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in _row_local_blocks().items()),
+        # A decoder layer in Gemma-4's idioms: transformers' checkpointing and deprecate_kwarg wrappers around
+        # its forward, the experts call under ``if self.enable_moe_block:``, experts skipping a padding class.
+        Target("v5/gemma_style_layer", _hand_written_block("gemma_style_layer", _gemma_style_layer)),
     ]
+
+
+def _gemma_style_layer() -> nn.Module:
+    from gc_blocks import GemmaStyleMoeLayer
+
+    return GemmaStyleMoeLayer(hidden=16, ffn=24, num_experts=4, top_k=2)
 
 
 def _row_local_blocks() -> dict[str, Callable[[], nn.Module]]:
@@ -284,7 +293,7 @@ NEW_TARGETS = frozenset({
     "v4/sorted_split", "v4/sorted_split_host_counts", "v4/zero_experts", "v4/deepseek_remote",
     "v4/deepseek_remote_eval", "v4/minimind", "v4/expert_dropout_p0",
     "v4/fairseq_local_experts", "v4/sequential_experts", "v4/optional_args_experts", "v4/config_branch_experts",
-    "v4/module_dict_experts", "v4/lora_experts",
+    "v4/module_dict_experts", "v4/lora_experts", "v5/gemma_style_layer",
 })
 
 

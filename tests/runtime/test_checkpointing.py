@@ -45,6 +45,23 @@ def exact_case(rank: int, world_size: int, use_reentrant: bool) -> None:
     assert len(calls) == 2, calls
 
 
+def model_case(rank: int, world_size: int) -> None:
+    """The tiny Gemma-4 causal LM (every layer MoE) with transformers' own switch, after ``apply_plan``:
+    loss and every parameter grad equal the model's own without checkpointing."""
+    from test_parity_hf import MODEL_TOL, _model_parity, build_tiny_family_lm, reached_moe_blocks
+
+    calls: list = []
+
+    def prepare(ep_model):
+        ep_model.activation_checkpointing_enable()  # {"use_reentrant": False}, every decoder layer
+        for layer in ep_model.model.layers:
+            layer.experts.register_forward_hook(lambda *_: calls.append(1))
+
+    model = build_tiny_family_lm("gemma4")
+    _model_parity(rank, world_size, model, reached_moe_blocks, MODEL_TOL.get("gemma4"), prepare_ep=prepare)
+    assert len(calls) == 2 * len(model.model.layers), calls  # each layer's experts ran again in backward
+
+
 def refused_case(rank: int, world_size: int, fn) -> None:
     block, config = gemma4_layer()
     with pytest.raises(RuntimeError, match=r"Gemma4TextDecoderLayer\.gradient_checkpointing is True .*"
@@ -67,6 +84,7 @@ def checkpointing_cases(rank: int, world_size: int) -> dict:
     results = {}
     for reentrant in (False, True):
         guarded(results, f"exact/reentrant={reentrant}", exact_case, rank, world_size, reentrant)
+    guarded(results, "model", model_case, rank, world_size)
     for name, fn in REFUSED.items():
         guarded(results, f"refused/{name}", refused_case, rank, world_size, fn)
     return results
@@ -87,6 +105,10 @@ def test_exact_under_torch_checkpoint(use_reentrant):
     """Outputs, input grads, router and dense grads summed, expert grads gathered equal the layer's own
     forward without checkpointing, while every rank recomputes its layer (and the exchange) in backward."""
     _case(f"exact/reentrant={use_reentrant}")
+
+
+def test_whole_model_with_transformers_own_switch():
+    _case("model")
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -338,7 +338,8 @@ def sliced_reference(ref: nn.Module, ids: torch.Tensor, seqs: list[int], num_tar
     return total
 
 
-def _model_parity(rank: int, world_size: int, ref: nn.Module, blocks_of, tol) -> None:
+def _model_parity(rank: int, world_size: int, ref: nn.Module, blocks_of, tol, prepare_ep=None) -> None:
+    """``prepare_ep(ep_model)``, if given, runs after ``apply_plan`` (e.g. switches activation checkpointing on)."""
     from autoep.runtime.apply import apply_plan
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
@@ -350,6 +351,8 @@ def _model_parity(rank: int, world_size: int, ref: nn.Module, blocks_of, tol) ->
 
     ep_model = copy.deepcopy(ref)
     apply_plan(ep_model, ep_plan(ep_model, blocks_of(ep_model, ids)), mesh)
+    if prepare_ep is not None:
+        prepare_ep(ep_model)
 
     loss_ref = sliced_reference(ref, ids, seqs, num_targets)
     torch.manual_seed(100 + rank)

@@ -62,6 +62,40 @@ def model_case(rank: int, world_size: int) -> None:
     assert len(calls) == 2 * len(model.model.layers), calls  # each layer's experts ran again in backward
 
 
+def empty_rank_case(rank: int, world_size: int, use_reentrant: bool, split: list[int]) -> None:
+    """A rank with no tokens still runs (and recomputes) every exchange: a Gemma-style layer (tests/gc_blocks.py)
+    against its own forward on each rank's slice, grads summed over slices (expert grads gathered)."""
+    import copy
+
+    import gc_blocks
+    from mutation import forward_backward, inputs, make_ep, param_grads
+    from rank_parity import ep_mesh
+
+    from autoep.detect.structure import detect_moe_structure
+
+    torch.manual_seed(0)
+    block = gc_blocks.GemmaStyleMoeLayer().train()
+    ep = make_ep(block, detect_moe_structure(block), ep_mesh(world_size))
+    calls: list = []
+    _checkpointed(functools.partial(checkpoint, use_reentrant=use_reentrant), calls)(ep)
+    x = inputs(block, batch=sum(split))
+    bounds = [sum(split[:r]) for r in range(world_size + 1)]
+    refs = [forward_backward(copy.deepcopy(block), x[a:b], seed=r) for r, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    got = forward_backward(ep, x[bounds[rank]:bounds[rank + 1]], seed=rank)
+    torch.testing.assert_close(got.outputs[0], refs[rank].outputs[0])
+    torch.testing.assert_close(got.x_grad, refs[rank].x_grad)
+    grads = param_grads(ep)  # NOTE: collective (expert grads gathered over ep)
+    params = dict(block.named_parameters())
+    for name, g in grads.items():
+        zero = torch.zeros_like(params[name])
+        g = zero if g is None else g.clone()
+        if not name.startswith("experts."):
+            torch.distributed.all_reduce(g)  # NOTE: collective (dense grads summed over ranks)
+        want = sum((r.grads[name] for r in refs if r.grads[name] is not None), zero)
+        torch.testing.assert_close(g, want, msg=lambda m, n=name: f"grad of {n}: {m}")
+    assert len(calls) == 2, calls
+
+
 def refused_case(rank: int, world_size: int, fn) -> None:
     block, config = gemma4_layer()
     with pytest.raises(RuntimeError, match=r"Gemma4TextDecoderLayer\.gradient_checkpointing is True .*"
@@ -85,6 +119,10 @@ def checkpointing_cases(rank: int, world_size: int) -> dict:
     for reentrant in (False, True):
         guarded(results, f"exact/reentrant={reentrant}", exact_case, rank, world_size, reentrant)
     guarded(results, "model", model_case, rank, world_size)
+    for reentrant in (False, True):
+        for split in ([2, 0], [0, 2]):
+            guarded(results, f"empty_rank/reentrant={reentrant}/{split}", empty_rank_case, rank, world_size,
+                    reentrant, split)
     for name, fn in REFUSED.items():
         guarded(results, f"refused/{name}", refused_case, rank, world_size, fn)
     return results
@@ -105,6 +143,12 @@ def test_exact_under_torch_checkpoint(use_reentrant):
     """Outputs, input grads, router and dense grads summed, expert grads gathered equal the layer's own
     forward without checkpointing, while every rank recomputes its layer (and the exchange) in backward."""
     _case(f"exact/reentrant={use_reentrant}")
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("split", [[2, 0], [0, 2]])
+def test_a_rank_without_tokens_recomputes_too(use_reentrant, split):
+    _case(f"empty_rank/reentrant={use_reentrant}/{split}")
 
 
 def test_whole_model_with_transformers_own_switch():

@@ -248,12 +248,12 @@ def count_experts(module: nn.Module, structure: MoeStructure | None = None) -> i
 def clear_caches() -> None:
     """Forget every per-function proof (benchmarks measure a cold detection with this). Proofs of a function
     are cached by its code object too (``source.cached_by_code``): a swapped ``__code__`` is proven again."""
-    from autoep.detect import expert_loop, loop_context
+    from autoep.detect import expert_loop, loop_context, wrappers
 
     for fn in (source.code_tree, routing_proof._router_module_proof, routing_proof._experts_call_source,
                module_list_proof._swiglu_shape, expert_loop.local_names, expert_loop.stored_names,
                loop_context.self_reads, expert_reads._names, expert_reads._self_whole_reads,
-               expert_reads._class_reads):
+               expert_reads._class_reads, wrappers._digest):
         fn.cache_clear()
 
 

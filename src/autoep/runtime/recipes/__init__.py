@@ -94,7 +94,11 @@ def _block_flags(block: nn.Module, facts: MoeStructure) -> None:
         flag, _, value = entry.partition("=")
         if "." in flag or value != "True":
             continue  # an expert's constant (``<experts_path>.<e>.<attr>``): its recipe checks those
-        if instance_attr(block, flag, type(block).__name__) is not True:
+        try:
+            value = instance_attr(block, flag, type(block).__name__)
+        except Refusal as exc:  # e.g. the flag became a property
+            raise UnsupportedModuleStructure(type(block).__name__, str(exc)) from None
+        if value is not True:
             raise UnsupportedModuleStructure(type(block).__name__, f"self.{flag} was True when the plan was made "
                                              f"(its experts call runs under `if self.{flag}:`) and is "
                                              f"{getattr(block, flag, None)!r} now; set it back or plan again")

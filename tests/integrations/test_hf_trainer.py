@@ -25,9 +25,13 @@ pytestmark = pytest.mark.slow
 
 def torchrun(out: Path, *args: str, nproc: int = 2) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(WORKER), str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=600)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(nproc), str(WORKER), str(out), *args], env=env, capture_output=True, text=True,
+                              timeout=900)
+    except subprocess.TimeoutExpired as exc:  # say where each rank was (slow machine or a hang)
+        said = [s.decode(errors="replace") if isinstance(s, bytes) else (s or "") for s in (exc.stdout, exc.stderr)]
+        raise AssertionError(f"{nproc}-rank HF Trainer run timed out after {exc.timeout} s:\n{''.join(said)[-6000:]}")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return torch.load(out / "result.pt", weights_only=False)
 

@@ -526,7 +526,7 @@ class _Stacked:
         self.gate_up: Tensor | None = None
         self.down: Tensor | None = None
         self.ptrs: tuple[int, ...] = ()  # each parameter's address in its home, in ``_order`` order
-        self.index: tuple[tuple, tuple] = ((), ())  # slices of gate_up / down, in ``_order`` order
+        self.index: tuple[tuple, tuple] = ((), ())  # each slot of gate_up (gate_0, up_0, gate_1, ...) / of down
 
     def __deepcopy__(self, memo):
         return _Stacked()

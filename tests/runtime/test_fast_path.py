@@ -312,3 +312,26 @@ def test_stacked_home_is_not_state():
     block(torch.randn(2, SEQ, D))
     assert set(block.state_dict()) == set(_make(NAME).state_dict())
     assert not any(isinstance(m, nn.Module) and m is getattr(block, local_experts.STACKED) for m in block.modules())
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_recomputes_in_place(paths, use_reentrant):
+    """The block under torch's checkpoint: the recomputation in backward reads the home again; grads equal the
+    own forward without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    ref, block = _pair()
+    assert _check(ref, block, paths) == "in_place"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, SEQ, D, generator=g)
+    gy = torch.randn(x.shape, generator=g)
+    xr, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref.zero_grad(set_to_none=True)
+    block.zero_grad(set_to_none=True)
+    (ref(xr) * gy).sum().backward()
+    before = dict(paths)
+    (checkpoint(block, xb, use_reentrant=use_reentrant) * gy).sum().backward()
+    assert paths["in_place"] - before["in_place"] == 4  # two homes, forward and recomputation
+    torch.testing.assert_close(xb.grad, xr.grad)
+    for (n, p), q in zip(block.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{n}: {m}")

@@ -2,7 +2,8 @@
 
     python bench/ep_layer.py                       # defaults below, 2 ranks, prints one table
     python bench/ep_layer.py --tokens 1024 --steps 5
-    python bench/ep_layer.py --contenders --steps 9     # only the interleaved line (ModuleList paths vs before)
+    python bench/ep_layer.py --contenders --rounds 21  # only the interleaved comparison (ModuleList paths vs before)
+    python bench/ep_layer.py --profile ml-stacked ml-fast   # where a step's time goes (torch.profiler, rank 0)
 
 Every contender runs the same block (Qwen3MoeSparseMoeBlock from a small config), the same weights
 and the same per-rank tokens, side by side in one spawned gloo group:
@@ -13,10 +14,18 @@ and the same per-rank tokens, side by side in one spawned gloo group:
 The same routing and weights as a v4-style block with ModuleList experts (tests/blocks.py
 MixtralStyleSparseMoeBlock, softmax top-k renormalised, as Qwen3-MoE with norm_topk_prob), module_list recipe:
   ml-plain     the block's own per-expert loop, all experts, no exchange
-  ml-stacked   the grouped GEMM on weights stacked once at apply time (what the recipe did before the experts
-               stayed the model's own modules: the "today" of the fast path)
-  ml-fast      the fast path: the grouped GEMM on the local experts' own weights, stacked every step
+  ml-stacked   the grouped GEMM on weights stacked once at apply time into tensors of their own (what the recipe
+               did before the experts stayed the model's own modules: the "today" of the fast path)
+  ml-copy      the grouped GEMM on the experts' own weights stacked every step (torch.stack, a copy: the fast
+               path of the first own-forward increment)
+  ml-fast      the fast path: the grouped GEMM reading the experts' own parameters in place (their memory lives
+               in one stacked buffer per projection; gradients handed back as views)
   ml-own       the experts' own forward (fast_path=False), one nn.Linear chain per local expert
+The interleaved comparison (``--interleave``, on by default) builds its contenders in ONE process group and runs
+``--rounds`` rounds of one timed fwd+bwd step of each, in an order rotated every round; each round's ratio is
+ml-stacked's step time over the contender's (the slowest rank's times, same round), and the median ratio and its
+interquartile range over the rounds are printed side by side: load that comes and goes on a shared machine hits
+both sides of a ratio alike, which per-contender medians minutes apart do not.
 Printed per contender: tokens/s per rank, ratio to autoep, bytes exchanged per step against the minimum
 (tokens x top_k x hidden x dtype bytes, each of dispatch and combine, forward and backward),
 expert parameter bytes per rank against the dense block's, and the process's peak RSS.
@@ -96,33 +105,52 @@ def autoep_block(block, mesh, **fn_kwargs):
     return holder.mlp
 
 
-_STACKED: dict[int, tuple] = {}  # id(first local expert) -> (gate_up, down) stacked once, for ml-stacked blocks
+_MODE: dict[int, object] = {}  # id(first local expert) -> "copy" or the (gate_up, down) leaves stacked once
+
+
+def _patch_stacked_weights() -> None:
+    """Route ``local_experts._stacked_weights`` per block: ml-stacked blocks get their leaves stacked once,
+    ml-copy blocks a ``torch.stack`` of their experts' weights every step; others the recipe's own choice."""
+    from autoep.runtime.recipes import local_experts
+
+    if getattr(local_experts._stacked_weights, "bench", False):
+        return
+    recipe = local_experts._stacked_weights
+
+    def routed(spec, experts, stacked, x_SD):
+        mode = _MODE.get(id(experts[0]))
+        if mode is None:
+            return recipe(spec, experts, stacked, x_SD)
+        return recipe(spec, experts, None, x_SD) if mode == "copy" else mode
+
+    routed.bench = True
+    local_experts._stacked_weights = routed
+
+
+def local_of(block) -> list:
+    from autoep.runtime.recipes import local_experts
+
+    spec = local_experts.spec_of(block)
+    return list(block.experts)[spec.first: spec.first + spec.num_local]
 
 
 def stack_once(block) -> nn.Module:
     """The module_list fast path with the local experts' weights stacked once, as leaves of their own (the layout
-    the recipe kept before: ``experts.gate_up_proj``/``down_proj``), instead of from the experts every step."""
-    from autoep.runtime.experts import glu_gate, grouped_swiglu
-    from autoep.runtime.recipes import local_experts
-
-    spec = local_experts.spec_of(block)
-    local = list(block.experts)[spec.first: spec.first + spec.num_local]
+    the recipe kept before: ``experts.gate_up_proj``/``down_proj``), instead of the experts' own parameters."""
+    local = local_of(block)
     with torch.no_grad():
         gate_up = torch.stack([torch.cat([x.gate_proj.weight, x.up_proj.weight]) for x in local]).requires_grad_()
         down = torch.stack([x.down_proj.weight for x in local]).requires_grad_()
     block._stacked = (gate_up, down)
-    _STACKED[id(local[0])] = (gate_up, down, glu_gate(local[0].act_fn))
-    if not _STACKED.get("patched"):
-        each_step = local_experts._grouped
+    _MODE[id(local[0])] = (gate_up, down)
+    _patch_stacked_weights()
+    return block
 
-        def grouped(spec, experts, x, counts):
-            stacked = _STACKED.get(id(experts[0]))
-            if stacked is None:
-                return each_step(spec, experts, x, counts)
-            return grouped_swiglu(x, counts, stacked[0], stacked[1], apply_gate=stacked[2])
 
-        local_experts._grouped = grouped
-        _STACKED["patched"] = True
+def copy_each_step(block) -> nn.Module:
+    """The module_list fast path stacking the experts' own weights every step (a copy) instead of reading them in place."""
+    _MODE[id(local_of(block)[0])] = "copy"
+    _patch_stacked_weights()
     return block
 
 
@@ -137,10 +165,10 @@ def hf_block(block, ep_mesh, tp_mesh, impl: str):
     return b
 
 
-def time_step(block, x, grad, steps: int) -> tuple[float, int]:
-    """Median seconds per forward+backward and all-to-all input bytes per step."""
+def time_step(block, x, grad, steps: int, warmup: bool = True) -> tuple[float, int]:
+    """Median seconds per forward+backward and all-to-all input bytes per step (after one untimed step)."""
     times = []
-    for i in range(steps + 1):
+    for i in range(steps + 1) if warmup else range(1, steps + 1):
         xi = x.clone().requires_grad_()
         BYTES["a2a"] = 0
         dist.barrier()  # NOTE: collective; start every contender's step together on all ranks
@@ -197,17 +225,16 @@ def worker(rank: int, world_size: int, args, name: str) -> dict:
 
     if name.startswith("interleaved:"):
         return interleaved(block, ep_mesh, x, grad, args, name.removeprefix("interleaved:").split(","))
+    if name.startswith("profile:"):
+        return profiled(build(name.removeprefix("profile:"), block, ep_mesh, args), x, grad)
     if name == "plain":
         b = block
     elif name == "autoep":
         b = autoep_block(block, ep_mesh)
     elif name == "ml-plain":
         b = module_list_block(block, args.top_k)
-    elif name in ("ml-fast", "ml-stacked"):
-        b = autoep_block(module_list_block(block, args.top_k), ep_mesh)
-        b = stack_once(b) if name == "ml-stacked" else b
-    elif name == "ml-own":
-        b = autoep_block(module_list_block(block, args.top_k), ep_mesh, fast_path=False)
+    elif name.startswith("ml-"):
+        b = build(name, block, ep_mesh, args)
     else:
         b = hf_block(block, mesh2["ep"], mesh2["tp"], name.removeprefix("hf-"))
     del block
@@ -226,22 +253,67 @@ def build(name: str, block, ep_mesh, args) -> nn.Module:
         return autoep_block(block, ep_mesh)
     if name == "ml-plain":
         return module_list_block(block, args.top_k)
-    if name in ("ml-fast", "ml-stacked"):
+    if name in ("ml-fast", "ml-stacked", "ml-copy"):
         b = autoep_block(module_list_block(block, args.top_k), ep_mesh)
-        return stack_once(b) if name == "ml-stacked" else b
+        return stack_once(b) if name == "ml-stacked" else copy_each_step(b) if name == "ml-copy" else b
     if name == "ml-own":
         return autoep_block(module_list_block(block, args.top_k), ep_mesh, fast_path=False)
     raise ValueError(f"--interleave takes autoep and ml-* contenders, not {name!r}")
 
 
 def interleaved(block, ep_mesh, x, grad, args, names: list[str]) -> dict:
-    """The contenders in one process group, one step of each in turn (load that comes and goes hits each alike)."""
+    """The contenders in one process group: two warm-up steps each, then ``args.rounds`` rounds of one timed step
+    of each, the order rotated every round. Returns this rank's step times per contender, round by round."""
     blocks = {n: build(n, block, ep_mesh, args) for n in names}
+    for b in blocks.values():
+        time_step(b, x, grad, 1)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(args.steps):
-        for n, b in blocks.items():
-            times[n].append(time_step(b, x, grad, 1)[0])
-    return {n: args.tokens / sorted(t)[len(t) // 2] for n, t in times.items()}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            c0 = time.process_time()
+            times[n].append(time_step(blocks[n], x, grad, 1, warmup=False)[0])
+            cpu[n].append(time.process_time() - c0)
+    return {"wall": times, "cpu": cpu}
+
+
+def profiled(block, x, grad, steps: int = 3) -> str:
+    """``torch.profiler`` op table (self CPU time) of ``steps`` fwd+bwd steps after two warm-up steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    time_step(block, x, grad, 1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        time_step(block, x, grad, steps - 1)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
+def report_interleaved(per_rank: list[dict], args) -> None:
+    """Per round: the slowest rank's wall time of the step, and the CPU time of all ranks together (what the
+    step costs the machine; time a rank waits descheduled behind other jobs is not in it). Ratio = the base
+    contender's time / the contender's, in the same round; median and interquartile range over the rounds."""
+    names = list(per_rank[0]["wall"])
+    base = names[0]
+    wall = {n: [max(r["wall"][n][i] for r in per_rank) for i in range(args.rounds)] for n in names}
+    cpu = {n: [sum(r["cpu"][n][i] for r in per_rank) for i in range(args.rounds)] for n in names}
+    print(f"interleaved: {args.rounds} rounds of one fwd+bwd step of each contender (order rotated per round), "
+          f"{args.world_size} gloo ranks, T={args.tokens}/rank D={args.hidden} F={args.ffn} E={args.experts} "
+          f"top_k={args.top_k} fp32, {args.threads} thread(s)/rank, load average {os.getloadavg()[0]:.1f}; "
+          f"ratio per round = {base}'s time / the contender's, > 1 is faster")
+    print(f"{'contender':<12}{'tok/s/rank':>11}{'wall vs ' + base:>20}{'[p25, p75]':>17}"
+          f"{'cpu s/step':>12}{'cpu vs ' + base:>19}{'[p25, p75]':>17}")
+    for n in names:
+        rw = [b / t for b, t in zip(wall[base], wall[n])]
+        rc = [b / t for b, t in zip(cpu[base], cpu[n])]
+        print(f"{n:<12}{args.tokens / _quantile(wall[n], 0.5):>11.0f}{_quantile(rw, 0.5):>19.3f}x"
+              f"  [{_quantile(rw, 0.25):.3f}, {_quantile(rw, 0.75):.3f}]{_quantile(cpu[n], 0.5):>12.3f}"
+              f"{_quantile(rc, 0.5):>18.3f}x  [{_quantile(rc, 0.25):.3f}, {_quantile(rc, 0.75):.3f}]", flush=True)
 
 
 def main(argv=None) -> None:
@@ -258,21 +330,27 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     # batched_mm gathers a (2F x D) weight per (token, expert) pair: ~100x slower here; opt in by name.
     p.add_argument("--hf-impls", nargs="*", default=["eager", "grouped_mm"])
-    p.add_argument("--interleave", nargs="*", default=["ml-stacked", "ml-fast", "ml-own", "autoep"],
-                   help="contenders also timed in one process group, one step of each in turn ([] to skip)")
+    p.add_argument("--interleave", nargs="*", default=["ml-stacked", "ml-copy", "ml-fast", "ml-own", "autoep"],
+                   help="contenders compared in one process group, one step of each per round; ratios are to the "
+                        "first ([] to skip)")
+    p.add_argument("--rounds", type=int, default=15, help="rounds of the interleaved comparison")
     p.add_argument("--contenders", nargs="*", default=None,
                    help="the contenders of the table, each in its own process group (default: all; none: only "
-                        "the interleaved line)")
+                        "the interleaved comparison)")
+    p.add_argument("--profile", nargs="*", default=[],
+                   help="contenders (autoep, ml-*) to profile: rank 0's op table over 3 steps, then exit")
     args = p.parse_args(argv)
+    for name in args.profile:
+        print(f"profile of {name} (rank 0, 3 fwd+bwd steps):\n" + spawn(args.world_size, "ep_layer:worker", args,
+                                                                       f"profile:{name}")[0], flush=True)
+    if args.profile:
+        return
     names = ["plain", "autoep"] + [f"hf-{impl}" for impl in args.hf_impls]
-    names += ["ml-plain", "ml-stacked", "ml-fast", "ml-own"]
+    names += ["ml-plain", "ml-stacked", "ml-copy", "ml-fast", "ml-own"]
     names = names if args.contenders is None else args.contenders
     if args.interleave:
-        ratios = spawn(args.world_size, "ep_layer:worker", args, "interleaved:" + ",".join(args.interleave))
-        tok_s = {n: min(r[n] for r in ratios) for n in args.interleave}  # the slowest rank sets the step
-        base = tok_s[args.interleave[0]]
-        print(f"interleaved ({args.steps} rounds, one step of each in turn), vs {args.interleave[0]}: "
-              + ", ".join(f"{n} {v:.0f} tok/s/rank = {v / base:.2f}x" for n, v in tok_s.items()), flush=True)
+        per_rank = spawn(args.world_size, "ep_layer:worker", args, "interleaved:" + ",".join(args.interleave))
+        report_interleaved(per_rank, args)
     # One spawned group per contender, so each rank's peak memory is that contender's alone.
     results = {name: spawn(args.world_size, "ep_layer:worker", args, name) for name in names}
     if results:
@@ -303,7 +381,7 @@ def report(results: dict[str, list[dict]], args) -> None:
     if "ml-stacked" in results:
         today = min(r["tok_s"] for r in results["ml-stacked"])
         ratios = ", ".join(f"{n} {min(r['tok_s'] for r in results[n]) / today:.2f}x"
-                           for n in ("ml-fast", "ml-own", "ml-plain") if n in results)
+                           for n in ("ml-copy", "ml-fast", "ml-own", "ml-plain") if n in results)
         print(f"ModuleList experts vs ml-stacked (weights stacked once, the recipe before): {ratios}")
 
 

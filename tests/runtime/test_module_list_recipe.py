@@ -268,6 +268,42 @@ def _check_live_state(rank, world_size):
     assert sorted(accumulated) == list(range(rank * per_rank, (rank + 1) * per_rank))
 
 
+def _check_fast_path_parameter_hooks(rank, world_size):
+    """The fast path reading the experts' own parameters in place (their memory is one stacked buffer per
+    projection): tensor hooks and post-accumulate-grad hooks on each local expert parameter fire once, with the
+    gradient the experts' own forward gives, and the gathered gradients equal the block's own."""
+    from autoep.runtime.recipes import local_experts
+
+    name = "research_w1w2w3"
+    slices = _data(name, world_size)
+    ref = _make(name)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)) if world_size > 1 else None
+    block = _ep_block(name, mesh)
+    accumulated = []
+    for model in (ref, block):
+        for e, expert in enumerate(model.experts):
+            for proj in (expert.w1, expert.w2, expert.w3):
+                if not proj.weight.is_meta:  # this rank's own expert (all of them in the reference)
+                    proj.weight.register_hook(lambda g, e=e: g * (e + 2))
+                    if model is block:
+                        proj.weight.register_post_accumulate_grad_hook(lambda p, e=e: accumulated.append(e))
+    ref_out, ref_x_grad = [_run(ref, *s, seed=100 + r) for r, s in enumerate(slices)][rank]
+    out, x_grad = _run(block, *slices[rank], seed=100 + rank)
+    grads = gather_experts(block, grad=True)  # NOTE: collective
+    home = getattr(block, local_experts.STACKED)
+    spec = local_experts.spec_of(block)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(x_grad, ref_x_grad)
+    ref_params = dict(ref.named_parameters())
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_params[n].grad, msg=lambda m: f"{n}: {m}")
+    per_rank = 4 // world_size
+    assert sorted(accumulated) == sorted(3 * list(range(rank * per_rank, (rank + 1) * per_rank)))
+    assert home.gate_up is not None, "the fast path did not read the experts in place"
+    for i, e in enumerate(range(spec.first, spec.first + spec.num_local)):
+        assert block.experts[e].w2.weight.data_ptr() == home.down[i].data_ptr()
+
+
 def module_list_cases(rank, world_size):
     results = {}
     mesh_shapes = [(world_size,)] + ([(2, world_size // 2)] if world_size == 4 else [])
@@ -277,6 +313,7 @@ def module_list_cases(rank, world_size):
     guarded(results, "meta_checkpoint_roundtrip", _check_meta_checkpoint_roundtrip, rank, world_size)
     guarded(results, "deepseek_remote eval", _check_eval_mode, "deepseek_remote", rank, world_size)
     guarded(results, "live_state", _check_live_state, rank, world_size)
+    guarded(results, "fast_path_parameter_hooks", _check_fast_path_parameter_hooks, rank, world_size)
     return results
 
 
@@ -292,7 +329,7 @@ def multi_rank(request):
 
 def test_multi_rank_parity(multi_rank):
     world_size, results = multi_rank
-    assert len(results) >= len(BLOCKS) + 3, f"only {sorted(results)} ran"
+    assert len(results) >= len(BLOCKS) + 4, f"only {sorted(results)} ran"
     failed = {name: errs for name, errs in results.items() if errs}
     assert not failed, f"world_size={world_size}: " + "\n".join(f"{n}:\n{e[0]}" for n, e in failed.items())
 
@@ -307,6 +344,10 @@ def test_meta_checkpoint_roundtrip_single_process():
 
 def test_live_state_single_process():
     _check_live_state(0, 1)
+
+
+def test_fast_path_parameter_hooks_single_process():
+    _check_fast_path_parameter_hooks(0, 1)
 
 
 def test_fast_path_runs_where_proven_and_steps_aside_otherwise(monkeypatch):

@@ -143,6 +143,40 @@ def grouped_split_glu(
     return grouped_linear(h_SF, tokens_per_expert, down_LFD)
 
 
+class _StackedParameters(torch.autograd.Function):
+    """``stacked`` (a tensor whose slices ARE the given parameters' memory) as one differentiable tensor, no copy.
+
+    Forward returns an alias of ``stacked``; backward hands each parameter ``grad[index]`` (a view of the one
+    stacked gradient), so every parameter gets an ordinary gradient of its own through its own ``AccumulateGrad``:
+    tensor hooks, post-accumulate-grad hooks and ``.grad`` behave as with the parameters used one by one. The
+    parameters are saved for backward where the backward reads their values, so an in-place edit of one between
+    forward and backward raises torch's own error there (as the experts' own forward would; a ``torch.stack`` of
+    them would silently use the values of the forward).
+    """
+
+    @staticmethod
+    def forward(ctx, stacked: Tensor, indices: tuple, read_in_backward: bool, *params: Tensor) -> Tensor:
+        ctx.indices = indices
+        if read_in_backward:
+            ctx.save_for_backward(*params)
+        return stacked.view_as(stacked)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.saved_tensors  # torch's version check: raises if a parameter was edited in place since the forward
+        needs = ctx.needs_input_grad[3:]
+        return (None, None, None, *(grad[i] if need else None for i, need in zip(ctx.indices, needs)))
+
+
+def stacked_parameters(stacked: Tensor, indices: tuple, params: list[Tensor], *, read_in_backward: bool = True) -> Tensor:
+    """``stacked`` as a differentiable function of ``params``, where ``params[j]`` is (shares memory with)
+    ``stacked[indices[j]]``: the zero-copy ``torch.stack`` of parameters that already live stacked. The caller
+    guarantees the aliasing; gradients are ``grad[indices[j]]`` (views of one buffer). ``read_in_backward``: the
+    backward reads the weights' values (the gradient of what they multiply is needed), so an in-place edit of one
+    since the forward raises, as where the parameters themselves were saved (``F.linear``)."""
+    return _StackedParameters.apply(stacked, tuple(indices), read_in_backward, *params)
+
+
 def glu_gate(act_fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     """The concatenated-layout SwiGLU gate: ``act_fn(gate) * up`` with ``gate, up = h.chunk(2, -1)``."""
 

@@ -23,8 +23,14 @@ covers every parameter and persistent buffer of such experts; the keys of ``expe
 Computation after the exchange (``local_expert_fn``): each local expert's own ``forward`` (its module's
 ``__call__``, hooks included) runs on its rows (the own-forward path). Where the experts are proven
 bias-free SwiGLUs, plain ``nn.Linear``\\ s with plain weights and nothing hooked, the grouped-GEMM fast path
-runs instead on weights stacked per forward from the local experts' own parameters (``torch.stack`` is
-differentiable: the gradients land on the model's own parameters).
+runs instead, on the local experts' own parameters: their memory is re-homed once into one stacked buffer
+per projection (``p.data = buffer[e]``: the same ``nn.Parameter`` objects, hooks untouched), the grouped GEMM
+reads the buffers without a copy, and each parameter gets its gradient as a view of one stacked gradient
+through its own ``AccumulateGrad`` (``autoep.runtime.experts.stacked_parameters``). Each forward checks the
+parameters still live there (a ``p.data = ...``, ``load_state_dict(assign=True)``, ``to_empty`` or dtype
+conversion moves them out) and re-homes them only where nothing but these parameters holds their memory;
+otherwise (memory shared with another tensor, shared memory, inference mode) it stacks them per forward
+(``torch.stack``, a copy; exact either way).
 
 Shape legend: S rows grouped by local expert, D hidden, F expert intermediate size, L local experts.
 """
@@ -44,11 +50,12 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.hooks import RemovableHandle
 
 from autoep.errors import PlanError, UnsupportedModuleStructure
-from autoep.runtime.experts import glu_gate, grouped_swiglu
+from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
 
 SPEC = "_autoep_experts"  # the block attribute holding its ``LocalExperts``
 GROUP = "_autoep_ep_group"  # the block attribute holding its ep process group
 COUNT_HOOKS = "_autoep_count_hooks"  # the block attribute holding ``register_counts_hook``'s hooks
+STACKED = "_autoep_stacked"  # the block attribute holding its local experts' stacked weight home (``_Stacked``)
 
 _ACTIVATIONS = {"silu": F.silu, "relu": F.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh}
 _LINEAR_FORWARD, _F_LINEAR = nn.Linear.forward, F.linear
@@ -141,6 +148,7 @@ def place_experts(block: nn.Module, *, path: str, num_experts: int, identity_exp
     _check_unshared(block, spec, name)
     setattr(block, SPEC, spec)
     setattr(block, GROUP, _Shared(None if ep_mesh is None else ep_mesh.get_group()))
+    setattr(block, STACKED, _Stacked())
     _release(block, spec)
     return spec
 
@@ -422,12 +430,13 @@ def local_expert_fn(block: nn.Module):
     """``expert_fn(x_SD, tokens_per_local_expert) -> y_SD`` for the exchange: this rank's experts on their rows."""
     spec = spec_of(block)
     experts = expert_modules(container_of(block, spec))[spec.first: spec.first + spec.num_local]
+    stacked = getattr(block, STACKED, None)
 
     def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
         for hook in list(block.__dict__.get(COUNT_HOOKS, {}).values()):
             hook(spec.first, tokens_per_local_expert)
         if fast_path_ok(spec, experts, x_SD):
-            return _grouped(spec, experts, x_SD, tokens_per_local_expert)
+            return _grouped(spec, experts, x_SD, tokens_per_local_expert, stacked)
         return own_forward(experts, x_SD, tokens_per_local_expert)
 
     return expert_fn
@@ -444,13 +453,16 @@ def own_forward(experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert:
 def fast_path_ok(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor) -> bool:
     """The grouped GEMM computes exactly what the experts' own forwards would: proven SwiGLU experts whose
     projections are plain, unhooked, bias-free ``nn.Linear``\\ s with plain weights of ``x``'s dtype and a
-    nonzero width, no global hooks, no patched ``nn.Linear.forward``/``F.linear``, no torch-function mode."""
+    nonzero width, all of one shape (gate and up (F, D), down (D, F), D = ``x``'s width), no global hooks,
+    no patched ``nn.Linear.forward``/``F.linear``, no torch-function mode."""
     if not spec.fast_path or spec.swiglu is None or x_SD.dim() != 2:
         return False
     if nn.Linear.forward is not _LINEAR_FORWARD or F.linear is not _F_LINEAR or _global_hooks():
         return False
     if torch._C._is_torch_function_mode_enabled():
         return False
+    D = x_SD.shape[1]
+    shapes = None
     for expert in experts:
         if _hooked(expert):
             return False
@@ -461,6 +473,10 @@ def fast_path_ok(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor) -> 
             w = lin.weight
             if type(w) is not nn.Parameter or w.dtype != x_SD.dtype or w.device != x_SD.device or 0 in w.shape:
                 return False
+        gate, up, down = (getattr(expert, n).weight.shape for n in spec.swiglu)
+        shapes = shapes or (gate, (gate[1], gate[0]))
+        if gate != shapes[0] or up != shapes[0] or down != shapes[1] or gate[1] != D:
+            return False  # experts of different widths (each own forward runs its own shapes)
     return True
 
 
@@ -477,10 +493,119 @@ def _global_hooks() -> bool:
     return any(getattr(m, n, None) for n in names)
 
 
-def _grouped(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
-    gate, up, down = spec.swiglu
-    # Layout change per forward: the local experts' own weights stacked (a differentiable copy).
-    gate_up_L2FD = torch.stack([torch.cat([getattr(x, gate).weight, getattr(x, up).weight]) for x in experts])
-    down_LDF = torch.stack([getattr(x, down).weight for x in experts])
+def _grouped(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert: Tensor,
+             stacked: _Stacked | None = None) -> Tensor:
+    """The grouped GEMM on the local experts' own weights (``fast_path_ok`` holds): read in place from their
+    stacked home where they live there (or can be moved there), stacked per forward (a copy) otherwise."""
+    gate_up_L2FD, down_LDF = _stacked_weights(spec, experts, stacked, x_SD)
     act = experts[0].act_fn if spec.act == "act_fn" else _ACTIVATIONS[spec.act]
     return grouped_swiglu(x_SD, tokens_per_local_expert, gate_up_L2FD, down_LDF, apply_gate=glu_gate(act))
+
+
+def _stacked_weights(spec: LocalExperts, experts: list[nn.Module], stacked: _Stacked | None,
+                     x_SD: Tensor) -> tuple[Tensor, Tensor]:
+    """(gate_up (L, 2F, D), down (L, D, F)) as differentiable functions of the local experts' own parameters."""
+    gate, up, down = spec.swiglu
+    gates = [getattr(x, gate).weight for x in experts]
+    ups = [getattr(x, up).weight for x in experts]
+    downs = [getattr(x, down).weight for x in experts]
+    if stacked is not None and stacked.holds(gates, ups, downs):
+        return stacked.weights(gates, ups, downs, x_SD)
+    # Layout change per forward: the weights stacked (a differentiable copy; gradients land on the parameters).
+    return torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)]), torch.stack(downs)
+
+
+class _Stacked:
+    """The stacked home of a block's local SwiGLU expert weights: ``gate_up`` (L, 2F, D) holds expert e's gate
+    weight in ``gate_up[e, :F]`` and its up weight in ``gate_up[e, F:]``, ``down`` (L, D, F) its down weight in
+    ``down[e]``. While the experts' own ``nn.Parameter`` objects live there (``p.data`` is that slice), the
+    grouped GEMM reads the buffers as they are. A deep copy or a pickle of the block gets an empty home (its
+    parameters are new tensors; they are re-homed at the copy's first fast-path forward)."""
+
+    def __init__(self):
+        self.gate_up: Tensor | None = None
+        self.down: Tensor | None = None
+        self.ptrs: tuple[int, ...] = ()  # each parameter's address in its home, in ``_order`` order
+        self.index: tuple[tuple, tuple] = ((), ())  # each slot of gate_up (gate_0, up_0, gate_1, ...) / of down
+
+    def __deepcopy__(self, memo):
+        return _Stacked()
+
+    def __reduce__(self):
+        return (_Stacked, ())
+
+    def holds(self, gates: list[Tensor], ups: list[Tensor], downs: list[Tensor]) -> bool:
+        """Whether the parameters live in their home now, moving them there first where that is unobservable."""
+        return self._intact(gates, ups, downs) or self._rehome(gates, ups, downs)
+
+    def weights(self, gates: list[Tensor], ups: list[Tensor], downs: list[Tensor],
+                x_SD: Tensor) -> tuple[Tensor, Tensor]:
+        """The two homes as differentiable functions of the parameters (no copy). A backward reads the gate/up
+        weights where ``x`` needs a gradient, the down weights where their input does (as ``F.linear`` saves)."""
+        gate_ups = [w for pair in zip(gates, ups) for w in pair]
+        grad_in = torch.is_grad_enabled() and x_SD.requires_grad
+        grad_h = torch.is_grad_enabled() and (x_SD.requires_grad or any(w.requires_grad for w in gate_ups))
+        return (stacked_parameters(self.gate_up, self.index[0], gate_ups, read_in_backward=grad_in),
+                stacked_parameters(self.down, self.index[1], downs, read_in_backward=grad_h))
+
+    def _intact(self, gates, ups, downs) -> bool:
+        # Same address, shape, dtype and row-major layout as its slice: the parameter reads exactly that slice
+        # (the home is alive, held here, so no other tensor can own that memory). fast_path_ok checked the shapes.
+        home = self.gate_up
+        if home is None or home.shape[0] != len(gates) or home.dtype != gates[0].dtype or home.device != gates[0].device:
+            return False
+        if home.shape[1:] != (2 * gates[0].shape[0], gates[0].shape[1]):
+            return False
+        return all(w.data_ptr() == ptr and w.is_contiguous() for w, ptr in zip(_order(gates, ups, downs), self.ptrs))
+
+    def _rehome(self, gates, ups, downs) -> bool:
+        """Copy the parameters into new stacked buffers and point each one's ``.data`` at its slice, where no
+        one can tell: nothing but these parameters (and this home) holds their memory, no two overlap, the
+        memory is not shared between processes or pinned, and autograd is not in inference mode. Else False."""
+        params = _order(gates, ups, downs)
+        if torch.is_inference_mode_enabled() or not _only_these_hold(params, self):
+            return False
+        L, (Fi, D) = len(gates), gates[0].shape
+        like = {"dtype": gates[0].dtype, "device": gates[0].device}
+        gate_up, down = torch.empty((L, 2 * Fi, D), **like), torch.empty((L, D, Fi), **like)
+        index_gu = tuple(i for e in range(L) for i in ((e, slice(0, Fi)), (e, slice(Fi, 2 * Fi))))
+        index_down = tuple((e,) for e in range(L))
+        with torch.no_grad():
+            slots = [gate_up[i] for i in index_gu] + [down[i] for i in index_down]
+            owners = [w for pair in zip(gates, ups) for w in pair] + list(downs)
+            for slot, w in zip(slots, owners):
+                slot.copy_(w)
+            for slot, w in zip(slots, owners):
+                w.data = slot  # the same Parameter object, its memory now the slot (its hooks and grad untouched)
+        self.gate_up, self.down, self.index = gate_up, down, (index_gu, index_down)
+        self.ptrs = tuple(w.data_ptr() for w in params)
+        return True
+
+
+def _order(gates: list[Tensor], ups: list[Tensor], downs: list[Tensor]) -> list[Tensor]:
+    return [*gates, *ups, *downs]
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _only_these_hold(params: list[Tensor], home: _Stacked) -> bool:
+    """No tensor but ``params`` (and ``home``'s buffers) holds the memory of ``params``, and no two of them
+    overlap: moving them elsewhere changes nothing anyone can observe but their addresses."""
+    if _use_count is None:
+        return False
+    ours = {t.untyped_storage().data_ptr() for t in (home.gate_up, home.down) if t is not None}
+    by_storage: dict[tuple, list[Tensor]] = {}
+    for w in params:
+        if not w.is_contiguous() or w.is_shared() or (w.device.type == "cpu" and w.is_pinned()):
+            return False
+        by_storage.setdefault((w.device, w.untyped_storage().data_ptr()), []).append(w)
+    for (_, base), group in by_storage.items():
+        # Holders of the storage: each parameter's tensor, this home's buffer, and the probe ``untyped_storage()``.
+        holders = _use_count(group[0].untyped_storage()._cdata) - 1
+        if holders != len(group) + (base in ours):
+            return False
+        spans = sorted((w.storage_offset(), w.storage_offset() + w.numel()) for w in group)
+        if any(end > start for (_, end), (start, _) in zip(spans, spans[1:])):
+            return False  # two parameters on the same memory (tied through .data): keep them tied
+    return True

@@ -228,6 +228,33 @@ def op_conditional_experts_call(fn, site):
     return each(fn, experts_call_slots, mutate)
 
 
+def _flag_guards(tree: ast.FunctionDef) -> list:
+    """``if self.<flag>:`` statements of a block method whose body calls the experts (Gemma-4's
+    ``if self.enable_moe_block:``), in source order."""
+    return [s for s in slots(tree) if isinstance(s.stmt, ast.If) and self_attr(s.stmt.test)
+            and any(calls(b, lambda c: self_attr(c.func) == "experts") for b in s.stmt.body)]
+
+
+def flag_guard(test: str) -> Callable:
+    """The flag's test rewritten (``{flag}``: the original ``self.<flag>``, ``{x}``: the first parameter)."""
+
+    def op(fn, site):
+        if not _block_method(site):
+            return []
+
+        def mutate(tree, s):
+            s.stmt.test = expr(test.format(flag=ast.unparse(s.stmt.test), x=first_param(tree)))
+
+        return each(fn, _flag_guards, mutate)
+
+    return op
+
+
+op_flag_negated = flag_guard("not {flag}")  # the experts never run (on every rank alike)
+op_flag_training = flag_guard("self.training")  # a mode, not a constant: it changes in eval
+op_flag_and_tokens = flag_guard("{flag} and {x}.shape[0] > 0")  # a rank without tokens would skip the exchange
+
+
 def early_return(condition: str) -> Callable:
     def op(fn, site):
         if not _block_method(site):

@@ -30,7 +30,7 @@ from autoep.runtime.recipes.local_experts import expert_owners
 # drop_empty_output: only a rank without tokens drops the exchange's output; closure_rebound: a value copied
 # at apply is another slice's (each rank runs under its own seed).
 RANK_SENSITIVE = {"conditional_experts_call", "early_return_empty", "padding_index", "mix_rows", "drop_empty_output",
-                  "closure_rebound"}
+                  "closure_rebound", "flag_and_tokens"}
 SPLITS = ([1, 1], [2, 0])  # sequences per rank: even, then one rank without tokens
 HANG_S = 10  # a collective the peer never joins fails after this (the ep group's timeout)
 # A failed collective leaves the ep group out of step: the processes are replaced after it.

@@ -102,6 +102,19 @@ def test_the_flag_must_be_the_constant_true(flag):
     assert f"runs under `if self.enable_moe_block:`, and self.enable_moe_block is {flag!r}" in reason
 
 
+def test_a_mode_is_not_a_flag():
+    class TrainingGuard(gc_blocks.GemmaStyleMoeLayer):
+        def forward(self, hidden_states, cache=None, **kwargs):
+            flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+            out = flat
+            if self.training:
+                _, top_k_weights, top_k_index = self.router(flat)
+                out = self.experts(flat, top_k_index, top_k_weights)
+            return out.reshape(hidden_states.shape)
+
+    assert "under `if self.training:`, a mode that changes by design" in refusal(TrainingGuard().train())
+
+
 def test_the_experts_call_in_an_else_branch_is_refused():
     assert "the experts call runs inside a `if`" in refusal(gc_blocks.ElseBranchLayer())
 

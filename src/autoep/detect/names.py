@@ -48,7 +48,7 @@ def mangled(fn, name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 _RECORD: contextvars.ContextVar = contextvars.ContextVar("autoep_folded_facts", default=None)
-_NOT_FACTS = ("training",)  # changes by design (train/eval); proofs that read it say what they do with it
+NOT_FACTS = ("training",)  # changes by design (train/eval); proofs that read it say what they do with it
 
 
 def instance_attr(owner, name: str, where: str):
@@ -63,7 +63,7 @@ def instance_attr(owner, name: str, where: str):
                       f"later (e.g. in eval). Store it as a plain attribute")
     value = getattr(owner, name, None)
     record = _RECORD.get()
-    if record is not None and type(value) in (bool, int, float) and name not in _NOT_FACTS:
+    if record is not None and type(value) in (bool, int, float) and name not in NOT_FACTS:
         record.setdefault((id(owner), name), (owner, name, value))
     return value
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoep.detect.names import Scope, instance_attr
+from autoep.detect.names import NOT_FACTS, Scope, instance_attr
 from autoep.detect.source import Refusal, cached_by_code, function_tree
 
 SHARED_ATTRS = ("shared_expert", "shared_expert_gate", "shared_experts")
@@ -239,6 +239,9 @@ def experts_call(module: nn.Module, attr: str = "experts") -> tuple[str, ...]:
     guards = _experts_call_source(peeled.forward, cls.__name__, attr)
     folded = []
     for name in guards:  # ``if self.<name>:`` around the call: folded on this instance, watched per call
+        if name in NOT_FACTS:
+            raise Refusal(f"{cls.__name__}.forward: the experts call runs under `if self.{name}:`, a mode that "
+                          f"changes by design (train/eval), not a constant autoep can fold and watch")
         value = instance_attr(module, name, f"{cls.__name__}.forward")
         if value is not True:
             raise Refusal(f"{cls.__name__}.forward: the experts call runs under `if self.{name}:`, and "

@@ -1592,3 +1592,44 @@ class InlineGateMoE(nn.Module):
         router_scores, router_indices = self.router(hidden_states)
         routed_out = self.experts(hidden_states, router_indices=router_indices, routing_weights=router_scores)
         return routed_out, router_scores
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers 4.57 VitPose: every expert on every row, masked by the sequence's id, summed
+# ---------------------------------------------------------------------------------------------
+
+
+class MaskedSumMoE(nn.Module):
+    """transformers 4.57 ``VitPoseBackboneMoeMLP``, as written: a shared fc1 -> act -> fc2 and biased
+    ``nn.Linear`` experts (to ``part`` features) each run on every row, times the mask of the sequences whose
+    id (``indices``, one per sequence) is that expert, summed in expert order and concatenated after the shared
+    part. ``indices`` default: sequence b gets id ``(2b + 1) % (num_experts + 1)`` (``num_experts``: no expert)."""
+
+    def __init__(self, *, hidden=16, ffn=32, part=4, num_experts=4):
+        super().__init__()
+        self.part_features = part
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(ffn, hidden - part)
+        self.num_experts = num_experts
+        self.experts = nn.ModuleList([nn.Linear(ffn, part) for _ in range(num_experts)])
+
+    def forward(self, hidden_state: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        if indices is None:
+            indices = (torch.arange(hidden_state.shape[0], device=hidden_state.device) * 2 + 1) % (self.num_experts + 1)
+        expert_hidden_state = torch.zeros_like(hidden_state[:, :, -self.part_features :])
+
+        hidden_state = self.fc1(hidden_state)
+        hidden_state = self.act(hidden_state)
+        shared_hidden_state = self.fc2(hidden_state)
+        indices = indices.view(-1, 1, 1)
+
+        # to support ddp training
+        for i in range(self.num_experts):
+            selected_index = indices == i
+            current_hidden_state = self.experts[i](hidden_state) * selected_index
+            expert_hidden_state = expert_hidden_state + current_hidden_state
+
+        hidden_state = torch.cat([shared_hidden_state, expert_hidden_state], dim=-1)
+
+        return hidden_state

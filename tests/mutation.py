@@ -254,6 +254,8 @@ def targets() -> list[Target]:
         # Their own forward cannot run an empty batch (``acc.view(0, -1, D)`` is ambiguous): no rank gets none.
         *(Target(f"v4/{n}", _hand_written_block(n, make), empty_rank=False)
           for n, make in _training_branch_blocks().items()),
+        # transformers 4.57 VitPose: every expert on every row, masked by the sequence's id, summed.
+        Target("v4/masked_sum", _hand_written_block("masked_sum", _masked_sum_block)),
     ]
 
 
@@ -270,6 +272,12 @@ def _gemma_style_layer() -> nn.Module:
     from gc_blocks import GemmaStyleMoeLayer
 
     return GemmaStyleMoeLayer(hidden=16, ffn=24, num_experts=4, top_k=2)
+
+
+def _masked_sum_block() -> nn.Module:
+    from blocks import MaskedSumMoE
+
+    return MaskedSumMoE(hidden=16, ffn=24, part=4, num_experts=4)
 
 
 def _row_local_blocks() -> dict[str, Callable[[], nn.Module]]:
@@ -316,7 +324,7 @@ NEW_TARGETS = frozenset({
     "v4/deepseek_remote_eval", "v4/minimind", "v4/expert_dropout_p0",
     "v4/fairseq_local_experts", "v4/sequential_experts", "v4/optional_args_experts", "v4/config_branch_experts",
     "v4/module_dict_experts", "v4/lora_experts", "v5/gemma_style_layer",
-    "v4/dense_weights_branch", "v4/inline_gate_branch",
+    "v4/dense_weights_branch", "v4/inline_gate_branch", "v4/masked_sum",
 })
 
 
@@ -495,6 +503,7 @@ class Run:
 def inputs(block: nn.Module, batch: int = BATCH) -> torch.Tensor:
     """(batch, SEQ, hidden), fixed; a flat target sees it as (batch * SEQ, hidden) (``forward_backward``)."""
     router = router_of(block)  # torchtune, DBRX: the gate is a Linear inside the router
+    router = block if router is None else router  # no router (VitPose-style ids): its first Linear reads hidden
     weight = getattr(router, "weight", None)
     weight = weight if weight is not None else next(m.weight for m in router.modules() if isinstance(m, nn.Linear))
     hidden = weight.shape[-1]

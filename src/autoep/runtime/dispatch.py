@@ -124,6 +124,8 @@ def ep_experts_forward(
         y_sorted_SD, routed = _exchange_and_compute(hidden_TD, perm_S, K, tokens_per_expert_E, W, L, ep_group, expert_fn)
 
     # Undo the sort: row s of y_SD is pair s = t*K + k again; padding pairs stay zero (layout change).
+    # The experts' output width (D, or another where the experts project elsewhere: VitPose's part features).
+    D = y_sorted_SD.shape[-1]
     y_SD = y_sorted_SD.new_zeros((T * K, D)).index_copy(0, perm_S[:routed], y_sorted_SD)
     # The weights are the model's tensor: the product below saves them for backward, so it gets a copy of
     # its own (the model's loop saved indexed copies; it may edit its weights in place after the loop).

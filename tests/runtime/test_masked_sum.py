@@ -70,6 +70,28 @@ def test_detected_and_equal_in_one_process():
     torch.testing.assert_close(ep(x, half), block(x, half))
 
 
+class _UpcastExpert(torch.nn.Module):
+    """A row-local expert whose output is float64: the loop's term keeps that dtype, and ``acc + term`` promotes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(24, 4)
+
+    def forward(self, x):
+        return self.proj(x).double()
+
+
+def test_the_experts_own_output_dtype_is_kept():
+    block = _block()
+    block.experts = torch.nn.ModuleList([_UpcastExpert() for _ in range(4)])
+    ep = copy.deepcopy(block)
+    ep_module_list_block(ep, ep_mesh=None, structure=detect_moe_structure(block))
+    x = torch.randn(5, 2, 16)
+    out, want = ep(x), block(x)
+    assert out.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(out, want)
+
+
 def test_ids_that_are_not_one_per_row_fail_loudly():
     """The spliced call itself: ids varying along the features (a mask per feature in the model's loop) have no
     exchange form; one id per row (any leading shape that broadcasts) does."""

@@ -134,6 +134,9 @@ REFUSED = [
     # The gate reads the routed rows themselves besides the projection: not the two-projection shape.
     (blocks.InlineGateExperts, "gated_output = (up + 1) * glu", "gated_output = (up + 1) * glu + current_state",
      r"not act_fn\(gate\) \* up, the experts' own _apply_gate, or element-wise operations on the first projection"),
+    # A number from a global (here torch.pi): it could be rebound after apply, unlike self.alpha (watched).
+    (blocks.InlineGateExperts, "torch.sigmoid(gate * self.alpha)", "torch.sigmoid(gate * torch.pi)",
+     r"`torch.pi` is a number read from a global or closure variable"),
     # A sort inside the gate mixes features across the rows' order: not element-wise.
     (blocks.InlineGateExperts, "glu = gate * torch.sigmoid(gate * self.alpha)",
      "glu = gate * torch.sort(gate, dim=0).values", r"line \d+: `torch.sort\(gate, dim=0\)` calls .*sort, which the proof does not know"),

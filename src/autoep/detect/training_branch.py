@@ -192,8 +192,10 @@ class BranchProver(FlatProver):
             return Row(("lead", ("bias", left.expr, right[1])))
         op = _SCALAR_OPS.get(type(node.op))
         if op and isinstance(left, Row) and _number(right):
+            self._fixed_number(node.right)
             return Row(("scal", op, left.expr, right.value, "right"))
         if op and _number(left) and isinstance(right, Row):
+            self._fixed_number(node.left)
             return Row(("scal", op, right.expr, left.value, "left"))
         if isinstance(node.op, ast.Add) and isinstance(left, Row) and isinstance(right, Row):
             return Row(("add", left.expr, right.expr))
@@ -207,12 +209,26 @@ class BranchProver(FlatProver):
             args = self._args(node, ("min", "max"), 0)
             bounds = []
             for key in ("min", "max"):
+                if key in args:
+                    self._fixed_number(args[key])
                 v = self.eval(args[key]) if key in args else Obj(None)
                 if not (isinstance(v, Obj) and (v.value is None or type(v.value) in (int, float))):
                     self.refuse(node, "clamps to something that is not a number")
                 bounds.append(v.value)
             return Row(("clamp", base.expr, *bounds))
         return super()._row_method(node, base, name)
+
+    def _fixed_number(self, node: ast.AST) -> None:
+        """A number the gate computes with is a literal or an instance attribute (``self.limit``: folded and
+        re-checked before each call, ``watching_facts``); a global or closure variable could be rebound after
+        apply, and the computed gate would keep the old value."""
+        inner = node.operand if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) else node
+        if isinstance(inner, ast.Constant) or (inner is None and isinstance(node, ast.Constant)):
+            return
+        if isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) \
+                and inner.value.id == self.tree.args.args[0].arg:
+            return
+        self.refuse(node, "is a number read from a global or closure variable, which may change after apply")
 
     # -- statements -------------------------------------------------------------------------------
 

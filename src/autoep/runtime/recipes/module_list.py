@@ -127,9 +127,10 @@ def ep_masked_sum_loop(module: nn.Module, acc: Tensor, x: Tensor, ids: Tensor, *
     routed_S = (ids_long_S == ids_S) & (ids_long_S >= 0) & (ids_long_S < E)
     send_S1 = torch.where(routed_S, ids_long_S, torch.full_like(ids_long_S, E)).unsqueeze(1)  # E: padding
     ones_S1 = torch.ones((ids_S.shape[0], 1), dtype=torch.float32, device=x.device)
-    # y * 1.0 in fp32 and back is exact; a row of no expert gets zeros, as the loop's masked terms are.
+    # y * 1.0 in fp32 and back to the experts' own dtype is exact (the loop's term ``y * mask`` keeps y's dtype,
+    # and ``acc + term`` promotes as below); a row of no expert gets zeros, as the loop's masked terms are.
     out_SP = ep_experts_forward(x_SD, send_S1, ones_S1, num_experts=E, ep_group=ep_group,
-                                expert_fn=local_expert_fn(module), out_dtype=x.dtype)
+                                expert_fn=local_expert_fn(module), out_dtype="experts")
     return acc + out_SP.reshape(*x.shape[:-1], out_SP.shape[-1])
 
 

@@ -1416,3 +1416,220 @@ class PropertyCountMoE(CountedExpertsMoE):
     @property
     def num_experts(self) -> int:
         return len(self.experts) if self.training else len(self.experts) - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers 4.57 batched experts with a training test (Qwen3-VL-MoE, GPT-OSS): a per-expert loop
+# over dense (T, E) routing weights while training, every expert on every token otherwise
+# ---------------------------------------------------------------------------------------------
+
+
+class DenseWeightsExperts(nn.Module):
+    """transformers 4.57 ``Qwen3VLMoeTextExperts``, as written: ``gate_up_proj`` (E, D, 2F) indexed by a (1,)
+    row of ``nonzero()`` (a leading 1-dim, taken off by ``out[0]``), ``up * act_fn(gate)``, routing weights
+    ``W[tok, e, None]`` of a dense (T, E) tensor, and a bmm branch over all experts when not training."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = ffn
+        self.hidden_size = hidden
+        self.expert_dim = ffn
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, hidden, 2 * ffn) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, ffn, hidden) * 0.3)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states: torch.Tensor, routing_weights: torch.Tensor, router_indices: torch.Tensor):
+        batch_size = hidden_states.shape[0]
+        hidden_states = hidden_states.reshape(-1, self.hidden_size)  # (num_tokens, hidden_size)
+        if self.training:
+            next_states = torch.zeros_like(hidden_states, dtype=hidden_states.dtype, device=hidden_states.device)
+            with torch.no_grad():
+                expert_mask = torch.nn.functional.one_hot(router_indices, num_classes=self.num_experts)
+                expert_mask = expert_mask.permute(2, 1, 0)
+                expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+            for expert_idx in expert_hit[:]:
+                with torch.no_grad():
+                    _, token_idx = torch.where(expert_mask[expert_idx[0]])
+                current_state = hidden_states[token_idx]
+                gate_up = current_state @ self.gate_up_proj[expert_idx]
+                gate, up = gate_up.chunk(2, dim=-1)
+                gated_output = up * self.act_fn(gate)
+                out = gated_output @ self.down_proj[expert_idx]
+                weighted_output = out[0] * routing_weights[token_idx, expert_idx, None]
+                next_states.index_add_(0, token_idx, weighted_output.to(hidden_states.dtype))
+            next_states = next_states.view(batch_size, -1, self.hidden_size)
+        else:
+            hidden_states = hidden_states.repeat(self.num_experts, 1)
+            hidden_states = hidden_states.view(self.num_experts, -1, self.hidden_size)
+            gate_up = torch.bmm(hidden_states, self.gate_up_proj)
+            gate, up = gate_up.chunk(2, dim=-1)
+            next_states = torch.bmm((up * self.act_fn(gate)), self.down_proj)
+            next_states = next_states.reshape(self.num_experts, batch_size, -1, self.hidden_size)
+            next_states = (
+                next_states * routing_weights.transpose(0, 1).view(self.num_experts, batch_size, -1)[..., None]
+            )
+            next_states = next_states.sum(dim=0)
+        return next_states
+
+
+class DenseWeightsMoE(nn.Module):
+    """transformers 4.57 ``Qwen3VLMoeTextSparseMoeBlock``: softmax top-k, renormalised, scattered into a dense
+    (T, E) weight tensor the experts read per expert."""
+
+    def __init__(self, *, hidden=16, ffn=24, num_experts=4, top_k=2, experts_cls=DenseWeightsExperts):
+        super().__init__()
+        self.hidden_size = hidden
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = experts_cls(num_experts, hidden, ffn)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch_size = hidden_states.shape[0]
+        hidden_states = hidden_states.reshape(-1, self.hidden_size)
+        router_logits = self.gate(hidden_states)
+        routing_weights = torch.nn.functional.softmax(router_logits, dim=-1, dtype=torch.float)
+        routing_weights, router_indices = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        router_weights = torch.zeros_like(router_logits).scatter_(1, router_indices, routing_weights)
+        hidden_states = hidden_states.reshape(batch_size, -1, self.hidden_size)
+        routed_out = self.experts(hidden_states, router_weights, router_indices)
+        return routed_out, router_logits
+
+
+class InlineGateExperts(nn.Module):
+    """transformers 4.57 ``GptOssExperts``, as written: biased projections, a clamped GLU written inline on
+    the interleaved halves (``[..., ::2]``, ``[..., 1::2]``), E read from the routing weights' shape, a padding
+    class ``E`` skipped, and a bmm branch over all experts when neither on CPU nor training."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int):
+        super().__init__()
+        self.intermediate_size = ffn
+        self.num_experts = num_experts
+        self.hidden_size = hidden
+        self.expert_dim = ffn
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, hidden, 2 * ffn) * 0.5)
+        self.gate_up_proj_bias = nn.Parameter(torch.randn(num_experts, 2 * ffn) * 0.5)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, ffn, hidden) * 0.3)
+        self.down_proj_bias = nn.Parameter(torch.randn(num_experts, hidden) * 0.3)
+        self.alpha = 1.702
+        self.limit = 1.5  # small: the clamps bite on these weights
+
+    def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+        batch_size = hidden_states.shape[0]
+        hidden_states = hidden_states.reshape(-1, self.hidden_size)  # (num_tokens, hidden_size)
+        num_experts = routing_weights.shape[1]
+        if hidden_states.device.type == "cpu" or self.training:
+            next_states = torch.zeros_like(hidden_states, dtype=hidden_states.dtype, device=hidden_states.device)
+            with torch.no_grad():
+                expert_mask = torch.nn.functional.one_hot(router_indices, num_classes=num_experts + 1)
+                expert_mask = expert_mask.permute(2, 1, 0)
+                expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+            for expert_idx in expert_hit[:]:
+                expert_idx = expert_idx[0]
+                if expert_idx == num_experts:
+                    continue
+                with torch.no_grad():
+                    _, token_idx = torch.where(expert_mask[expert_idx])
+                current_state = hidden_states[token_idx]
+                gate_up = current_state @ self.gate_up_proj[expert_idx] + self.gate_up_proj_bias[expert_idx]
+                gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+                gate = gate.clamp(min=None, max=self.limit)
+                up = up.clamp(min=-self.limit, max=self.limit)
+                glu = gate * torch.sigmoid(gate * self.alpha)
+                gated_output = (up + 1) * glu
+                out = gated_output @ self.down_proj[expert_idx] + self.down_proj_bias[expert_idx]
+                weighted_output = out * routing_weights[token_idx, expert_idx, None]
+                next_states.index_add_(0, token_idx, weighted_output.to(hidden_states.dtype))
+            next_states = next_states.view(batch_size, -1, self.hidden_size)
+        else:
+            hidden_states = hidden_states.repeat(num_experts, 1)
+            hidden_states = hidden_states.view(num_experts, -1, self.hidden_size)
+            gate_up = torch.bmm(hidden_states, self.gate_up_proj) + self.gate_up_proj_bias[..., None, :]
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+            gate = gate.clamp(min=None, max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            glu = gate * torch.sigmoid(gate * self.alpha)
+            next_states = torch.bmm(((up + 1) * glu), self.down_proj)
+            next_states = next_states + self.down_proj_bias[..., None, :]
+            next_states = next_states.view(num_experts, batch_size, -1, self.hidden_size)
+            next_states = next_states * routing_weights.transpose(0, 1).view(num_experts, batch_size, -1)[..., None]
+            next_states = next_states.sum(dim=0)
+        return next_states
+
+
+class InlineGateTopKRouter(nn.Module):
+    """transformers 4.57 ``GptOssTopKRouter``: biased logits, top-k, softmax over the k, scattered to (T, E)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.hidden_dim = hidden
+        self.weight = nn.Parameter(torch.randn(num_experts, hidden) * 0.5)
+        self.bias = nn.Parameter(torch.randn(num_experts) * 0.1)
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states, self.weight, self.bias)
+        router_top_value, router_indices = torch.topk(router_logits, self.top_k, dim=-1)
+        router_top_value = torch.nn.functional.softmax(router_top_value, dim=1, dtype=router_top_value.dtype)
+        router_scores = torch.zeros_like(router_logits).scatter_(1, router_indices, router_top_value)
+        return router_scores, router_indices
+
+
+class InlineGateMoE(nn.Module):
+    """transformers 4.57 ``GptOssMLP``: the router module, then the experts by keyword."""
+
+    def __init__(self, *, hidden=16, ffn=24, num_experts=4, top_k=2, experts_cls=InlineGateExperts):
+        super().__init__()
+        self.router = InlineGateTopKRouter(hidden, num_experts, top_k)
+        self.experts = experts_cls(num_experts, hidden, ffn)
+
+    def forward(self, hidden_states):
+        router_scores, router_indices = self.router(hidden_states)
+        routed_out = self.experts(hidden_states, router_indices=router_indices, routing_weights=router_scores)
+        return routed_out, router_scores
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers 4.57 VitPose: every expert on every row, masked by the sequence's id, summed
+# ---------------------------------------------------------------------------------------------
+
+
+class MaskedSumMoE(nn.Module):
+    """transformers 4.57 ``VitPoseBackboneMoeMLP``, as written: a shared fc1 -> act -> fc2 and biased
+    ``nn.Linear`` experts (to ``part`` features) each run on every row, times the mask of the sequences whose
+    id (``indices``, one per sequence) is that expert, summed in expert order and concatenated after the shared
+    part. ``indices`` default: sequence b gets id ``(2b + 1) % (num_experts + 1)`` (``num_experts``: no expert)."""
+
+    def __init__(self, *, hidden=16, ffn=32, part=4, num_experts=4):
+        super().__init__()
+        self.part_features = part
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(ffn, hidden - part)
+        self.num_experts = num_experts
+        self.experts = nn.ModuleList([nn.Linear(ffn, part) for _ in range(num_experts)])
+
+    def forward(self, hidden_state: torch.Tensor, indices: torch.Tensor | None = None) -> torch.Tensor:
+        if indices is None:
+            indices = (torch.arange(hidden_state.shape[0], device=hidden_state.device) * 2 + 1) % (self.num_experts + 1)
+        expert_hidden_state = torch.zeros_like(hidden_state[:, :, -self.part_features :])
+
+        hidden_state = self.fc1(hidden_state)
+        hidden_state = self.act(hidden_state)
+        shared_hidden_state = self.fc2(hidden_state)
+        indices = indices.view(-1, 1, 1)
+
+        # to support ddp training
+        for i in range(self.num_experts):
+            selected_index = indices == i
+            current_hidden_state = self.experts[i](hidden_state) * selected_index
+            expert_hidden_state = expert_hidden_state + current_hidden_state
+
+        hidden_state = torch.cat([shared_hidden_state, expert_hidden_state], dim=-1)
+
+        return hidden_state

@@ -89,6 +89,12 @@ class Target:
     empty_rank: bool = True
 
 
+def _transformers_4() -> bool:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) < 5
+
+
 @functools.lru_cache(maxsize=None)
 def _family_configs(family: str) -> tuple:
     from autoep.tools.tiny import family_configs
@@ -219,7 +225,9 @@ def targets() -> list[Target]:
         "titan_padded_grouped": lambda: TitanPaddedMoE(hidden=16, num_experts=4, top_k=2),  # zero rows past groups
     }
     return [
-        *(Target(f"hf/{f}", _transformers_block(f, c)) for f, c in hf),
+        # transformers 4.57's GPT-OSS experts cannot run an empty batch (``acc.view(0, -1, D)``): no rank gets none.
+        *(Target(f"hf/{f}", _transformers_block(f, c), empty_rank=not (f == "gpt_oss" and _transformers_4()))
+          for f, c in hf),
         *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in v4.items()),
         *(Target(f"hf/{f}", _transformers_block(f, c)) for f, c in new_hf),
         *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in new_v4.items()),
@@ -241,13 +249,35 @@ def targets() -> list[Target]:
         # A decoder layer in Gemma-4's idioms: transformers' checkpointing and deprecate_kwarg wrappers around
         # its forward, the experts call under ``if self.enable_moe_block:``, experts skipping a padding class.
         Target("v5/gemma_style_layer", _hand_written_block("gemma_style_layer", _gemma_style_layer)),
+        # transformers 4.57 batched experts behind a training test (Qwen3-VL-MoE, GPT-OSS idioms): the loop over
+        # dense (T, E) weights runs as the exchange, a gate written inline runs as the source writes it.
+        # Their own forward cannot run an empty batch (``acc.view(0, -1, D)`` is ambiguous): no rank gets none.
+        *(Target(f"v4/{n}", _hand_written_block(n, make), empty_rank=False)
+          for n, make in _training_branch_blocks().items()),
+        # transformers 4.57 VitPose: every expert on every row, masked by the sequence's id, summed.
+        Target("v4/masked_sum", _hand_written_block("masked_sum", _masked_sum_block)),
     ]
+
+
+def _training_branch_blocks() -> dict[str, Callable[[], nn.Module]]:
+    import blocks
+
+    return {
+        "dense_weights_branch": lambda: blocks.DenseWeightsMoE(hidden=16, ffn=24, num_experts=4, top_k=2),
+        "inline_gate_branch": lambda: blocks.InlineGateMoE(hidden=16, ffn=24, num_experts=4, top_k=2),
+    }
 
 
 def _gemma_style_layer() -> nn.Module:
     from gc_blocks import GemmaStyleMoeLayer
 
     return GemmaStyleMoeLayer(hidden=16, ffn=24, num_experts=4, top_k=2)
+
+
+def _masked_sum_block() -> nn.Module:
+    from blocks import MaskedSumMoE
+
+    return MaskedSumMoE(hidden=16, ffn=24, part=4, num_experts=4)
 
 
 def _row_local_blocks() -> dict[str, Callable[[], nn.Module]]:
@@ -294,6 +324,7 @@ NEW_TARGETS = frozenset({
     "v4/deepseek_remote_eval", "v4/minimind", "v4/expert_dropout_p0",
     "v4/fairseq_local_experts", "v4/sequential_experts", "v4/optional_args_experts", "v4/config_branch_experts",
     "v4/module_dict_experts", "v4/lora_experts", "v5/gemma_style_layer",
+    "v4/dense_weights_branch", "v4/inline_gate_branch", "v4/masked_sum",
 })
 
 
@@ -472,6 +503,7 @@ class Run:
 def inputs(block: nn.Module, batch: int = BATCH) -> torch.Tensor:
     """(batch, SEQ, hidden), fixed; a flat target sees it as (batch * SEQ, hidden) (``forward_backward``)."""
     router = router_of(block)  # torchtune, DBRX: the gate is a Linear inside the router
+    router = block if router is None else router  # no router (VitPose-style ids): its first Linear reads hidden
     weight = getattr(router, "weight", None)
     weight = weight if weight is not None else next(m.weight for m in router.modules() if isinstance(m, nn.Linear))
     hidden = weight.shape[-1]

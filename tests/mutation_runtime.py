@@ -110,9 +110,10 @@ def role_objects(block: nn.Module, role: str) -> list[nn.Module]:
 
 
 def roles_of(block: nn.Module) -> list[str]:
-    """Roles a run-time mutation can target: the experts container only where it is called (batched), the
-    experts' model-defined activation module where there is one."""
-    return ["block", "router", "expert" if is_module_list(block) else "experts", *act_roles(block)[:1]]
+    """Roles a run-time mutation can target: the router where the block has one, the experts container only where
+    it is called (batched), the experts' model-defined activation module where there is one."""
+    router = ["router"] if router_of(block) is not None else []  # VitPose-style blocks take their ids as input
+    return ["block", *router, "expert" if is_module_list(block) else "experts", *act_roles(block)[:1]]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -183,12 +183,15 @@ def layer_inputs(block: nn.Module, config, T: int, g: torch.Generator):
     states, by the parameters its forward declares (a whole decoder layer): ``input_ids`` (DeepSeek-V4's hash
     routing), ``position_embeddings`` from the family's own rotary embedding class (``rotary_for``),
     ``per_layer_input`` (Gemma-4's per-layer embeddings), ``shared_kv_states`` (a fresh dict: the layer may
-    store its keys there). Both sides get the same values."""
+    store its keys there), ``indices`` (VitPose's per-sequence dataset id). Both sides get the same values."""
     params = inspect.signature(block.forward).parameters
     ids = torch.randint(0, 64, (1, T), generator=g) if "input_ids" in params else None
     per_layer = getattr(config, "hidden_size_per_layer_input", None)
     per_layer = torch.randn(1, T, per_layer, generator=g) if "per_layer_input" in params and per_layer else None
     rotary = rotary_for(block, config) if "position_embeddings" in params else None
+    # VitPose's dataset ``indices``: one id per sequence (a slice is one sequence), 8 (no expert at the tiny
+    # size's 8) included.
+    seq_ids = torch.randint(0, 9, (T,), generator=g) if "indices" in params else None
 
     def extra(a: int, b: int) -> dict:
         kwargs = {}
@@ -200,6 +203,8 @@ def layer_inputs(block: nn.Module, config, T: int, g: torch.Generator):
             kwargs["position_embeddings"] = rotary(b - a)
         if "shared_kv_states" in params:
             kwargs["shared_kv_states"] = {}
+        if seq_ids is not None:
+            kwargs["indices"] = seq_ids[a:a + 1]
         return kwargs
 
     return extra

@@ -22,7 +22,7 @@ from distributed import guarded, run_cases  # noqa: E402
 from autoep.tools.coverage import survey  # noqa: E402
 
 # Measured on transformers 4.57.1 (docs/coverage.md has the table); a drop is a regression.
-MIN_ACCEPTED = 22
+MIN_ACCEPTED = 25
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,18 @@ def test_detection_accepts_the_module_list_era_classes(rows):
     assert aria is not None and aria.expert_storage == "grouped", got["AriaTextMoELayer"].reason
     llama4 = got["Llama4TextMoe"].structure  # experts(rows): every token once per expert, pre-scaled
     assert llama4 is not None and llama4.expert_storage == "equal_groups", got["Llama4TextMoe"].reason
+    for cls in TRAINING_BRANCH:  # a per-expert loop while training, every expert on every token otherwise
+        s = got[cls].structure
+        assert s is not None and s.activation == "inline_gate", (cls, got[cls].reason)
+    vitpose = got["VitPoseBackboneMoeMLP"].structure  # every expert on every row, masked by the sequence's id
+    assert vitpose is not None and vitpose.expert_kind == "row_local", got["VitPoseBackboneMoeMLP"].reason
+
+
+# Accepted since issue 16's session 2: batched experts whose forward tests ``self.training`` (the dense branch is
+# refused at forward time, ``autoep.detect.training_branch``); they also get a 4-rank run below.
+TRAINING_BRANCH = ("Qwen3VLMoeTextSparseMoeBlock", "GptOssMLP")
+# Also new then: every expert on every row, masked by the sequence's id, summed (``split_loop.masked_sum_loop``).
+ADDED = (*TRAINING_BRANCH, "VitPoseBackboneMoeMLP")
 
 
 def v4_block_cases(rank: int, world_size: int, classes: list) -> dict:
@@ -61,3 +73,33 @@ def test_every_accepted_class_equals_its_own_forward_on_two_ranks(rows):
     failed = {name: errors for name, errors in results.items() if errors}
     assert len(results) == len(accepted(rows))
     assert not failed, "\n".join(f"{n}: {e[0].strip().splitlines()[-1]}" for n, e in failed.items())
+
+
+def test_added_classes_equal_their_own_forward_on_four_ranks(rows):
+    classes = [c for c in accepted(rows) if c[2] in ADDED]
+    assert len(classes) == len(ADDED), [c[2] for c in classes]
+    results = run_cases(4, "test_transformers_v4:v4_block_cases", classes)
+    failed = {name: errors for name, errors in results.items() if errors}
+    assert len(results) == len(classes)
+    assert not failed, "\n".join(f"{n}: {e[0].strip().splitlines()[-1]}" for n, e in failed.items())
+
+
+def test_training_branch_classes_refuse_their_dense_branch(rows):
+    """In eval off CPU (GPT-OSS) or in eval (Qwen3-VL) their own forward computes every expert on every token;
+    the EP replacement raises there, naming the line, instead of computing something else."""
+    import copy
+    import importlib
+
+    import torch
+
+    from autoep.runtime.recipes.batched import ep_batched_experts
+    from autoep.tools.tiny import build_block
+
+    row = next(r for r in rows if r.cls == "Qwen3VLMoeTextSparseMoeBlock")
+    cls = getattr(importlib.import_module(row.module), row.cls)
+    configs = [getattr(importlib.import_module(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in row.configs]
+    block, config = build_block(cls, configs, tiny=True)
+    ep = copy.deepcopy(block)
+    ep_batched_experts(ep, ep_mesh=None, structure=row.structure)
+    with pytest.raises(RuntimeError, match=r"Qwen3VLMoeTextExperts.forward line \d+: not training"):
+        ep.eval()(torch.randn(1, 3, config.hidden_size))

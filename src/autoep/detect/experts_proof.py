@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from autoep.detect import elementwise, row_norm
+from autoep.detect import elementwise, row_norm, training_branch
 from autoep.detect.expert_loop import Attr, Obj, Opaque, Prover, no_grad_block
 from autoep.detect.flat_experts import AccView, FlatLayout, FlatProver, flat_layout
 from autoep.detect.loop_context import plain_method
@@ -71,6 +71,15 @@ class BatchedRoles:
     unpacked: int = 0  # the forward unpacks ``hidden.shape`` into this many names (other ranks raise there)
     view_out: str = ""  # lead: it returns ``acc.view(hidden.shape[0], -1, D)`` | shape: ``acc.reshape(b, s, h)``
     flat: FlatLayout | None = None  # flattened (E*F, D) weights on a submodule (DBRX)
+    # Two computations behind a training test (``autoep.detect.training_branch``): the proven loop branch's
+    # test ("training" | "cpu_or_training"; "" none) and its line; the replacement raises where the test fails.
+    branch: str = ""
+    branch_line: int = 0
+    dense_weights: bool = False  # the loop reads W[tok, e] of (T, E) weights, not w[tok, slot]
+    weights_cols: bool = False  # it takes E from W.shape[1]: W must have E columns
+    # a gate written inline: (its expression over ("h",), the path of the activation module it applies or "")
+    # (training_branch.eval_gate)
+    gate: tuple | None = None
 
 
 def batched_experts_facts(experts: nn.Module) -> dict:
@@ -94,11 +103,46 @@ def batched_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
                       "nor only flattened 2-D weights on a submodule")
     fn = experts_forward(cls)
     tree = function_tree(fn)
-    prover = Prover(fn, tree, experts, int(first.shape[0]), batched=True)
-    roles = _prove_batched_forward(prover, tree)
+    body = _body(tree)
+    hidden = tree.args.args[1].arg if len(tree.args.args) > 1 else ""
+    branch = training_branch.split_branch(tree, body, hidden)
+    if branch is None:
+        prover = Prover(fn, tree, experts, int(first.shape[0]), batched=True)
+        roles = _prove_batched_forward(prover, tree)
+    else:
+        prover = training_branch.BranchProver(fn, tree, experts, int(first.shape[0]))
+        roles = _prove_batched_forward(prover, tree, body=branch[0])
+        _check_branch_facts(prover, body, branch[2], hidden)
+        roles = dataclasses.replace(roles, branch=branch[1], branch_line=branch[2].lineno,
+                                    dense_weights=prover.weights_mode == "dense",
+                                    weights_cols=training_branch.check_count_sources(prover))
     facts = _batched_layout(prover, experts)
+    if facts.get("activation") == "inline_gate":
+        act = prover.root.act[0] if prover.root.act is not None else ""
+        roles = dataclasses.replace(roles, gate=(prover.inline_gate, act))
     _check_batched_params(experts, facts)
+    if branch is not None:
+        D = int(experts.gate_up_proj.shape[1] if facts["expert_transposed"] else experts.gate_up_proj.shape[2])
+        wrong = [(n, d) for n, d in prover.cols if d != D]
+        if wrong:
+            prover.refuse(wrong[0][0], f"uses hidden size {wrong[0][1]}, not the weights' {D}")
     return facts, roles
+
+
+def _body(tree: ast.FunctionDef) -> list[ast.stmt]:
+    return [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+
+
+def _check_branch_facts(p, body: list[ast.stmt], stmt: ast.If, hidden: str) -> None:
+    """The branch test's ``<hidden>.device`` is the hidden argument's: before the test, ``<hidden>`` is bound only
+    to a reshape or view of itself (rows of the argument, proven by the loop proof)."""
+    for s in body[:body.index(stmt)]:
+        stores = {n.id for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        v = getattr(s, "value", None)
+        ok = isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr in ("reshape", "view") \
+            and isinstance(v.func.value, ast.Name) and v.func.value.id == hidden
+        if hidden in stores and not ok:
+            p.refuse(s, f"rebinds {hidden} before the branch test reads its device")
 
 
 def _flat_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
@@ -125,7 +169,8 @@ def _flat_proof(experts: nn.Module) -> tuple[dict, BatchedRoles]:
     return facts, dataclasses.replace(roles, flat=layout)
 
 
-def _prove_batched_forward(p: Prover, tree: ast.FunctionDef, unused_ok: bool = False) -> BatchedRoles:
+def _prove_batched_forward(p: Prover, tree: ast.FunctionDef, unused_ok: bool = False,
+                           body: list[ast.stmt] | None = None) -> BatchedRoles:
     """``unused_ok``: one more positional parameter is allowed where the source never reads it (transformers
     4.x DBRX passes the full router softmax along); the replacement binds it by the same signature."""
     a = tree.args
@@ -137,7 +182,7 @@ def _prove_batched_forward(p: Prover, tree: ast.FunctionDef, unused_ok: bool = F
         raise Refusal(f"{p.where} takes {[x.arg for x in a.args[1:]]}, not (hidden_states, top_k_index, top_k_weights)")
     values = {name: Opaque(name) for name in params}
     p.env.update(values)
-    body = [s for s in tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    body = _body(tree) if body is None else body
     loops = [s for s in body if isinstance(s, ast.For)]
     if len(loops) != 1:
         raise Refusal(f"{p.where} is not one loop over experts")
@@ -293,13 +338,28 @@ def _layout_of(p: Prover, experts: nn.Module, expr: tuple) -> dict:
             and gated[1][1][2] == 0 and gated[2][2] == 1 and gated[1][1][1] == gated[2][1]:
         up, layout, activation = gated[2][1], "concatenated", "glu"
     else:
-        raise Refusal(f"{what}; the gate is not act_fn(gate) * up or the experts' own _apply_gate")
+        inline = training_branch.inline_gate(gated, transposed) if isinstance(p, training_branch.BranchProver) \
+            else None
+        if inline is None:
+            raise Refusal(f"{what}; the gate is not act_fn(gate) * up, the experts' own _apply_gate, or "
+                          "element-wise operations on the first projection")
+        p.inline_gate, up_bias = inline
+        if up_bias != down_bias:
+            raise Refusal(f"{what}; one projection adds a bias and the other does not")
+        if _mentions_act(inline[0]) and p.root.act is None:
+            raise Refusal(f"{what}; its activation is not the experts' own module")
+        return dict(expert_bias=up_bias, expert_transposed=transposed, gate_up_layout="inline",
+                    activation="inline_gate")
     up, up_bias = _peel_bias(up, "gate_up_proj_bias")
     if up != ("lin", ("x",), "gate_up_proj", transposed):
         raise Refusal(f"{what}; the first projection is not gate_up_proj[e] of the routed rows, in the same layout")
     if up_bias != down_bias:
         raise Refusal(f"{what}; one projection adds a bias and the other does not")
     return dict(expert_bias=up_bias, expert_transposed=transposed, gate_up_layout=layout, activation=activation)
+
+
+def _mentions_act(expr) -> bool:
+    return isinstance(expr, tuple) and bool(expr) and (expr[0] == "act" or any(_mentions_act(e) for e in expr[1:]))
 
 
 def _check_batched_params(experts: nn.Module, facts: dict) -> None:

@@ -390,3 +390,127 @@ class _MaskedProof(_SplitProof):
         if len({y, x, self.ids}) != 3 or {y, x} & set(self.env):
             self.refuse(stmt, "reads and writes the same tensor, or a name the loop binds")
         return y, x, self.ids
+
+
+# ---------------------------------------------------------------------------------------------
+# VitPose's loop: every expert on every row, masked by the row's id, summed
+# ---------------------------------------------------------------------------------------------
+
+
+def is_masked_sum_loop(loop: ast.For) -> bool:
+    """The body ends in ``acc = acc + <term>`` (or ``<term> + acc``): the shape ``masked_sum_loop`` proves."""
+    last = loop.body[-1] if loop.body else None
+    if not (isinstance(last, ast.Assign) and len(last.targets) == 1 and isinstance(last.targets[0], ast.Name)):
+        return False
+    v, acc = last.value, last.targets[0].id
+    return isinstance(v, ast.BinOp) and isinstance(v.op, ast.Add) and any(
+        isinstance(s, ast.Name) and s.id == acc for s in (v.left, v.right))
+
+
+def masked_sum_loop(fn, block: nn.Module, loop: ast.For, attr: str = "experts") -> tuple[str, str, str]:
+    """Prove ``loop`` is
+
+        for i in range(self.num_experts):                 # or range(len(self.experts)), enumerate(self.experts)
+            mask = ids == i
+            term = self.experts[i](x) * mask              # or mask * ..., or inlined below
+            acc = acc + term                              # or term + acc
+
+    (VitPose's ``VitPoseBackboneMoeMLP``): every expert on every row of ``x``, each output times the 0/1 mask of
+    the rows whose id is that expert, added in expert order. With finite expert outputs each row gets
+    ``acc + expert_{ids[row]}(x[row])`` exactly (the other terms are zeros; adding a zero changes nothing), or
+    ``acc`` where its id names no expert: what the exchange computes (``ep_masked_sum_loop``, which also
+    checks that ``ids`` holds one id per row). Returns the names ``(acc, x, ids)``."""
+    proof = _MaskedSumProof(fn, block, attr)
+    proof.header(loop)
+    *steps, last = loop.body
+    for stmt in steps:
+        proof.step(stmt)
+    acc = proof.accumulate(last)
+    rebound = {proof.x, proof.ids} & {n.id for n in ast.walk(loop) if isinstance(n, ast.Name)
+                                      and isinstance(n.ctx, ast.Store)}
+    if rebound:
+        proof.refuse(loop, f"rebinds {sorted(rebound)} inside the loop")
+    reads = [n for s in loop.body for n in ast.walk(s) if isinstance(n, ast.Name) and n.id == acc]
+    if len(reads) != 2:  # the one store and the one read of ``acc = acc + term``
+        proof.refuse(loop, f"reads `{acc}` elsewhere in the loop, not only to add the expert's term")
+    if len({acc, proof.x, proof.ids}) != 3:
+        proof.refuse(loop, "adds into the tensor the loop reads its rows or ids from")
+    return acc, proof.x, proof.ids
+
+
+_TERM, _MASKED_OUT = "masked_term", "masked_out"
+
+
+class _MaskedSumProof(_MaskedProof):
+    def __init__(self, fn, block: nn.Module, attr: str = "experts"):
+        super().__init__(fn, block, attr)
+        self.x = None
+        self.terms = 0
+
+    def header(self, loop: ast.For) -> None:
+        it = loop.iter
+        if isinstance(it, ast.Call) and len(it.args) == 1 and not it.keywords and isinstance(loop.target, ast.Name) \
+                and isinstance(it.func, ast.Name) and self.scope.resolve(it.func) is range \
+                and not self._is_len_experts(it.args[0]) and not loop.orelse:
+            count = self.eval(it.args[0])  # ``range(self.num_experts)``: an int attribute, folded and watched
+            experts = getattr(self.block, self.attr, None)
+            if type(experts) is not nn.ModuleList or count != len(experts):
+                self.refuse(loop, f"ranges over {count!r} ids, not the {len(experts or ())} experts")
+            self.env = {loop.target.id: _E}
+            self.loop_names = set(self.env)
+            return
+        super().header(loop)
+
+    def step(self, stmt: ast.stmt) -> None:
+        """``mask = ids == i`` or ``term = expert(x) * mask``."""
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            self.refuse(stmt, "is not `mask = ids == i` or `term = expert(x) * mask`")
+        name = stmt.targets[0].id
+        if name in self.env:
+            self.refuse(stmt, "rebinds a name the loop reads")
+        value = stmt.value
+        if isinstance(value, ast.Compare):
+            self.env[name] = self._mask(value)
+        else:
+            self.env[name] = self._term(value)
+
+    def _term(self, node: ast.AST):
+        if isinstance(node, ast.Name) and self.env.get(node.id) == _TERM:
+            return _TERM
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+            self.refuse(node, "is not the expert's output times its mask")
+        sides = []
+        for side in (node.left, node.right):
+            if isinstance(side, ast.Call):
+                sides.append(self._expert_out(side))
+            elif isinstance(side, ast.Compare) or (isinstance(side, ast.Name)
+                                                   and self.env.get(side.id, (None,))[0] == "mask"):
+                sides.append(self._mask(side))
+            else:
+                self.refuse(node, "is not the expert's output times its mask")
+        if sorted(map(str, sides)) != sorted(map(str, [_MASKED_OUT, ("mask", self.ids)])):
+            self.refuse(node, "is not the expert's output times its mask")
+        self.terms += 1
+        if self.terms > 1:
+            self.refuse(node, "computes a second masked expert output")
+        return _TERM
+
+    def _expert_out(self, call: ast.Call):
+        if not (len(call.args) == 1 and not call.keywords and self.eval(call.func) == _EXPERT):
+            self.refuse(call, "is not the loop's expert called on the rows")
+        arg = call.args[0]
+        if not isinstance(arg, ast.Name) or arg.id in self.env:
+            self.refuse(call, "does not call the expert on a tensor bound before the loop")
+        if self.x not in (None, arg.id):
+            self.refuse(call, "calls the experts on a second tensor")
+        self.x = arg.id
+        return _MASKED_OUT
+
+    def accumulate(self, stmt: ast.Assign) -> str:
+        acc, value = stmt.targets[0].id, stmt.value
+        if acc in self.env:
+            self.refuse(stmt, "adds into a name the loop binds")
+        other = value.right if isinstance(value.left, ast.Name) and value.left.id == acc else value.left
+        if self._term(other) != _TERM or self.ids is None or self.x is None:
+            self.refuse(stmt, "does not add the expert's masked output")
+        return acc

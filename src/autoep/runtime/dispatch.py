@@ -72,7 +72,7 @@ def ep_experts_forward(
     num_experts: int,
     ep_group,
     expert_fn: ExpertFn,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | str | None = None,
     acc_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Compute ``sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden[t])`` with experts
@@ -86,7 +86,7 @@ def ep_experts_forward(
     back by the reverse all-to-all, are weighted by ``top_k_weights`` and summed per token in fp32 in
     top-k order; with a narrower ``acc_dtype`` (the model's loop accumulates in bf16, say) the weighted
     outputs are rounded and summed in it in expert order, as that loop does. Returns (T, D) in
-    ``out_dtype`` (default ``hidden_TD``'s dtype). ``ep_group`` None or of
+    ``out_dtype`` (default ``hidden_TD``'s dtype; ``"experts"``: the experts' outputs' own). ``ep_group`` None or of
     size 1: no exchange. Autograd flows through both exchanges; a rank with zero rows still joins every
     exchange.
     """
@@ -124,6 +124,8 @@ def ep_experts_forward(
         y_sorted_SD, routed = _exchange_and_compute(hidden_TD, perm_S, K, tokens_per_expert_E, W, L, ep_group, expert_fn)
 
     # Undo the sort: row s of y_SD is pair s = t*K + k again; padding pairs stay zero (layout change).
+    # The experts' output width (D, or another where the experts project elsewhere: VitPose's part features).
+    D = y_sorted_SD.shape[-1]
     y_SD = y_sorted_SD.new_zeros((T * K, D)).index_copy(0, perm_S[:routed], y_sorted_SD)
     # The weights are the model's tensor: the product below saves them for backward, so it gets a copy of
     # its own (the model's loop saved indexed copies; it may edit its weights in place after the loop).
@@ -132,7 +134,7 @@ def ep_experts_forward(
     else:
         weighted_TKD = y_SD.float().view(T, K, D) * top_k_weights_TK.to(torch.float32, copy=True).unsqueeze(-1)
         out_TD = weighted_TKD.sum(dim=1)
-    out_TD = out_TD.to(out_dtype or hidden_TD.dtype)
+    out_TD = out_TD.to(y_SD.dtype if out_dtype == "experts" else out_dtype or hidden_TD.dtype)
     if W > 1:
         _exchanged(out_TD)
     return out_TD

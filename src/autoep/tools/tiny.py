@@ -108,6 +108,7 @@ TINY = {
     "head_dim": 8, "vocab_size": 128, "num_hidden_layers": 2,
     "moe_hidden_size": 24,  # MuseSpark's experts' own width (projected to and from hidden_size around them)
     "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 128,  # Gemma-4's per-layer input embeddings
+    "part_features": 8,  # VitPose's experts' output width (a slice of hidden_size; its default 256 exceeds it)
 }
 # Keys a config may leave None when their layers are switched off by default (indexers): set for the tiny model.
 NONE_PER_LAYER = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")

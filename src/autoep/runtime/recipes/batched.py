@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from autoep.detect.experts_proof import BatchedRoles, batched_proof, experts_forward
 from autoep.detect.flat_experts import FlatLayout
 from autoep.detect.structure import MoeStructure
+from autoep.detect.training_branch import check_branch, eval_gate
 from autoep.errors import PlanError
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_experts_forward
@@ -85,7 +86,7 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
         ep_group=ep_group_of(ep_mesh),
         transposed=facts.expert_transposed,
         bias=facts.expert_bias,
-        apply_gate=_gate_of(experts, facts),
+        apply_gate=_gate_of(experts, facts, roles),
         signature=inspect.signature(own_forward),
         roles=roles,
         plain=plain,
@@ -115,9 +116,17 @@ def shard_flat_experts(experts: nn.Module, flat: FlatLayout, ep_mesh, *, name: s
     shard_weights_at(experts, (flat.gate, flat.up, flat.down), ep_mesh, name=name)
 
 
-def _gate_of(experts: nn.Module, facts: MoeStructure) -> Callable[[Tensor], Tensor]:
-    """The gate the proven forward computes: its own ``_apply_gate`` only where it calls it, else
+def _gate_of(experts: nn.Module, facts: MoeStructure, roles: BatchedRoles) -> Callable[[Tensor], Tensor]:
+    """The gate the proven forward computes: its own ``_apply_gate`` only where it calls it, the element-wise
+    expression its loop writes inline (``inline_gate``: computed operation by operation as written), else
     ``act_fn(gate) * up`` on the concatenated halves, as it writes it."""
+    if facts.activation == "inline_gate":
+        if roles.gate is None:
+            raise PlanError(f"{type(experts).__name__}: structure.activation=inline_gate, but its forward's gate "
+                            "was not proven inline; re-detect the structure")
+        expr, path = roles.gate
+        act = experts.get_submodule(path) if path else None
+        return lambda h: eval_gate(expr, h, act)
     if facts.activation in ("own_gate", "clamped_glu"):
         return experts._apply_gate
     if facts.activation == "plain":
@@ -133,6 +142,10 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
     hidden_states = bound.arguments[spec.roles.hidden]
     top_k_index = bound.arguments[spec.roles.index]
     top_k_weights = bound.arguments[spec.roles.weights]
+    if spec.roles.branch:  # raises where their own forward would take its dense branch
+        check_branch(self, spec.roles.branch, hidden_states, spec.roles.branch_line)
+    if spec.roles.dense_weights:
+        top_k_weights = _routed_weights(self, spec, top_k_index, top_k_weights)
     dtype_of = {"hidden": hidden_states.dtype, "float32": torch.float32, "weights": top_k_weights.dtype}
     dtypes = dict(out_dtype=dtype_of[spec.roles.out_dtype], acc_dtype=dtype_of[spec.roles.acc_dtype])
     if spec.roles.flat is not None:
@@ -155,8 +168,14 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
         # its local experts at once, as their loop applies it to each expert's rows.
         return self.get_submodule(spec.post_norm)(y_SD) if spec.post_norm else y_SD
 
+    roles = spec.roles
+    if roles.unpacked and hidden_states.dim() != roles.unpacked:  # their ``b, s, h = hidden.shape`` raises here
+        raise ValueError(f"experts got hidden states of shape {tuple(hidden_states.shape)}; their forward unpacks "
+                         f"{roles.unpacked} dims")
+    hidden_TD = hidden_states.reshape(-1, hidden_states.shape[-1] if roles.rows == -1 else roles.rows) \
+        if roles.rows else hidden_states
     out_TD = ep_experts_forward(
-        hidden_states,
+        hidden_TD,
         top_k_index,
         top_k_weights,
         num_experts=spec.num_experts,
@@ -164,7 +183,27 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
         expert_fn=expert_fn,
         **dtypes,  # a bf16 accumulator is summed as the loop sums it
     )
-    return _like_the_accumulator(out_TD, hidden_states)
+    out_TD = _like_the_accumulator(out_TD, hidden_TD)
+    if roles.view_out == "lead":
+        return out_TD.view(hidden_states.shape[0], -1, out_TD.shape[-1])
+    return out_TD.reshape(hidden_states.shape) if roles.view_out == "shape" else out_TD
+
+
+def _routed_weights(self: nn.Module, spec: _EpExperts, top_k_index: Tensor, weights_TE: Tensor) -> Tensor:
+    """``w[t, k] = W[t, idx[t, k]]``: what the loop reads as ``W[tok, e, None]`` for each of expert e's (token,
+    slot) pairs, for the ids that name an expert (others, e.g. their padding id E, are skipped by the exchange
+    as by their loop, and read nothing here)."""
+    E = spec.num_experts
+    if weights_TE.dim() != 2 or (spec.roles.weights_cols and weights_TE.shape[1] != E):
+        raise ValueError(f"{type(self).__name__}: routing weights of shape {tuple(weights_TE.shape)}; its loop reads "
+                         f"them as (tokens, {E} experts)")
+    valid_TK = (top_k_index >= 0) & (top_k_index < E)
+    safe_TK = torch.where(valid_TK, top_k_index, torch.zeros_like(top_k_index))
+    # Indexing as their loop does (not gather, whose backward would save W itself: the block may edit W in
+    # place after the experts call, as their loop's indexed copies allow).
+    rows_T1 = torch.arange(safe_TK.shape[0], device=safe_TK.device).unsqueeze(1)
+    picked_TK = weights_TE[rows_T1, safe_TK]
+    return torch.where(valid_TK, picked_TK, torch.zeros_like(picked_TK))
 
 
 def _like_the_accumulator(out_TD: Tensor, hidden_TD: Tensor) -> Tensor:

@@ -241,6 +241,10 @@ def targets() -> list[Target]:
         # A decoder layer in Gemma-4's idioms: transformers' checkpointing and deprecate_kwarg wrappers around
         # its forward, the experts call under ``if self.enable_moe_block:``, experts skipping a padding class.
         Target("v5/gemma_style_layer", _hand_written_block("gemma_style_layer", _gemma_style_layer)),
+        # Experts containers whose own forward is the loop (transformers 5.x Switch/NLLB idiom), at dropout p=0.
+        Target("hf/switch_transformers", _switch_block),  # a capacity-masked dispatch mask as the routing argument
+        Target("hf/nllb_moe", _nllb_block),  # one_hot ids, a folded token-dropout branch, a non-expert entry
+        *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in _container_blocks().items()),
     ]
 
 
@@ -262,6 +266,41 @@ def _row_local_blocks() -> dict[str, Callable[[], nn.Module]]:
         "module_dict_experts": lambda: blocks.ModuleDictExpertsMoE(hidden=16, ffn=24),
         "lora_experts": lambda: blocks.LoRAExpertsMoE(hidden=16, ffn=24),
     }
+
+
+def _container_blocks() -> dict[str, Callable[[], nn.Module]]:
+    import blocks
+
+    return {
+        "dispatch_mask_container": lambda: blocks.DispatchMaskMoE(hidden=16, ffn=24, num_experts=4, capacity=3),
+        "expert_stack_container": lambda: blocks.ExpertStackMoE(hidden=16, ffn=24, num_experts=4, top_k=2),
+    }
+
+
+def _switch_block() -> nn.Module:
+    """transformers 5.x ``SwitchTransformersSparseMLP`` with its experts' dropout at 0 (refused at its default
+    0.1) and no router jitter (it multiplies the block's input in place, which a leaf input refuses)."""
+    from test_parity_hf import randomize_
+    from transformers.models.switch_transformers import modeling_switch_transformers as m
+
+    config = m.SwitchTransformersConfig(d_model=16, d_ff=24, num_experts=4, expert_capacity=2, dropout_rate=0.0,
+                                        router_jitter_noise=0.0)
+    torch.manual_seed(0)
+    block = m.SwitchTransformersSparseMLP(config)
+    randomize_(block, 0)
+    return block.float().train()
+
+
+def _nllb_block() -> nn.Module:
+    """transformers 5.x ``NllbMoeSparseMLP`` with ``moe_token_dropout=0`` (refused at its default 0.2)."""
+    from test_parity_hf import randomize_
+    from transformers.models.nllb_moe import modeling_nllb_moe as m
+
+    config = m.NllbMoeConfig(d_model=16, num_experts=4, expert_capacity=3, moe_token_dropout=0.0)
+    torch.manual_seed(0)
+    block = m.NllbMoeSparseMLP(config, 24)
+    randomize_(block, 0)
+    return block.float().train()
 
 
 def _llama4_block() -> nn.Module:
@@ -294,6 +333,7 @@ NEW_TARGETS = frozenset({
     "v4/deepseek_remote_eval", "v4/minimind", "v4/expert_dropout_p0",
     "v4/fairseq_local_experts", "v4/sequential_experts", "v4/optional_args_experts", "v4/config_branch_experts",
     "v4/module_dict_experts", "v4/lora_experts", "v5/gemma_style_layer",
+    "hf/switch_transformers", "hf/nllb_moe", "v4/dispatch_mask_container", "v4/expert_stack_container",
 })
 
 

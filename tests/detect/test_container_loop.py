@@ -2,7 +2,7 @@
 what is accepted (transformers 5.x Switch Transformers and NLLB-MoE at dropout p=0, the idiom of
 ``blocks.DispatchMaskMoE`` and ``blocks.ExpertStackMoE``) and what is refused, naming the property and the line
 (random dropout while training, a routing argument that is no per-row dispatch mask, experts reading other
-rows, keys that do not number the experts in order). Their EP parity: ``tests/runtime/test_container_loop.py``.
+rows, keys that do not number the experts in order). Their EP parity: ``tests/runtime/test_container_loop_recipe.py``.
 """
 
 from __future__ import annotations

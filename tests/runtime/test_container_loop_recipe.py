@@ -149,7 +149,7 @@ def test_single_process_parity(name):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_multi_rank_parity(world_size):
-    results = run_cases(world_size, "test_container_loop:container_cases")
+    results = run_cases(world_size, "test_container_loop_recipe:container_cases")
     assert results.keys() == BLOCKS.keys(), f"only {sorted(results)} ran"
     failed = {name: errs for name, errs in results.items() if errs}
     assert not failed, f"world_size={world_size}: " + "\n".join(f"{n}:\n{e[0]}" for n, e in failed.items())

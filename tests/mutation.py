@@ -550,10 +550,14 @@ def param_grads(block: nn.Module) -> dict:
         if hasattr(p, "full_tensor"):  # a rank without a grad still joins the gather, with zeros
             g = (g if g is not None else torch.zeros_like(p)).full_tensor()  # NOTE: collective over ep
         grads[name] = g
-    if spec_of(block) is not None:  # ModuleList experts: each expert's grad from the rank owning it
-        has_grad = any(p.grad is not None for p in block.get_submodule(spec_of(block).path).parameters())
-        per_expert = gather_experts(block, grad=True)  # NOTE: collective over ep
-        grads |= {n: g if has_grad else None for n, g in per_expert.items() if n in grads}
+    # ModuleList/ModuleDict experts: each expert's grad from the rank owning it. They are placed on the block, or
+    # on their container where its own forward is the loop (Switch, NLLB).
+    for prefix, holder in block.named_modules():
+        if spec_of(holder) is not None:
+            has_grad = any(p.grad is not None for p in holder.get_submodule(spec_of(holder).path).parameters())
+            per_expert = gather_experts(holder, grad=True)  # NOTE: collective over ep
+            per_expert = {".".join(p for p in (prefix, n) if p): g for n, g in per_expert.items()}
+            grads |= {n: g if has_grad else None for n, g in per_expert.items() if n in grads}
     return grads
 
 

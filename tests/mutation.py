@@ -561,8 +561,9 @@ def param_grads(block: nn.Module) -> dict:
     return grads
 
 
-def differences(ref: Run, got: Run) -> list[str]:
-    """Every way ``got`` differs from ``ref`` (outputs, input grad, parameter grads; None grad = zeros)."""
+def differences(ref: Run, got: Run, **tol) -> list[str]:
+    """Every way ``got`` differs from ``ref`` (outputs, input grad, parameter grads; None grad = zeros); ``tol``:
+    ``assert_close`` tolerances other than fp32's defaults."""
     out = []
     if len(ref.outputs) != len(got.outputs):
         return [f"returns {len(got.outputs)} values, the block's own forward {len(ref.outputs)}"]
@@ -577,13 +578,13 @@ def differences(ref: Run, got: Run) -> list[str]:
         a, b = (a if a is not None else torch.zeros_like(b)), (b if b is not None else torch.zeros_like(a))
         pairs.append((f"grad of {n}", a, b))
     for what, a, b in pairs:
-        why = _mismatch(a, b)
+        why = _mismatch(a, b, **tol)
         if why:
             out.append(f"{what}: {why}")
     return out
 
 
-def _mismatch(a, b) -> str:
+def _mismatch(a, b, **tol) -> str:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return "" if a == b else f"{a!r} != {b!r}"
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -591,7 +592,7 @@ def _mismatch(a, b) -> str:
     try:
         # NaN where the block's own forward has NaN is the same value (a mutant whose norm takes rsqrt of a
         # negative mean): exact, not wrong; a NaN anywhere else still differs.
-        torch.testing.assert_close(b, a, equal_nan=True)
+        torch.testing.assert_close(b, a, equal_nan=True, **tol)
     except AssertionError:
         return f"max abs diff {(b.double() - a.double()).abs().max().item():.3g}"
     return ""

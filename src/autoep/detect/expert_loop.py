@@ -664,10 +664,16 @@ class Prover:
         """``if <constant instance attributes compared>:``: only the branch the values select runs, so only it
         is proven; the values are recorded (``LoopFacts.folded``; ``names.instance_attr`` has them re-checked
         before each call), and a change after detection is drift."""
+        names = {n.id for n in ast.walk(stmt.test) if isinstance(n, ast.Name)}
+        if names - {self.tree.args.args[0].arg}:  # a global's value is not watched after detection
+            self.refuse(stmt, f"branches on {sorted(names - {'self'})}, not on the module's own constant attributes")
         for node in ast.walk(stmt.test):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
                 name = mangled(self.scope.fn, node.attr)
-                self.facts.folded[name] = getattr(self.owner, name)
+                value = getattr(self.owner, name)
+                if type(value) not in (bool, int, float):  # only plain numbers are re-checked before each call
+                    self.refuse(stmt, f"branches on self.{node.attr}, a {type(value).__name__}, not a plain number")
+                self.facts.folded[name] = value
         self.body(stmt.body if taken else stmt.orelse)
 
     def _touch(self, stmts: list[ast.stmt]) -> bool:

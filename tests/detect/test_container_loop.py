@@ -133,6 +133,26 @@ def _random_in_training(self, tokens, dispatch, gates):
     return out
 
 
+SCALE_ROWS = False  # a module-level flag: its value is not watched after detection, so no branch folds on it
+
+
+def _global_branch(self, tokens, dispatch, gates):
+    out = torch.zeros_like(tokens)
+    by_expert = dispatch.permute(2, 0, 1)
+    for e in torch.greater(by_expert.sum(dim=(1, 2)), 0).nonzero().squeeze(-1):
+        tok, slot = torch.where(by_expert[e])
+        rows = self[f"ffn{e}"](tokens[tok]) * gates[tok, slot, None]
+        if SCALE_ROWS:
+            rows = rows * 2
+        out.index_add_(0, tok, rows)
+    return out
+
+
+def test_branch_on_a_global_is_refused():
+    assert "branches on ['SCALE_ROWS'], not on the module's own constant attributes" in _refusal(
+        _bank_variant(_global_branch))
+
+
 @pytest.mark.parametrize("forward, why", [
     (_summed_mask, "`dispatch.sum(0, keepdim=True)` is not understood"),
     (_swapped_axes, "is not permute(2, 1, 0) or permute(2, 0, 1) of a (tokens, slots, experts) dispatch mask"),

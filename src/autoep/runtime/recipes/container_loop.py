@@ -76,9 +76,10 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> Conta
         raise UnsupportedModuleStructure(name, f"structure.experts_path={path!r} is no ModuleDict/ModuleList subclass "
                                                "with a forward of its own")
     try:
-        routing_proof.experts_call(module, path)
+        guards = routing_proof.experts_call(module, path)  # the block's flags its call runs under (watched)
         loop = container_loop(container)
         proven = own_loop_facts(container, path)
+        proven["folded"] = proven["folded"] + guards
         tied = sharing.shared_expert_tensors(module, {"": module}, path)
     except Refusal as exc:
         raise UnsupportedModuleStructure(name, str(exc)) from None

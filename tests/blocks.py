@@ -1633,3 +1633,91 @@ class MaskedSumMoE(nn.Module):
         hidden_state = torch.cat([shared_hidden_state, expert_hidden_state], dim=-1)
 
         return hidden_state
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts containers whose own forward loops over their entries (transformers 5.x Switch/NLLB idiom)
+# ---------------------------------------------------------------------------------------------
+
+
+class BiasedGeluFFN(nn.Module):
+    """A biased ``fc1 -> GELU -> fc2`` expert (any row-local expert would do)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class ExpertBank(nn.ModuleDict):
+    """Experts under ``ffn{e}`` in a ModuleDict that routes by itself: given a (tokens, slots, experts)
+    dispatch mask, it walks the hit experts token-major (``permute(2, 0, 1)``) and adds each routed row's
+    weighted output. ``output_scale`` is a constant branch, folded at detection."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, output_scale: float = 1.0):
+        super().__init__({f"ffn{e}": BiasedGeluFFN(hidden, ffn) for e in range(num_experts)})
+        self.output_scale = output_scale
+
+    def forward(self, tokens, dispatch, gates):
+        out = torch.zeros_like(tokens)
+        by_expert = dispatch.permute(2, 0, 1)
+        busy = torch.greater(by_expert.sum(dim=(1, 2)), 0).nonzero()
+        for e in busy.squeeze(-1):
+            tok, slot = torch.where(by_expert[e])
+            rows = self[f"ffn{e}"](tokens[tok]) * gates[tok, slot, None]
+            if self.output_scale != 1.0:
+                rows = rows * self.output_scale
+            out.index_add_(0, tok, rows)
+        return out
+
+
+class DispatchMaskMoE(nn.Module):
+    """GShard-style top-2 routing with a per-batch capacity: slot k of token t is a one-hot row over the
+    experts, zeroed when its expert already took ``capacity`` (token, slot) pairs (counted slot 0 first);
+    the experts container gets the (T, 2, E) mask and the (T, 2) gate weights."""
+
+    def __init__(self, *, hidden=16, ffn=24, num_experts=4, capacity=3, output_scale=1.0):
+        super().__init__()
+        self.num_experts, self.capacity = num_experts, capacity
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = ExpertBank(hidden, ffn, num_experts, output_scale)
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        probs = self.gate(x).softmax(dim=-1)
+        gates, chosen = probs.topk(2, dim=-1)
+        onehot = F.one_hot(chosen, self.num_experts)  # (T, 2, E)
+        order = onehot.transpose(0, 1).reshape(-1, self.num_experts).cumsum(dim=0)  # slot 0 of every token first
+        within = order.reshape(2, -1, self.num_experts).transpose(0, 1) <= self.capacity
+        dispatch = onehot * within
+        return self.experts(x, dispatch, gates).reshape(shape)
+
+
+class ExpertStack(nn.ModuleList):
+    """Experts in a ModuleList that runs its own Mixtral-style loop over the hit expert ids."""
+
+    def forward(self, x, top_k_index, top_k_weights):
+        acc = torch.zeros_like(x)
+        hot = F.one_hot(top_k_index, num_classes=len(self)).permute(2, 1, 0)
+        for e in torch.greater(hot.sum(dim=(-1, -2)), 0).nonzero():
+            slot, tok = torch.where(hot[e].squeeze(0))
+            acc.index_add_(0, tok, self[e[0]](x[tok]) * top_k_weights[tok, slot, None])
+        return acc
+
+
+class ExpertStackMoE(nn.Module):
+    def __init__(self, *, hidden=16, ffn=24, num_experts=4, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.ffns = ExpertStack(BiasedGeluFFN(hidden, ffn) for _ in range(num_experts))
+
+    def forward(self, hidden_states):
+        b, s, d = hidden_states.shape
+        x = hidden_states.view(-1, d)
+        w, idx = torch.topk(self.router(x).softmax(-1), self.top_k, dim=-1)
+        return self.ffns(x, idx, w / w.sum(-1, keepdim=True)).view(b, s, d)

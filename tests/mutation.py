@@ -256,6 +256,10 @@ def targets() -> list[Target]:
           for n, make in _training_branch_blocks().items()),
         # transformers 4.57 VitPose: every expert on every row, masked by the sequence's id, summed.
         Target("v4/masked_sum", _hand_written_block("masked_sum", _masked_sum_block)),
+        # Experts containers whose own forward is the loop (transformers 5.x Switch/NLLB idiom), at dropout p=0.
+        Target("hf/switch_transformers", _switch_block),  # a capacity-masked dispatch mask as the routing argument
+        Target("hf/nllb_moe", _nllb_block),  # one_hot ids, a folded token-dropout branch, a non-expert entry
+        *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in _container_blocks().items()),
     ]
 
 
@@ -294,6 +298,41 @@ def _row_local_blocks() -> dict[str, Callable[[], nn.Module]]:
     }
 
 
+def _container_blocks() -> dict[str, Callable[[], nn.Module]]:
+    import blocks
+
+    return {
+        "dispatch_mask_container": lambda: blocks.DispatchMaskMoE(hidden=16, ffn=24, num_experts=4, capacity=3),
+        "expert_stack_container": lambda: blocks.ExpertStackMoE(hidden=16, ffn=24, num_experts=4, top_k=2),
+    }
+
+
+def _switch_block() -> nn.Module:
+    """transformers 5.x ``SwitchTransformersSparseMLP`` with its experts' dropout at 0 (refused at its default
+    0.1) and no router jitter (it multiplies the block's input in place, which a leaf input refuses)."""
+    from test_parity_hf import randomize_
+    from transformers.models.switch_transformers import modeling_switch_transformers as m
+
+    config = m.SwitchTransformersConfig(d_model=16, d_ff=24, num_experts=4, expert_capacity=2, dropout_rate=0.0,
+                                        router_jitter_noise=0.0)
+    torch.manual_seed(0)
+    block = m.SwitchTransformersSparseMLP(config)
+    randomize_(block, 0)
+    return block.float().train()
+
+
+def _nllb_block() -> nn.Module:
+    """transformers 5.x ``NllbMoeSparseMLP`` with ``moe_token_dropout=0`` (refused at its default 0.2)."""
+    from test_parity_hf import randomize_
+    from transformers.models.nllb_moe import modeling_nllb_moe as m
+
+    config = m.NllbMoeConfig(d_model=16, num_experts=4, expert_capacity=3, moe_token_dropout=0.0)
+    torch.manual_seed(0)
+    block = m.NllbMoeSparseMLP(config, 24)
+    randomize_(block, 0)
+    return block.float().train()
+
+
 def _llama4_block() -> nn.Module:
     """transformers 5.x ``Llama4TextMoe`` with F=16 != D=32 and top-2 (so a swapped view or a wrong width
     cannot pass on shapes alone)."""
@@ -325,6 +364,7 @@ NEW_TARGETS = frozenset({
     "v4/fairseq_local_experts", "v4/sequential_experts", "v4/optional_args_experts", "v4/config_branch_experts",
     "v4/module_dict_experts", "v4/lora_experts", "v5/gemma_style_layer",
     "v4/dense_weights_branch", "v4/inline_gate_branch", "v4/masked_sum",
+    "hf/switch_transformers", "hf/nllb_moe", "v4/dispatch_mask_container", "v4/expert_stack_container",
 })
 
 
@@ -542,15 +582,20 @@ def param_grads(block: nn.Module) -> dict:
         if hasattr(p, "full_tensor"):  # a rank without a grad still joins the gather, with zeros
             g = (g if g is not None else torch.zeros_like(p)).full_tensor()  # NOTE: collective over ep
         grads[name] = g
-    if spec_of(block) is not None:  # ModuleList experts: each expert's grad from the rank owning it
-        has_grad = any(p.grad is not None for p in block.get_submodule(spec_of(block).path).parameters())
-        per_expert = gather_experts(block, grad=True)  # NOTE: collective over ep
-        grads |= {n: g if has_grad else None for n, g in per_expert.items() if n in grads}
+    # ModuleList/ModuleDict experts: each expert's grad from the rank owning it. They are placed on the block, or
+    # on their container where its own forward is the loop (Switch, NLLB).
+    for prefix, holder in block.named_modules():
+        if spec_of(holder) is not None:
+            has_grad = any(p.grad is not None for p in holder.get_submodule(spec_of(holder).path).parameters())
+            per_expert = gather_experts(holder, grad=True)  # NOTE: collective over ep
+            per_expert = {".".join(p for p in (prefix, n) if p): g for n, g in per_expert.items()}
+            grads |= {n: g if has_grad else None for n, g in per_expert.items() if n in grads}
     return grads
 
 
-def differences(ref: Run, got: Run) -> list[str]:
-    """Every way ``got`` differs from ``ref`` (outputs, input grad, parameter grads; None grad = zeros)."""
+def differences(ref: Run, got: Run, **tol) -> list[str]:
+    """Every way ``got`` differs from ``ref`` (outputs, input grad, parameter grads; None grad = zeros); ``tol``:
+    ``assert_close`` tolerances other than fp32's defaults."""
     out = []
     if len(ref.outputs) != len(got.outputs):
         return [f"returns {len(got.outputs)} values, the block's own forward {len(ref.outputs)}"]
@@ -565,13 +610,13 @@ def differences(ref: Run, got: Run) -> list[str]:
         a, b = (a if a is not None else torch.zeros_like(b)), (b if b is not None else torch.zeros_like(a))
         pairs.append((f"grad of {n}", a, b))
     for what, a, b in pairs:
-        why = _mismatch(a, b)
+        why = _mismatch(a, b, **tol)
         if why:
             out.append(f"{what}: {why}")
     return out
 
 
-def _mismatch(a, b) -> str:
+def _mismatch(a, b, **tol) -> str:
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return "" if a == b else f"{a!r} != {b!r}"
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -579,7 +624,7 @@ def _mismatch(a, b) -> str:
     try:
         # NaN where the block's own forward has NaN is the same value (a mutant whose norm takes rsqrt of a
         # negative mean): exact, not wrong; a NaN anywhere else still differs.
-        torch.testing.assert_close(b, a, equal_nan=True)
+        torch.testing.assert_close(b, a, equal_nan=True, **tol)
     except AssertionError:
         return f"max abs diff {(b.double() - a.double()).abs().max().item():.3g}"
     return ""

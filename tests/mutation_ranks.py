@@ -42,8 +42,8 @@ def _slices(x: torch.Tensor, split: list[int]) -> list[torch.Tensor]:
     return [x[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
 
-def _ranks_round(block, structure, x, split, rank, group, mesh, flat=False, around=contextlib.nullcontext
-                 ) -> str | None:
+def _ranks_round(block, structure, x, split, rank, group, mesh, flat=False, around=contextlib.nullcontext,
+                 tol=None) -> str | None:
     """One split: reference grads summed over every slice (each rank computes all), EP on this rank's
     slice; outputs and input grad per rank, dense grads summed, expert grads gathered. None = equal."""
     import torch.distributed as dist
@@ -65,7 +65,7 @@ def _ranks_round(block, structure, x, split, rank, group, mesh, flat=False, arou
         if id(got.grads[name]) not in reduced:  # a tied parameter's grad is one tensor: reduce it once
             reduced.add(id(got.grads[name]))
             dist.all_reduce(got.grads[name], group=group)  # NOTE: collective; dense grads sum over ranks
-    diffs = differences(ref_run, got)
+    diffs = differences(ref_run, got, **(tol or {}))
     return "; ".join(diffs[:3]) if diffs else None
 
 
@@ -99,7 +99,8 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
     for split in splits:
         refused = None
         try:
-            why, raised = _ranks_round(block, structure, x, split, rank, group, mesh, flat, mutant.around), False
+            why, raised = _ranks_round(block, structure, x, split, rank, group, mesh, flat, mutant.around,
+                                       LOW_PRECISION.get(mutant.operator)), False
         except LiveStateError as exc:  # the fast path refuses, on every rank alike, before any exchange
             why, raised, refused = None, False, str(exc)
         except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails (or a peer hung)
@@ -180,6 +181,11 @@ def apply_rank_results(outcomes: list[Outcome], ranks: dict[str, tuple[str, str]
 # rescales slice 0's gradient twice) while EP runs one backward over both: they differ by construction, not by
 # EP. ModuleList experts keep such a hook on the owner rank since issue 16; in one process it is checked exactly.
 RANK_INCOMPARABLE = {"param_post_accumulate"}
+# Mutants that compute part of the block in bf16 (``autocast`` around a statement): on several ranks each expert
+# runs on other batches of rows than the per-slice reference gives it (another GEMM blocking, fp32 round-off),
+# and a bf16 cast downstream (the router's backward) can round that round-off up to one bf16 ulp. Judged there
+# at bf16's ``assert_close`` tolerances, not on rounding luck (DESIGN.md "Parity"); in one process, exactly.
+LOW_PRECISION = {"autocast": {"rtol": 1.6e-2, "atol": 1e-5}}
 
 
 def rank_sample(outcomes: list[Outcome], every: int) -> list[str]:

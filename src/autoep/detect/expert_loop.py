@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import operator
 
 import torch
 import torch.nn as nn
@@ -100,6 +101,9 @@ class Prover:
         # batched experts: the accumulator made by zeros_like(hidden) and its dtype (None: the hidden's)
         self.zeros_of_x: Opaque | None = None
         self.acc_dtype = None
+        # an experts container's own forward (``autoep.detect.container_loop``): its loop may permute a
+        # dispatch-mask argument (``Mask.given``), which its recipe turns into expert ids
+        self.dispatch_masks = False
 
     # -- errors -----------------------------------------------------------------------------------
 
@@ -141,9 +145,12 @@ class Prover:
         return ExpertKey("".join(parts[:i]), "".join(parts[i + 1:]))
 
     def _keys_follow_ids(self, key: "ExpertKey") -> bool:
-        """The ModuleDict's entries in order are ``f"{prefix}{e}{suffix}"`` for e = 0, 1, ...: expert e is the
-        e-th entry (as the runtime numbers them)."""
-        return list(self.experts.keys()) == [f"{key.prefix}{e}{key.suffix}" for e in range(len(self.experts))]
+        """The ModuleDict's first E entries in order are ``f"{prefix}{e}{suffix}"`` for e = 0, 1, ...: expert e
+        is the e-th entry (as the runtime numbers them); no later entry has such a key (an experts container
+        may hold other modules after its experts, e.g. NLLB's ``token_dropout``)."""
+        keys = list(self.experts.keys())
+        return keys[:self.E] == [f"{key.prefix}{e}{key.suffix}" for e in range(self.E)] and \
+            not any(expert_key_id(k, key) is not None for k in keys[self.E:])
 
     def _e_UnaryOp(self, node):
         v = self.eval(node.operand)
@@ -176,6 +183,8 @@ class Prover:
 
     def _self_attr(self, node: ast.Attribute):
         name = mangled(self.scope.fn, node.attr)  # ``self.__x`` in a class body reads ``_Class__x``
+        if name == "training":  # changes by design (train/eval): never a constant to fold
+            self.refuse(node, "reads the train/eval mode; the expert region must compute the same in both")
         value = instance_attr(self.owner, name, f"{self.where} line {node.lineno}")
         if self.batched and isinstance(value, nn.Parameter) and name in self.owner._parameters:
             return Param(name)
@@ -204,6 +213,8 @@ class Prover:
         return self._compare(node, left, op, right)
 
     def _compare(self, node, left, op, right):
+        if _number(left) and _number(right) and type(op) in _FOLDED_COMPARE:
+            return Obj(_FOLDED_COMPARE[type(op)](left.value, right.value))  # constants known at detection
         zero = isinstance(right, Obj) and right.value == 0 and not isinstance(right.value, bool)
         if isinstance(left, Count) and zero and isinstance(op, ast.Eq):
             return Cond("empty")
@@ -214,7 +225,7 @@ class Prover:
                 return Cond("padding")
             self.refuse(node, f"compares the expert id with {right.value!r}, not the padding id {self.E}")
         if isinstance(left, Opaque) and isinstance(op, ast.Eq) and isinstance(right, ExpertId) and not right.row:
-            self._bind_role("idx", left, node)
+            self._bind_ids(Mask(left, "TKE"), node)
             return IdxEq()
         self.refuse(node)
 
@@ -245,6 +256,8 @@ class Prover:
     def _e_Subscript(self, node):
         base = self.eval(node.value)
         sl = node.slice
+        if isinstance(base, SelfRef) and not self.batched and self.owner is self.experts:
+            base = Obj(self.experts)  # an experts container's own forward indexes ``self[...]``
         if isinstance(base, Param):
             e = self.eval(sl)
             if isinstance(e, ExpertId) and not e.row:
@@ -270,8 +283,10 @@ class Prover:
             return self._unpack_item(base, sl.value)
         if base == ("tok_shape",) and isinstance(sl, ast.Constant) and sl.value == 0:
             return Count()
-        if isinstance(base, Attr) and base.name == "shape" and isinstance(sl, ast.Constant):
-            return ShapeItem(base.of, sl.value)
+        if isinstance(base, Attr) and base.name == "shape" and isinstance(sl, (ast.Constant, ast.UnaryOp)):
+            axis = self.eval(sl)
+            if type(axis.value) is int:
+                return ShapeItem(base.of, axis.value)
         if isinstance(base, Opaque):
             return self._index_tensor(node, base, sl)
         self.refuse(node)
@@ -297,6 +312,14 @@ class Prover:
         if isinstance(value, Pairs):
             return Index(value.roles[i])
         return Row(("chunk", value.expr, i))
+
+    def _bind_ids(self, mask: Mask, node) -> None:
+        """The loop reads its routing from ``mask.idx``: expert ids, or (``mask.given``) a dispatch mask."""
+        self._bind_role("idx", mask.idx, node)
+        if self.facts.idx_mask not in (None, mask.given) or (mask.given and self.facts.mask_layout not in ("", mask.layout)):
+            self.refuse(node, "reads one tensor both as expert ids and as a dispatch mask, or as masks of two layouts")
+        self.facts.idx_mask = mask.given
+        self.facts.mask_layout = mask.layout if mask.given else ""
 
     def _bind_role(self, role: str, value: Opaque, node) -> None:
         current = getattr(self.facts, role)
@@ -402,6 +425,8 @@ class Prover:
         if fn is len:
             (arg,) = self._args(node, ("obj",), 1).values()
             v = self.eval(arg)
+            if isinstance(v, SelfRef) and not self.batched and self.owner is self.experts:
+                v = Obj(self.experts)  # ``len(self)`` in an experts container's own forward
             if isinstance(v, Obj) and v.value is self.experts and self.experts is not None:
                 return Obj(len(v.value))
             if isinstance(v, Index) and v.role == "tok":
@@ -436,7 +461,7 @@ class Prover:
 
     def _where(self, node, cond):
         if isinstance(cond, MaskRow) and not cond.lead:
-            self._bind_role("idx", cond.mask.idx, node)
+            self._bind_ids(cond.mask, node)
             return Pairs(("slot", "tok") if cond.mask.layout == "EKT" else ("tok", "slot"))
         if isinstance(cond, IdxEq):
             return Pairs(("tok", "slot"))
@@ -451,6 +476,12 @@ class Prover:
         if isinstance(base, (IdxEq, tuple)) and (base == IdxEq() or base[:1] in (("tok_any",), ("tok_nonzero",),
                                                                                  ("pair_weights",))):
             return self._pair_method(node, base, name)
+        if isinstance(base, Opaque) and name == "permute" and self.dispatch_masks:
+            dims = tuple(self.eval(a).value for a in node.args) if not node.keywords else None
+            layouts = {(2, 1, 0): "EKT", (2, 0, 1): "ETK"}
+            if dims in layouts:
+                return Mask(base, layouts[dims], given=True)
+            self.refuse(node, "is not permute(2, 1, 0) or permute(2, 0, 1) of a (tokens, slots, experts) dispatch mask")
         if isinstance(base, Mask) and name == "permute":
             dims = tuple(self.eval(a).value for a in node.args) if not node.keywords else None
             layouts = {(2, 1, 0): "EKT", (2, 0, 1): "ETK"}
@@ -566,7 +597,7 @@ class Prover:
             self.refuse(loop, "is not a plain for loop")
         it, target = self.eval(loop.iter), loop.target
         if isinstance(it, Hit) and isinstance(target, ast.Name):
-            self._bind_role("idx", it.mask.idx, loop)
+            self._bind_ids(it.mask, loop)
             self.env[target.id] = ExpertId(row=not it.scalar)
         elif it == ("range",) and isinstance(target, ast.Name):
             self.env[target.id] = ExpertId(row=False)
@@ -600,7 +631,12 @@ class Prover:
 
     def _guard(self, stmt: ast.If) -> None:
         """``if <no rows or padding id>: continue`` and ``if <rows>: <rest>`` only skip nothing-to-add."""
+        if _reads_training(stmt.test):
+            self.refuse(stmt, self._training_why(stmt))
         cond = self.eval(stmt.test)
+        if isinstance(cond, Obj) and type(cond.value) is bool:
+            self._fold_branch(stmt, cond.value)
+            return
         if not isinstance(cond, Cond) or (stmt.orelse and cond.kind != "nonempty"):
             self.refuse(stmt, "is a condition the proof does not know")
         if cond.kind in ("empty", "padding") and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Continue):
@@ -611,6 +647,34 @@ class Prover:
                 self.refuse(stmt.orelse[0], "runs for an expert without tokens, which the proof does not know")
             return
         self.refuse(stmt, "skips an expert that has tokens")
+
+    def _training_why(self, stmt: ast.If) -> str:
+        """Why a branch on ``self.training`` is refused, naming the random module it runs while training."""
+        for node in ast.walk(ast.Module(body=stmt.body, type_ignores=[])):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+                module = getattr(self.owner, node.func.attr, None)
+                if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+                    return (f"runs self.{node.func.attr} ({type(module).__name__} with p={module.p}) while training: "
+                            "it draws random numbers per expert call (not deterministic), which EP cannot "
+                            "reproduce; exact only at p=0 (or opt out)")
+        return "branches on the train/eval mode; the expert region must compute the same in both"
+
+    def _fold_branch(self, stmt: ast.If, taken: bool) -> None:
+        """``if <constant instance attributes compared>:``: only the branch the values select runs, so only it
+        is proven; the values are recorded (``LoopFacts.folded``; ``names.instance_attr`` has them re-checked
+        before each call), and a change after detection is drift."""
+        names = {n.id for n in ast.walk(stmt.test) if isinstance(n, ast.Name)}
+        if names - {self.tree.args.args[0].arg}:  # a global's value is not watched after detection
+            self.refuse(stmt, f"branches on {sorted(names - {'self'})}, not on the module's own constant attributes")
+        for node in ast.walk(stmt.test):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                name = mangled(self.scope.fn, node.attr)
+                value = getattr(self.owner, name)
+                if type(value) not in (bool, int, float):  # only plain numbers are re-checked before each call
+                    self.refuse(stmt, f"branches on self.{node.attr}, a {type(value).__name__}, not a plain number")
+                self.facts.folded[name] = value
+        self.body(stmt.body if taken else stmt.orelse)
 
     def _touch(self, stmts: list[ast.stmt]) -> bool:
         """minimind's ``elif self.training: acc[0, 0] += 0 * sum(p.sum() for p in expert.parameters())`` for
@@ -689,6 +753,28 @@ class Prover:
         if dim != Obj(0) or tok != Index("tok"):
             self.refuse(call, "does not add rows at the expert's token positions")
         self._contribution(call, rows)
+
+
+_FOLDED_COMPARE = {ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Lt: operator.lt, ast.LtE: operator.le,
+                   ast.Eq: operator.eq, ast.NotEq: operator.ne}
+
+
+def _reads_training(test: ast.AST) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "training" and isinstance(n.value, ast.Name)
+               and n.value.id == "self" for n in ast.walk(test))
+
+
+def _number(v) -> bool:
+    return isinstance(v, Obj) and type(v.value) in (int, float)
+
+
+def expert_key_id(key: str, pattern: ExpertKey) -> int | None:
+    """The expert id ``e`` with ``f"{prefix}{e}{suffix}" == key`` (an id a loop's key can name), else None."""
+    p, s = pattern.prefix, pattern.suffix
+    if not (key.startswith(p) and key.endswith(s) and len(key) > len(p) + len(s)):
+        return None
+    digits = key[len(p):len(key) - len(s)]
+    return int(digits) if digits.isdigit() and str(int(digits)) == digits else None
 
 
 def strip_casts(expr: tuple) -> tuple:

@@ -3,7 +3,7 @@ the facts a proven loop yields. See that module's docstring for what each value 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # ---------------------------------------------------------------------------------------------
 # Abstract values
@@ -59,6 +59,9 @@ class ShapeItem:
 class Mask:
     idx: Opaque
     layout: str  # axis order of the one-hot tensor: "TKE" (as made), "EKT", "ETK"
+    # ``idx`` is itself a (T, K, E) dispatch mask the loop permutes (its nonzero entries are the routed
+    # (token, slot, expert) triples), not expert ids made one-hot (``Prover.dispatch_masks`` allows it)
+    given: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,3 +183,7 @@ class LoopFacts:
     uses_apply_gate: bool = False
     adds: int = 0
     add_at_rows: bool = False  # ``acc[tok] += ...`` rather than ``acc.index_add_(0, tok, ...)``
+    idx_mask: bool | None = None  # ``idx`` is read as a dispatch mask (True) or as expert ids (False)
+    mask_layout: str = ""  # a dispatch mask's axis order as the loop permutes it (``Mask.layout``)
+    # ``{attr: value}``: the owner's constant attributes an ``if`` of the region was folded on (its branch taken)
+    folded: dict = field(default_factory=dict)

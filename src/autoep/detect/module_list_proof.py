@@ -134,12 +134,14 @@ def module_list_facts(experts: nn.Module, path: str = "experts") -> dict:
     return row_local_facts(experts, path)
 
 
-def row_local_facts(experts: nn.Module, path: str) -> dict:
+def row_local_facts(experts: nn.Module, path: str, members: list | None = None) -> dict:
     """``expert_kind="row_local"``: each expert proven on its own (heterogeneous experts are fine: each runs
     its own forward), no parameter object in two experts (its gradient would be split over ranks), no global
     hooks (they would see other batches of rows). ``folded``: the constant attributes the proofs read, as
-    ``<path>.<e or *>.<attr>=<value>`` (``*``: the same in every expert)."""
-    members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
+    ``<path>.<e or *>.<attr>=<value>`` (``*``: the same in every expert). ``members``: the experts, where the
+    container holds more than them (default: every entry)."""
+    if members is None:
+        members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
     if not members:
         raise Refusal(f"{path} holds no experts")
     if global_hooks():

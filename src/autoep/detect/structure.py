@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch.nn as nn
 
 from autoep.detect import (
+    container_loop,
     elementwise,
     equal_groups_proof,
     expert_reads,
@@ -134,6 +135,9 @@ def find_experts(module: nn.Module, looped=_UNKNOWN) -> str | None:
                and any(p.dim() == 3 for p in m.parameters())]
     if len(batched) == 1:
         return batched[0]
+    own_loop = [n for n, m in module._modules.items() if container_loop.has_own_loop(m)]
+    if len(own_loop) == 1 and not batched:  # a ModuleDict/ModuleList subclass whose own forward loops (Switch)
+        return own_loop[0]
     if isinstance(getattr(module, "experts", None), nn.Module):
         return "experts"
     if batched:
@@ -154,7 +158,11 @@ def _structure(module: nn.Module) -> MoeStructure:
     path = looped if looped is not None else find_experts(module, looped)
     experts = module._modules.get(path) if path is not None else None
     guards: tuple[str, ...] = ()
-    if looped is not None or type(experts) is nn.ModuleList:
+    if looped is None and container_loop.has_own_loop(experts):
+        storage = "module_list"  # its own forward is the region: replaced, its experts run as themselves
+        facts = own_loop_facts(experts, path)
+        guards = routing_proof.experts_call(module, path)
+    elif looped is not None or type(experts) is nn.ModuleList:
         storage = "module_list"
         facts = module_list_proof.module_list_facts(experts, path)
         module_list_proof.module_list_plan(module, path)  # the expert regions autoep splices out
@@ -173,7 +181,7 @@ def _structure(module: nn.Module) -> MoeStructure:
     else:
         raise Refusal("no experts: no ModuleList/ModuleDict its forward loops over by expert id, no child holding "
                       "3-D expert parameters, no `experts` submodule")
-    if storage != "module_list" and guards:  # the block's flags that keep its experts call on (folded, watched)
+    if guards:  # the block's flags that keep its experts call on (folded, watched)
         facts = {**facts, "folded": tuple(facts.get("folded", ())) + guards}
     structure = MoeStructure(
         router=router, shared_experts=shared, expert_storage=storage, jitter=hasattr(module, "jitter_noise"),
@@ -187,11 +195,26 @@ def _structure(module: nn.Module) -> MoeStructure:
     return structure
 
 
+def own_loop_facts(experts: nn.Module, path: str) -> dict:
+    """An experts container whose own forward is the proven loop (``autoep.detect.container_loop``): its
+    experts (the leading keyed entries) proven row-local; the loop's folded attributes join theirs."""
+    loop = container_loop.container_loop(experts)
+    members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
+    facts = module_list_proof.row_local_facts(experts, path, members[:loop.num_experts])
+    experts_folded = facts["folded"]
+    if len(members) > loop.num_experts:  # ``<path>.*.<attr>`` would read the entries that are no experts too
+        experts_folded = tuple(f"{path}.{e}.{entry[len(path) + 3:]}" if entry.startswith(f"{path}.*.") else entry
+                               for entry in experts_folded for e in range(loop.num_experts))
+        experts_folded = tuple(dict.fromkeys(experts_folded))
+    return facts | {"folded": experts_folded + tuple(f"{path}.{attr}={value}" for attr, value in loop.folded)}
+
+
 def _live_state(module: nn.Module, structure: MoeStructure) -> None:
     """Issue 17: every other read of the experts (any depth of calls, hooks on the block, cached references)
     and expert tensors reached by two names inside the block (the whole model: ``resolve_plan``)."""
-    checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] \
-        if structure.expert_storage == "module_list" else [type(module).forward]
+    spliced = structure.expert_storage == "module_list" and not container_loop.has_own_loop(
+        module._modules.get(structure.experts_path))
+    checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] if spliced else [type(module).forward]
     expert_reads.experts_read_elsewhere(module, checked, structure.experts_path)
     tied = sharing.shared_expert_tensors(module, {"": module}, structure.experts_path)
     if tied:
@@ -224,6 +247,11 @@ def count_experts(module: nn.Module, structure: MoeStructure | None = None) -> i
     except Refusal as exc:
         raise UnsupportedModuleStructure(type(module).__name__, f"cannot count experts: {exc}") from None
     experts = getattr(module, path, None) if path is not None else None
+    if container_loop.has_own_loop(experts):
+        try:
+            return container_loop.container_loop(experts).num_experts
+        except Refusal as exc:
+            raise UnsupportedModuleStructure(type(module).__name__, f"cannot count experts: {exc}") from None
     if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
         members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
         if structure is not None:

@@ -61,8 +61,11 @@ class ExpertLoad:
         for name in block_names:
             block = model.get_submodule(name)
             experts = getattr(block, "experts", None)
-            if spec_of(block) is not None:
-                register_counts_hook(block, self._local_hook)
+            # ModuleList/ModuleDict experts are placed on the block, or on their container where its own
+            # forward is the loop (Switch, NLLB): it reports the rows its local experts got
+            placed = block if spec_of(block) is not None else experts if spec_of(experts) is not None else None
+            if placed is not None:
+                register_counts_hook(placed, self._local_hook)
                 self.layers += 1
             elif isinstance(experts, nn.Module):
                 experts.register_forward_pre_hook(self._hook, with_kwargs=True)

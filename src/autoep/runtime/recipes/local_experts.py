@@ -162,6 +162,8 @@ def _check_unshared(block: nn.Module, spec: LocalExperts, name: str) -> None:
                 raise UnsupportedModuleStructure(type(block).__name__, f"{name}: experts {seen[id(t)]} and {e} share "
                                                  f"a tensor; EP keeps each expert on one rank")
             seen[id(t)] = str(e)
+    if not spec.path:
+        return  # the block is the container (its own forward was replaced): every child is inside it
     inside = {id(m) for expert in experts for m in expert.modules()}
     for mname, m in block.named_modules(remove_duplicate=False):
         if mname == spec.path or mname.startswith(f"{spec.path}."):
@@ -171,6 +173,10 @@ def _check_unshared(block: nn.Module, spec: LocalExperts, name: str) -> None:
             raise UnsupportedModuleStructure(type(block).__name__, f"{name}: {mname or 'the block'} "
                                              f"({type(m).__name__}) shares an expert's module or tensor outside the "
                                              f"experts; EP keeps each expert on one rank")
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
 
 
 def _release(block: nn.Module, spec: LocalExperts) -> None:
@@ -233,7 +239,7 @@ def expert_owners(model: nn.Module) -> dict[str, ExpertOwner]:
         for e in range(spec.num_experts):
             place = ExpertOwner(block_name, e, spec.owner(e), spec.is_local(e))
             for key in _state_keys(experts[e]):
-                owners[f"{prefix}.{spec.keys[e]}.{key}"] = place
+                owners[_join(prefix, spec.keys[e], key)] = place
     return owners
 
 
@@ -292,7 +298,7 @@ def gather_expert_optim_state(model: nn.Module, optim_state: dict) -> dict:
         experts = expert_modules(container_of(block, spec))
         prefix = ".".join(p for p in (block_name, spec.path) if p)
         for owner in range(spec.ep_size):
-            fqns = [f"{prefix}.{spec.keys[e]}.{n}" for e in range(owner * spec.num_local, (owner + 1) * spec.num_local)
+            fqns = [_join(prefix, spec.keys[e], n) for e in range(owner * spec.num_local, (owner + 1) * spec.num_local)
                     for n, _ in experts[e].named_parameters()]
             payload = [None]
             if owner == spec.ep_rank:
@@ -351,7 +357,7 @@ def gather_experts(block: nn.Module, *, grad: bool = False) -> dict[str, Tensor]
     out: dict[str, Tensor] = {}
     for owner in range(spec.ep_size):
         ids = range(owner * spec.num_local, (owner + 1) * spec.num_local)
-        named = [(f"{spec.path}.{spec.keys[e]}.{n}", p) for e in ids for n, p in experts[e].named_parameters()]
+        named = [(_join(spec.path, spec.keys[e], n), p) for e in ids for n, p in experts[e].named_parameters()]
         values = []
         for _, p in named:
             if owner != spec.ep_rank:

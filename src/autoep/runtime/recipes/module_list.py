@@ -27,13 +27,14 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from autoep.detect.container_loop import has_own_loop
 from autoep.detect.module_list_proof import module_list_facts, module_list_plan
 from autoep.detect.source import Refusal
 from autoep.detect.splice import compile_spliced
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.dispatch import ep_experts_forward, ep_grouped_forward
-from autoep.runtime.recipes import ep_group_of, experts_of, join_backward_exchanges, watching_facts
+from autoep.runtime.recipes import container_loop, ep_group_of, experts_of, join_backward_exchanges, watching_facts
 from autoep.runtime.recipes.local_experts import _ACTIVATIONS, local_expert_fn, place_experts, spec_of
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +202,9 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     runs the experts' own forward even where the grouped GEMM is proven to compute the same.
     """
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
+    if has_own_loop(module._modules.get(structure.get("experts_path", "experts"))):
+        # The experts container's own forward is the loop: that forward is replaced, the block's runs as written.
+        return container_loop.ep_container_experts(module, ep_mesh=ep_mesh, structure=structure, fast_path=fast_path)
     with watching_facts(module):
         plans = validate(module, structure=structure)
     identities = int(structure.get("identity_experts", 0))
@@ -252,6 +256,8 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_):
     ones. Returns the splice plans (one per expert region); raises ``UnsupportedModuleStructure`` naming the key otherwise."""
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
     name = type(module).__name__
+    if has_own_loop(module._modules.get(structure.get("experts_path", "experts"))):
+        return container_loop.validate(module, structure=structure)
     if spec_of(module) is not None:
         raise UnsupportedModuleStructure(name, "the block is already EP-ready (apply_plan ran on it)")
     path = structure.get("experts_path", "experts")

@@ -335,3 +335,12 @@ def test_activation_checkpointing_recomputes_in_place(paths, use_reentrant):
     torch.testing.assert_close(xb.grad, xr.grad)
     for (n, p), q in zip(block.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{n}: {m}")
+
+
+def test_without_storage_use_counts_nothing_is_moved(paths, monkeypatch):
+    """A torch without ``torch._C._storage_Use_Count`` cannot tell who holds a parameter's memory: parameters
+    outside their home are then stacked per forward, never moved."""
+    ref, block = _pair()
+    monkeypatch.setattr(local_experts, "_use_count", None)
+    assert _check(ref, block, paths) == "copy"
+    assert not _lives_home(block)

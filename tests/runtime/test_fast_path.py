@@ -15,7 +15,6 @@ import copy
 import pytest
 import torch
 from test_module_list_recipe import SEQ, D, _ep_block, _make
-from torch import nn
 
 from autoep.runtime.recipes import local_experts
 
@@ -307,11 +306,20 @@ def test_a_block_without_the_home_stacks_per_forward(paths):
     assert isinstance(getattr(copy.deepcopy(_ep_block(NAME, None)), local_experts.STACKED), local_experts._Stacked)
 
 
-def test_stacked_home_is_not_state():
-    block = _ep_block(NAME, None)
-    block(torch.randn(2, SEQ, D))
-    assert set(block.state_dict()) == set(_make(NAME).state_dict())
-    assert not any(isinstance(m, nn.Module) and m is getattr(block, local_experts.STACKED) for m in block.modules())
+def test_the_home_is_not_state(paths):
+    """The stacked buffers are no parameters, buffers or state-dict entries of the block; the state dict holds the
+    experts' own values; a pickled home comes back empty (its parameters are re-homed at the first forward)."""
+    import pickle
+
+    ref, block = _pair()
+    assert _check(ref, block, paths) == "in_place"
+    assert [n for n, _ in block.named_buffers()] == [n for n, _ in ref.named_buffers()]
+    state = block.state_dict()
+    assert list(state) == list(ref.state_dict())
+    for n, v in ref.state_dict().items():
+        torch.testing.assert_close(state[n], v, msg=lambda m: f"{n}: {m}")
+    home = getattr(block, local_experts.STACKED)
+    assert home.gate_up is not None and pickle.loads(pickle.dumps(home)).gate_up is None
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

@@ -22,7 +22,7 @@ MixtralStyleSparseMoeBlock, softmax top-k renormalised, as Qwen3-MoE with norm_t
                in one stacked buffer per projection; gradients handed back as views)
   ml-own       the experts' own forward (fast_path=False), one nn.Linear chain per local expert
 The interleaved comparison (``--interleave``, on by default) builds its contenders in ONE process group and runs
-``--rounds`` rounds of one timed fwd+bwd step of each, in an order rotated every round; each round's ratio is
+``--rounds`` rounds of one timed fwd+bwd step of each, in an order shuffled every round; each round's ratio is
 ml-stacked's step time over the contender's (the slowest rank's times, same round), and the median ratio and its
 interquartile range over the rounds are printed side by side: load that comes and goes on a shared machine hits
 both sides of a ratio alike, which per-contender medians minutes apart do not.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
 import resource
 import sys
 import time
@@ -263,14 +264,15 @@ def build(name: str, block, ep_mesh, args) -> nn.Module:
 
 def interleaved(block, ep_mesh, x, grad, args, names: list[str]) -> dict:
     """The contenders in one process group: two warm-up steps each, then ``args.rounds`` rounds of one timed step
-    of each, the order rotated every round. Returns this rank's step times per contender, round by round."""
+    of each, in a shuffled order every round. Returns this rank's wall and CPU times per contender, round by round."""
     blocks = {n: build(n, block, ep_mesh, args) for n in names}
     for b in blocks.values():
         time_step(b, x, grad, 1)
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
-        for n in names[r % len(names):] + names[: r % len(names)]:
+        # A fresh order each round (seeded: the same on every rank): no contender always follows the same one.
+        for n in random.Random(r).sample(names, len(names)):
             c0 = time.process_time()
             times[n].append(time_step(blocks[n], x, grad, 1, warmup=False)[0])
             cpu[n].append(time.process_time() - c0)
@@ -302,7 +304,7 @@ def report_interleaved(per_rank: list[dict], args) -> None:
     base = names[0]
     wall = {n: [max(r["wall"][n][i] for r in per_rank) for i in range(args.rounds)] for n in names}
     cpu = {n: [sum(r["cpu"][n][i] for r in per_rank) for i in range(args.rounds)] for n in names}
-    print(f"interleaved: {args.rounds} rounds of one fwd+bwd step of each contender (order rotated per round), "
+    print(f"interleaved: {args.rounds} rounds of one fwd+bwd step of each contender (order shuffled per round), "
           f"{args.world_size} gloo ranks, T={args.tokens}/rank D={args.hidden} F={args.ffn} E={args.experts} "
           f"top_k={args.top_k} fp32, {args.threads} thread(s)/rank, load average {os.getloadavg()[0]:.1f}; "
           f"ratio per round = {base}'s time / the contender's, > 1 is faster")

@@ -1721,3 +1721,60 @@ class ExpertStackMoE(nn.Module):
         x = hidden_states.view(-1, d)
         w, idx = torch.topk(self.router(x).softmax(-1), self.top_k, dim=-1)
         return self.ffns(x, idx, w / w.sum(-1, keepdim=True)).view(b, s, d)
+# transformers 4.57 Switch Transformers: a one-hot mask with capacity, ModuleDict experts by getattr, rows
+# overwritten expert by expert
+# ---------------------------------------------------------------------------------------------
+
+
+class SelectedRowsExpert(nn.Module):
+    """``SwitchTransformersDenseActDense``: wi -> act -> dropout -> wo, bias-free."""
+
+    def __init__(self, hidden: int, ffn: int, dropout: float = 0.0):
+        super().__init__()
+        self.wi = nn.Linear(hidden, ffn, bias=False)
+        self.wo = nn.Linear(ffn, hidden, bias=False)
+        self.dropout = nn.Dropout(dropout)
+        self.act = nn.ReLU()
+
+    def forward(self, hidden_states):
+        hidden_states = self.wi(hidden_states)
+        hidden_states = self.act(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        hidden_states = self.wo(hidden_states)
+        return hidden_states
+
+
+class SelectedRowsMoE(nn.Module):
+    """transformers 4.57 ``SwitchTransformersSparseMLP`` with its top-1 router inlined: argmax one-hot, tokens past
+    an expert's capacity (per sequence, in order) dropped (an all-zero mask row: the output row stays zero), the
+    experts hit taken as ``nonzero(...).tolist()``, and each expert's rows assigned by ``y[mask[:, :, e]] = ...``
+    with the expert read as ``getattr(self.experts, f"expert_{e}")``; the top probability scales the rows after."""
+
+    def __init__(self, *, hidden=16, ffn=24, num_experts=4, capacity=2, dropout=0.0):
+        super().__init__()
+        self.num_experts = num_experts
+        self.expert_capacity = capacity
+        self.classifier = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleDict()
+        for idx in range(num_experts):
+            self.experts[f"expert_{idx}"] = SelectedRowsExpert(hidden, ffn, dropout)
+
+    def forward(self, hidden_states):
+        router_probs = nn.functional.softmax(self.classifier(hidden_states), dim=-1)
+        expert_index = torch.nn.functional.one_hot(torch.argmax(router_probs, dim=-1), num_classes=self.num_experts)
+        token_priority = torch.cumsum(expert_index, dim=-2)
+        expert_index = expert_index * (token_priority <= self.expert_capacity)
+        router_probs = torch.max(router_probs, dim=-1).values.unsqueeze(-1)
+
+        next_states = torch.zeros(hidden_states.shape, device=hidden_states.device, dtype=hidden_states.dtype)
+        router_mask = expert_index.bool()
+        batch_size, seq_len, num_experts = router_mask.shape
+        idx_mask = router_mask.reshape(batch_size * seq_len, num_experts).sum(dim=0)
+        idx_mask = torch.nonzero(idx_mask, as_tuple=True)[0].tolist()
+        for idx in idx_mask:
+            next_states[router_mask[:, :, idx]] = getattr(self.experts, f"expert_{idx}")(
+                hidden_states[router_mask[:, :, idx]]
+            )
+
+        hidden_states = router_probs * next_states
+        return hidden_states

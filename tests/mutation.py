@@ -260,6 +260,8 @@ def targets() -> list[Target]:
         Target("hf/switch_transformers", _switch_block),  # a capacity-masked dispatch mask as the routing argument
         Target("hf/nllb_moe", _nllb_block),  # one_hot ids, a folded token-dropout branch, a non-expert entry
         *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in _container_blocks().items()),
+        # transformers 4.57 Switch: rows assigned from a one-hot mask with capacity, ModuleDict experts by getattr.
+        Target("v4/selected_rows", _hand_written_block("selected_rows", _selected_rows_block)),
     ]
 
 
@@ -276,6 +278,12 @@ def _gemma_style_layer() -> nn.Module:
     from gc_blocks import GemmaStyleMoeLayer
 
     return GemmaStyleMoeLayer(hidden=16, ffn=24, num_experts=4, top_k=2)
+
+
+def _selected_rows_block() -> nn.Module:
+    from blocks import SelectedRowsMoE
+
+    return SelectedRowsMoE(hidden=16, ffn=24, num_experts=4, capacity=2)
 
 
 def _masked_sum_block() -> nn.Module:
@@ -365,6 +373,7 @@ NEW_TARGETS = frozenset({
     "v4/module_dict_experts", "v4/lora_experts", "v5/gemma_style_layer",
     "v4/dense_weights_branch", "v4/inline_gate_branch", "v4/masked_sum",
     "hf/switch_transformers", "hf/nllb_moe", "v4/dispatch_mask_container", "v4/expert_stack_container",
+    "v4/selected_rows",
 })
 
 

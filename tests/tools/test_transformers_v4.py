@@ -103,3 +103,52 @@ def test_training_branch_classes_refuse_their_dense_branch(rows):
     ep_batched_experts(ep, ep_mesh=None, structure=row.structure)
     with pytest.raises(RuntimeError, match=r"Qwen3VLMoeTextExperts.forward line \d+: not training"):
         ep.eval()(torch.randn(1, 3, config.hidden_size))
+
+
+def switch_cases(rank: int, world_size: int) -> dict:
+    """transformers 4.57 ``SwitchTransformersSparseMLP`` (rows assigned from a one-hot mask with capacity,
+    ``split_loop.selected_loop``) with expert dropout 0: its default 0.1 is refused while training (the coverage
+    survey says so), so the idiom's parity is checked on a config that has none; nor router jitter, which the
+    router multiplies into its input in place (a leaf input with a gradient, as the harness feeds, cannot take
+    that in the model's own forward either)."""
+    from test_parity_hf import _block_parity, randomize_
+    from transformers.models.switch_transformers import modeling_switch_transformers as m
+
+    results = {}
+    config = m.SwitchTransformersConfig(d_model=32, d_ff=24, num_experts=8, expert_capacity=2, dropout_rate=0.0,
+                                         router_jitter_noise=0.0)
+    block = m.SwitchTransformersSparseMLP(config)
+    randomize_(block, 0)
+    guarded(results, "switch_transformers", _block_parity, rank, world_size, block, 32)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_switch_loop_equals_its_own_forward(world_size):
+    results = run_cases(world_size, "test_transformers_v4:switch_cases")
+    failed = {name: errors for name, errors in results.items() if errors}
+    assert results and not failed, "\n".join(f"{n}: {e[0]}" for n, e in failed.items())
+
+
+def test_switch_default_dropout_refused_while_training_accepted_in_eval(rows):
+    import copy
+
+    import torch
+    from transformers.models.switch_transformers import modeling_switch_transformers as m
+
+    from autoep.detect.structure import detect_moe_structure
+    from autoep.errors import UnsupportedModuleStructure
+    from autoep.runtime.recipes.module_list import ep_module_list_block
+
+    row = next(r for r in rows if r.cls == "SwitchTransformersSparseMLP")
+    assert row.structure is None and "dropout with p=0.1 while training" in row.reason, row.reason
+    config = m.SwitchTransformersConfig(d_model=32, d_ff=24, num_experts=4, expert_capacity=3)
+    torch.manual_seed(0)
+    block = m.SwitchTransformersSparseMLP(config)
+    with pytest.raises(UnsupportedModuleStructure, match="dropout with p=0.1 while training"):
+        detect_moe_structure(block)
+    block.eval()
+    ep = copy.deepcopy(block)
+    ep_module_list_block(ep, ep_mesh=None, structure=detect_moe_structure(block))
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(ep(x)[0], block(x)[0])

@@ -261,7 +261,9 @@ class SplicePlan:
     (``split_loop.masked_loop``): ``__autoep_expert_loop__(self, y, x, ids)`` sets ``y[p] =
     expert_{ids[p]}(x[p])`` for every row whose id names an expert. ``kind="masked_sum"``
     (``split_loop.masked_sum_loop``): ``acc = __autoep_expert_loop__(self, acc, x, ids)`` gives ``acc +
-    expert_{ids[row]}(x[row])`` per row (``acc`` where the id names no expert)."""
+    expert_{ids[row]}(x[row])`` per row (``acc`` where the id names no expert). ``kind="selected"``
+    (``split_loop.selected_loop``): ``__autoep_expert_loop__(self, y, x, mask, order)`` sets the rows
+    ``mask[..., e]`` selects to ``expert_e(x[row])`` for each e of ``order`` in turn (the last one wins)."""
 
     method: str
     fn: object
@@ -274,6 +276,7 @@ class SplicePlan:
     empty_1d: bool = False  # split: with no rows the block's own code gives ``rows.new_empty(0)``
     path: tuple = ()
     no_grad: bool = False  # the method is decorated ``@torch.no_grad()``; its spliced twin is too
+    select_dims: int = 0  # selected: the full slices before the id in ``mask[:, :, id]`` (the id's axis)
 
 
 def _block_trees(block: nn.Module) -> dict:
@@ -313,6 +316,11 @@ def _indexed_in_loop(loop: ast.For, attr: str) -> bool:
         if isinstance(inner, ast.Attribute) and inner.attr == attr and isinstance(inner.value, ast.Name) \
                 and inner.value.id == "self":
             return True
+        getattr_of = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+            and len(node.args) == 2 and not isinstance(node.args[1], ast.Constant)
+        if getattr_of and isinstance(node.args[0], ast.Attribute) and node.args[0].attr == attr \
+                and isinstance(node.args[0].value, ast.Name) and node.args[0].value.id == "self":
+            return True  # ``getattr(self.<attr>, f"expert_{e}")``: resolved to the builtin by the loop's proof
     return False
 
 
@@ -405,6 +413,10 @@ def _plan(block, method_tree, method: str, path: tuple, index: int, loop: ast.Fo
         _nothing_used_after(fn, tree, stmts[region.first:region.last + 1], keep=region.out)
         return SplicePlan(method, fn, region.first, region.last, (region.rows, region.counts), region.out,
                           kind="split", empty_1d=region.empty_1d, **common)
+    if split_loop.is_selected_loop(loop):
+        args, k = split_loop.selected_loop(fn, block, loop, attr)
+        _nothing_used_after(fn, tree, [loop])
+        return SplicePlan(method, fn, index, index, args, kind="selected", select_dims=k, **common)
     if split_loop.is_masked_sum_loop(loop):
         args = split_loop.masked_sum_loop(fn, block, loop, attr)
         _nothing_used_after(fn, tree, [loop], keep=args[0])

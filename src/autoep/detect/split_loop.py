@@ -514,3 +514,116 @@ class _MaskedSumProof(_MaskedProof):
         if self._term(other) != _TERM or self.ids is None or self.x is None:
             self.refuse(stmt, "does not add the expert's masked output")
         return acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Switch Transformers' loop: a boolean (..., E) mask, the experts it selects, rows assigned
+# ---------------------------------------------------------------------------------------------
+
+
+def is_selected_loop(loop: ast.For) -> bool:
+    """``for e in <name>:`` whose body is one assignment into a subscript: the shape ``selected_loop`` proves."""
+    return (isinstance(loop.iter, ast.Name) and isinstance(loop.target, ast.Name) and len(loop.body) == 1
+            and isinstance(loop.body[0], ast.Assign) and isinstance(loop.body[0].targets[0], ast.Subscript))
+
+
+def selected_loop(fn, block: nn.Module, loop: ast.For, attr: str = "experts") -> tuple[tuple[str, ...], int]:
+    """Prove ``loop`` is
+
+        for idx in order:                                            # any iterable the block computed
+            y[mask[:, :, idx]] = getattr(self.experts, f"expert_{idx}")(x[mask[:, :, idx]])
+
+    (transformers 4.57 ``SwitchTransformersSparseMLP``; also ``self.experts[f"expert_{idx}"]`` or, for a
+    ModuleList, ``self.experts[idx]``): for each expert id in ``order`` in turn, the rows its mask slice selects
+    are overwritten with that expert's output on them. A row selected by several ids of ``order`` keeps the last
+    one's output, a row selected by none is left as it was; which ids ``order`` holds is the block's own business
+    (Switch: the experts with any row), read at run time. Returns ``((y, x, mask, order), k)`` with ``k`` the
+    full slices before the id (the id indexes axis ``k``; the run time checks it is the mask's last)."""
+    proof = _SelectedProof(fn, block, attr)
+    return proof.prove(loop)
+
+
+class _SelectedProof(_SplitProof):
+    def prove(self, loop: ast.For):
+        if loop.orelse:
+            self.refuse(loop, "has an else branch")
+        order, e = loop.iter.id, loop.target.id
+        stmt = loop.body[0]
+        self.e = e
+        target, value = stmt.targets[0], stmt.value
+        if len(stmt.targets) != 1 or not isinstance(target.value, ast.Name):
+            self.refuse(stmt, "does not assign into the rows of a tensor held by a name")
+        mask, k = self._selection(target.slice, stmt)
+        if not (isinstance(value, ast.Call) and len(value.args) == 1 and not value.keywords):
+            self.refuse(stmt, "does not assign one expert's output")
+        self._expert(value.func, stmt)
+        arg = value.args[0]
+        if not (isinstance(arg, ast.Subscript) and isinstance(arg.value, ast.Name)):
+            self.refuse(stmt, "does not call the expert on the rows of a tensor held by a name")
+        if self._selection(arg.slice, stmt) != (mask, k):
+            self.refuse(stmt, "reads other rows than it writes")
+        y, x = target.value.id, arg.value.id
+        names = (y, x, mask, order)
+        if len(set(names)) != 4 or e in names:
+            self.refuse(stmt, "reads and writes the same tensor, or the loop's own id")
+        return names, k
+
+    def _selection(self, sl: ast.AST, stmt) -> tuple[str, int]:
+        """``mask[:, ..., :, e]``: full slices, then the loop's id."""
+        if not (isinstance(sl, ast.Subscript) and isinstance(sl.value, ast.Name)):
+            self.refuse(stmt, "does not select rows by a mask held by a name")
+        items = sl.slice.elts if isinstance(sl.slice, ast.Tuple) else [sl.slice]
+        *full, last = items
+        plain = all(isinstance(s, ast.Slice) and s.lower is None and s.upper is None and s.step is None for s in full)
+        if not (plain and isinstance(last, ast.Name) and last.id == self.e):
+            self.refuse(sl, "is not mask[:, ..., :, id]: full slices, then the loop's expert id")
+        return sl.value.id, len(full)
+
+    def _expert(self, func: ast.AST, stmt) -> None:
+        experts = getattr(self.block, self.attr, None)
+        if type(experts) not in (nn.ModuleList, nn.ModuleDict):
+            self.refuse(stmt, "does not call an expert of a plain ModuleList or ModuleDict")
+        holder = key = None
+        if isinstance(func, ast.Call) and isinstance(func.func, ast.Name) and len(func.args) == 2 \
+                and not func.keywords and self.scope.resolve(func.func) is getattr:
+            holder, key = func.args
+            if type(experts) is not nn.ModuleDict:
+                self.refuse(stmt, "reads an attribute of a ModuleList")
+        elif isinstance(func, ast.Subscript):
+            holder, key = func.value, func.slice
+        if not _is_self_attr(holder, self.attr):
+            self.refuse(stmt, f"does not call self.{self.attr}[<the loop's expert id>]")
+        if isinstance(key, ast.Name) and key.id == self.e and type(experts) is nn.ModuleList:
+            return
+        prefix_suffix = self._key(key, stmt)
+        if type(experts) is not nn.ModuleDict:
+            self.refuse(stmt, "indexes a ModuleList by a string")
+        prefix, suffix = prefix_suffix
+        keys = [f"{prefix}{i}{suffix}" for i in range(len(experts))]
+        if list(experts.keys()) != keys:
+            self.refuse(stmt, f"names experts {prefix}<id>{suffix}, but the ModuleDict holds {list(experts.keys())[:4]}")
+        shadowed = [k for k in keys if k in vars(experts) or hasattr(type(experts), k)]
+        if shadowed:  # getattr would find that attribute, not the entry
+            self.refuse(stmt, f"reads {shadowed[0]}, which is also an attribute of the ModuleDict")
+
+    def _key(self, node: ast.AST, stmt) -> tuple[str, str]:
+        """``f"{prefix}{e}{suffix}"`` / ``str(e)``."""
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) == 1 \
+                and not node.keywords and isinstance(node.args[0], ast.Name) and node.args[0].id == self.e \
+                and self.scope.resolve(node.func) is str:
+            return "", ""
+        if isinstance(node, ast.JoinedStr):
+            parts = []
+            for v in node.values:
+                if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                    parts.append(v.value)
+                elif isinstance(v, ast.FormattedValue) and v.conversion == -1 and v.format_spec is None \
+                        and isinstance(v.value, ast.Name) and v.value.id == self.e:
+                    parts.append(None)
+                else:
+                    parts = []
+                    break
+            if parts.count(None) == 1:
+                i = parts.index(None)
+                return "".join(parts[:i]), "".join(parts[i + 1:])
+        self.refuse(stmt, "does not name the expert by a key made from the loop's id alone")

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from autoep.detect.container_loop import has_own_loop
 from autoep.detect.module_list_proof import module_list_facts, module_list_plan
+from autoep.detect.row_local import folded_drift
 from autoep.detect.source import Refusal
 from autoep.detect.splice import compile_spliced
 from autoep.detect.structure import MoeStructure
@@ -135,6 +136,40 @@ def ep_masked_sum_loop(module: nn.Module, acc: Tensor, x: Tensor, ids: Tensor, *
     return acc + out_SP.reshape(*x.shape[:-1], out_SP.shape[-1])
 
 
+def ep_selected_loop(module: nn.Module, y: Tensor, x: Tensor, mask: Tensor, order, *, ep_group, dims: int) -> None:
+    """What the block's selected-rows loop did (``split_loop.selected_loop``): for each expert id e of ``order`` in
+    turn, ``y[mask[..., e]] = expert_e(x[mask[..., e]])``. A row selected by several ids of ``order`` keeps the last
+    one's output (the exchange sends it to that expert only), a row selected by none is left as it was. Ids must
+    be Python ints of experts (the loop names its expert by ``f"expert_{e}"`` or ``[e]``); anything else fails
+    here, as it would in the loop or differently, never silently."""
+    name = type(module).__name__
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != dims + 1:
+        raise RuntimeError(f"{name}: its expert loop selects rows by mask[{':, ' * dims}id] of a "
+                           f"{getattr(mask, 'dtype', type(mask).__name__)} tensor of shape "
+                           f"{tuple(getattr(mask, 'shape', ()))}; autoep's exchange needs a bool mask whose last axis "
+                           "is the expert id")
+    E = spec_of(module).num_experts
+    ids = list(order.tolist() if isinstance(order, Tensor) and order.dim() == 0 else order) \
+        if not isinstance(order, Tensor) else None
+    if ids is None or any(type(e) is not int or not 0 <= e < E for e in ids):
+        raise RuntimeError(f"{name}: its expert loop iterates {type(order).__name__} {order!r}; autoep's exchange "
+                           f"needs Python ints naming experts 0..{E - 1}")
+    _check_no_alias(module, y, x, mask)
+    order_L = torch.tensor(ids, dtype=torch.long, device=mask.device)
+    selected_NL = mask[..., order_L]  # (..., L): whether the l-th id of the loop selects the row
+    routed_N = selected_NL.any(dim=-1)
+    # The last id of the loop that selects the row: its output is the one the loop left there.
+    last_N = (len(ids) - 1) - selected_NL.flip(-1).to(torch.uint8).argmax(dim=-1) if ids else \
+        torch.zeros(routed_N.shape, dtype=torch.long, device=mask.device)
+    winner_N = order_L[last_N] if ids else last_N
+    x_SD = x[routed_N]
+    ids_S1 = winner_N[routed_N].unsqueeze(1)
+    ones_S1 = torch.ones(ids_S1.shape, dtype=torch.float32, device=x.device)
+    out_SD = ep_experts_forward(x_SD, ids_S1, ones_S1, num_experts=E, ep_group=ep_group,
+                                expert_fn=local_expert_fn(module), out_dtype="experts")
+    y[routed_N] = out_SD  # y * 1.0 in fp32 and back is exact; a dtype other than y's fails here as in the loop
+
+
 def _slice_counts(module: nn.Module, counts_C: Tensor, num_rows: int, E: int) -> Tensor:
     """Rows each expert's slice ``rows[start:start + n]`` really holds (cut at ``num_rows``), one per expert:
     counts past the experts must be zero (the loop would index a missing expert), missing ones are zero."""
@@ -215,6 +250,9 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
                   fast_path=fast_path, name=type(module).__name__)
     ep_group = ep_group_of(ep_mesh)
     join_backward_exchanges(module, ep_mesh)
+    folded = tuple(structure.get("folded") or ())
+    if folded:  # e.g. an expert's dropout proven in eval: a later .train() would make it draw random numbers
+        module.register_forward_pre_hook(functools.partial(_check_folded, folded=folded))
     for method in dict.fromkeys(plan.method for plan in plans):
         mine = [plan for plan in plans if plan.method == method]
         spliced = compile_spliced(mine, [_region_fn(plan, ep_group) for plan in mine])
@@ -222,6 +260,15 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
             spliced = torch.no_grad()(spliced)  # the method's own (only) decorator, proven by the detector
         # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run.
         setattr(module, method, types.MethodType(spliced, module))
+
+
+def _check_folded(module: nn.Module, args, *, folded: tuple) -> None:
+    """Before each call: the constants the expert proofs folded (``MoeStructure.folded``) still hold."""
+    drift = folded_drift(module, folded)
+    if drift:
+        raise RuntimeError(f"{type(module).__name__}: {drift[0]}; the expert-parallel plan was proven for the old "
+                           "value (an expert's dropout in eval is the identity, while training it draws random numbers "
+                           "the exchange cannot reproduce): set it back, or apply the plan to the model in its new state")
 
 
 def _swiglu(module: nn.Module, structure: dict) -> tuple[str, str, str] | None:
@@ -245,6 +292,8 @@ def _region_fn(plan, ep_group):
         return functools.partial(ep_split_loop, ep_group=ep_group, empty_1d=plan.empty_1d)
     if plan.kind == "masked":
         return functools.partial(ep_masked_loop, ep_group=ep_group)
+    if plan.kind == "selected":
+        return functools.partial(ep_selected_loop, ep_group=ep_group, dims=plan.select_dims)
     if plan.kind == "masked_sum":
         return functools.partial(ep_masked_sum_loop, ep_group=ep_group)
     return functools.partial(ep_expert_loop, ep_group=ep_group, add_at_rows=plan.add_at_rows)

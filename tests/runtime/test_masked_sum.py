@@ -147,3 +147,30 @@ def test_unsound_variants_are_refused(old, new, why, tmp_path):
     block = _variant(old, new, tmp_path)(hidden=16, ffn=24, part=4, num_experts=4).train()
     with pytest.raises(UnsupportedModuleStructure, match=why):
         detect_moe_structure(block)
+
+
+class _TokenDropoutMoE(blocks.MaskedSumMoE):
+    """NLLB-MoE's spelling inside the loop: the block's own dropout on each expert's output."""
+
+    def __init__(self, p: float):
+        super().__init__(hidden=16, ffn=24, part=4, num_experts=4)
+        self.token_dropout = torch.nn.Dropout(p)
+
+    def forward(self, hidden_state, indices=None):
+        indices = torch.arange(hidden_state.shape[0]) % (self.num_experts + 1) if indices is None else indices
+        expert_hidden_state = torch.zeros_like(hidden_state[:, :, -self.part_features:])
+        hidden_state = self.act(self.fc1(hidden_state))
+        shared_hidden_state = self.fc2(hidden_state)
+        indices = indices.view(-1, 1, 1)
+        for i in range(self.num_experts):
+            selected_index = indices == i
+            current_hidden_state = self.token_dropout(self.experts[i](hidden_state)) * selected_index
+            expert_hidden_state = expert_hidden_state + current_hidden_state
+        return torch.cat([shared_hidden_state, expert_hidden_state], dim=-1)
+
+
+def test_a_dropout_of_the_block_inside_the_loop_is_refused_naming_it():
+    block = _TokenDropoutMoE(0.2).train()
+    with pytest.raises(UnsupportedModuleStructure, match=r"line \d+: `self.token_dropout\(self.experts\[i\]\(hidden_state\)\)` "
+                                                         r"is Dropout with p=0.2 while training inside the expert loop"):
+        detect_moe_structure(block)

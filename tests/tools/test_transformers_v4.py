@@ -142,6 +142,9 @@ def test_switch_default_dropout_refused_while_training_accepted_in_eval(rows):
 
     row = next(r for r in rows if r.cls == "SwitchTransformersSparseMLP")
     assert row.structure is None and "dropout with p=0.1 while training" in row.reason, row.reason
+    nllb = next(r for r in rows if r.cls == "NllbMoeSparseMLP")  # moe_token_dropout 0.2: refused, named, not tuned
+    assert nllb.structure is None and "self.token_dropout(expert_output)` is Dropout with p=0.2" in nllb.reason, \
+        nllb.reason
     config = m.SwitchTransformersConfig(d_model=32, d_ff=24, num_experts=4, expert_capacity=3)
     torch.manual_seed(0)
     block = m.SwitchTransformersSparseMLP(config)

@@ -313,6 +313,10 @@ def _indexed_in_loop(loop: ast.For, attr: str) -> bool:
         inner = node.value if isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Slice) else \
             node.args[0] if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
             node.func.id in ("enumerate", "len") and len(node.args) == 1 else None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "enumerate" \
+                and len(node.args) == 1 and isinstance(node.args[0], ast.Call) and not node.args[0].args \
+                and isinstance(node.args[0].func, ast.Attribute) and node.args[0].func.attr == "values":
+            inner = node.args[0].func.value  # ``enumerate(self.<attr>.values())`` (NLLB-MoE's ModuleDict)
         if isinstance(inner, ast.Attribute) and inner.attr == attr and isinstance(inner.value, ast.Name) \
                 and inner.value.id == "self":
             return True
@@ -408,6 +412,7 @@ def _plan(block, method_tree, method: str, path: tuple, index: int, loop: ast.Fo
     fn, tree, no_grad = method_tree
     stmts = regions.statements(tree, path)
     common = dict(path=path, no_grad=no_grad)
+    _no_random_modules(block, fn, loop)
     if split_loop.is_split_loop(loop, attr):
         region = split_loop.split_region(fn, stmts, block, index, attr)
         _nothing_used_after(fn, tree, stmts[region.first:region.last + 1], keep=region.out)
@@ -441,6 +446,21 @@ def _plan(block, method_tree, method: str, path: tuple, index: int, loop: ast.Fo
         names[role] = holders[0]
     args = tuple(names[r] for r in ("acc", "x", "idx", "w"))
     return SplicePlan(method, fn, index, index, args, add_at_rows=p.facts.add_at_rows, **common)
+
+
+def _no_random_modules(block: nn.Module, fn, loop: ast.For) -> None:
+    """The expert region calls none of the block's own dropout modules while they draw random numbers (p > 0,
+    training): NLLB-MoE's ``self.token_dropout(expert_output)`` draws a mask per expert call, over rows that EP
+    regroups across ranks, which no exchange can reproduce. Refused naming it, whatever else the loop does."""
+    for node in ast.walk(loop):
+        f = node.func if isinstance(node, ast.Call) else None
+        if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self"):
+            continue
+        module = block._modules.get(f.attr)
+        if isinstance(module, nn.Dropout.__mro__[1]) and module.p > 0 and module.training:
+            raise Refusal(f"{fn.__qualname__} line {node.lineno}: `{ast.unparse(node)[:60]}` is "
+                          f"{type(module).__name__} with p={module.p} while training inside the expert loop: it draws "
+                          "random numbers per expert call, which EP cannot reproduce (exact only at p=0 or in eval)")
 
 
 def _nothing_used_after(fn, tree: ast.FunctionDef, region: list[ast.stmt], keep: str | None = None) -> set[str]:

@@ -112,6 +112,9 @@ def _walk(obj, path: str):
             obj = obj[int(part)] if int(part) < len(obj) else MISSING
         elif isinstance(obj, nn.ModuleDict) and part in obj:
             obj = obj[part]
+        elif isinstance(obj, nn.ModuleDict) and part.isdigit():  # ``_fold_entries`` numbers experts by position
+            values = list(obj.values())
+            obj = values[int(part)] if int(part) < len(values) else MISSING
         else:
             obj = getattr(obj, part, MISSING)
         if obj is MISSING:

@@ -280,3 +280,16 @@ def test_v4_loop_expert_dropout_proven_idle_in_eval_is_watched():
     ep.train()
     with pytest.raises(RuntimeError, match=r"dropout_module\.training was False .* now True"):
         ep(x)
+
+
+def test_folded_entries_of_module_dict_experts_name_their_keys():
+    """Experts that differ (one GELU among ReLUs) are folded per expert, by their ModuleDict keys, so the per-call
+    watch reads the right modules (an index would name no entry and raise on every call)."""
+    torch.manual_seed(0)
+    ref = blocks.ModuleDictExpertsMoE(hidden=D, ffn=FF).train()
+    ref.experts["expert_2"] = blocks.FairseqStyleFFN(D, FF, "gelu")
+    folded = detect_moe_structure(ref).folded
+    assert any(f.startswith("experts.expert_2.activation_fn=") for f in folded), folded
+    ep = _ep_copy(ref)
+    x = torch.randn(2, SEQ, D)
+    torch.testing.assert_close(ep(x), ref(x))

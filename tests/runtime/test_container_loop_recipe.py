@@ -248,3 +248,48 @@ def test_expert_load_counts_the_rows_each_expert_got():
     model["mlp"](x)
     assert load.layers == 1
     assert load.counts_E.tolist() == dispatch["mask"].sum(dim=(0, 1)).tolist()
+
+
+def test_expert_dropout_proven_idle_in_eval_is_watched():
+    """Switch at its default ``dropout_rate=0.1``, planned in eval (the experts' dropout folded idle): exact in eval;
+    back in training the dropout would draw per expert call, so the block refuses to run, naming it."""
+    from transformers.models.switch_transformers import modeling_switch_transformers as m
+
+    torch.manual_seed(0)
+    ref = m.SwitchTransformersSparseMLP(m.SwitchTransformersConfig(d_model=D, d_ff=FF, num_experts=4)).eval()
+    assert "experts.*.dropout.training=False" in detect_moe_structure(ref).folded
+    ep = _ep_copy(ref)
+    x = torch.randn(2, SEQ, D)
+    torch.testing.assert_close(ep(x), ref(x))
+    ep.train()
+    with pytest.raises(RuntimeError, match=r"experts\.\*\.dropout\.training was False .* now True"):
+        ep(x)
+
+
+def test_v4_loop_expert_dropout_proven_idle_in_eval_is_watched():
+    """The same watch for experts a block's own loop calls (the module_list recipe): fairseq-style experts with
+    dropout p=0.1, planned in eval."""
+    torch.manual_seed(0)
+    ref = blocks.FairseqStyleMoE(hidden=D, ffn=FF)
+    for e, expert in enumerate(ref.local_experts):
+        ref.local_experts[e] = blocks.FairseqStyleFFN(D, FF, "gelu", dropout=0.1)
+    ref.eval()
+    ep = _ep_copy(ref)
+    x = torch.randn(2, SEQ, D)
+    torch.testing.assert_close(ep(x), ref(x))
+    ep.train()
+    with pytest.raises(RuntimeError, match=r"dropout_module\.training was False .* now True"):
+        ep(x)
+
+
+def test_folded_entries_of_module_dict_experts_name_their_keys():
+    """Experts that differ (one GELU among ReLUs) are folded per expert, by their ModuleDict keys, so the per-call
+    watch reads the right modules (an index would name no entry and raise on every call)."""
+    torch.manual_seed(0)
+    ref = blocks.ModuleDictExpertsMoE(hidden=D, ffn=FF).train()
+    ref.experts["expert_2"] = blocks.FairseqStyleFFN(D, FF, "gelu")
+    folded = detect_moe_structure(ref).folded
+    assert any(f.startswith("experts.expert_2.activation_fn=") for f in folded), folded
+    ep = _ep_copy(ref)
+    x = torch.randn(2, SEQ, D)
+    torch.testing.assert_close(ep(x), ref(x))

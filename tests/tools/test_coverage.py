@@ -70,6 +70,16 @@ def test_llama4_experts_on_equal_groups_of_rows_are_accepted(rows):
     assert s is not None and (s.expert_storage, s.expert_projs) == ("equal_groups", ("gate_up_proj", "down_proj"))
 
 
+def test_switch_and_nllb_are_refused_only_for_their_random_dropout(rows):
+    """Their experts containers loop over themselves (``autoep.detect.container_loop``: accepted at p=0, with parity
+    in tests/runtime/test_container_loop_recipe.py); at their default configs what stays refused is randomness EP
+    cannot reproduce: Switch's ``nn.Dropout(0.1)`` inside each expert, NLLB's token dropout p=0.2 while training."""
+    switch, nllb = by_class(rows)["SwitchTransformersSparseMLP"], by_class(rows)["NllbMoeSparseMLP"]
+    assert switch.structure is None and "dropout with p=0.1 while training" in switch.reason, switch.reason
+    assert nllb.structure is None and "self.token_dropout (Dropout with p=0.2) while training" in nllb.reason, \
+        nllb.reason
+
+
 def test_markdown_lists_every_class(rows):
     text = markdown(rows)
     assert all(f"| {r.cls} |" in text for r in rows)

@@ -155,10 +155,15 @@ def row_local_facts(experts: nn.Module, path: str, members: list | None = None) 
                               "parameter shared between experts would get its gradient on two ranks")
         per_expert.append(row_local.prove_expert(expert, f"{path}[{e}]").folded)
     return dict(expert_kind="row_local", expert_projs=(), expert_act="", identity_experts=0,
-                folded=_fold_entries(path, per_expert))
+                folded=_fold_entries(path, per_expert, expert_keys(experts)))
 
 
-def _fold_entries(path: str, per_expert: list) -> tuple[str, ...]:
+def expert_keys(experts: nn.Module) -> list[str]:
+    """How a path names each entry of the container: a ModuleDict's keys, a ModuleList's indices."""
+    return list(experts.keys()) if isinstance(experts, nn.ModuleDict) else [str(e) for e in range(len(experts))]
+
+
+def _fold_entries(path: str, per_expert: list, keys: list[str]) -> tuple[str, ...]:
     values: dict[str, dict[int, str]] = {}
     for e, folded in enumerate(per_expert):
         for attr, value in folded:
@@ -168,7 +173,7 @@ def _fold_entries(path: str, per_expert: list) -> tuple[str, ...]:
         if len(by_expert) == len(per_expert) and len(set(by_expert.values())) == 1:
             out.append(f"{path}.*.{attr}={next(iter(by_expert.values()))}")
         else:
-            out.extend(f"{path}.{e}.{attr}={v}" for e, v in sorted(by_expert.items()))
+            out.extend(f"{path}.{keys[e]}.{attr}={v}" for e, v in sorted(by_expert.items()))
     return tuple(out)
 
 

@@ -203,7 +203,8 @@ def own_loop_facts(experts: nn.Module, path: str) -> dict:
     facts = module_list_proof.row_local_facts(experts, path, members[:loop.num_experts])
     experts_folded = facts["folded"]
     if len(members) > loop.num_experts:  # ``<path>.*.<attr>`` would read the entries that are no experts too
-        experts_folded = tuple(f"{path}.{e}.{entry[len(path) + 3:]}" if entry.startswith(f"{path}.*.") else entry
+        keys = module_list_proof.expert_keys(experts)
+        experts_folded = tuple(f"{path}.{keys[e]}.{entry[len(path) + 3:]}" if entry.startswith(f"{path}.*.") else entry
                                for entry in experts_folded for e in range(loop.num_experts))
         experts_folded = tuple(dict.fromkeys(experts_folded))
     return facts | {"folded": experts_folded + tuple(f"{path}.{attr}={value}" for attr, value in loop.folded)}

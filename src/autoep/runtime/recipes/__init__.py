@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from autoep.detect.names import instance_attr, recording
+from autoep.detect.row_local import folded_drift
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
@@ -130,6 +131,25 @@ def _check_facts_hook(module: nn.Module, args) -> None:
             raise RuntimeError(f"{type(module).__name__}.{where} is {now!r}, but the expert-parallel plan was proven "
                                f"with {where}={value!r} when it was applied; set it back, or apply the plan to a "
                                f"model built with the new value")
+
+
+def watching_folded(block: nn.Module, folded) -> None:
+    """Before each call of ``block``: every constant the expert proofs folded (``MoeStructure.folded``, e.g. an
+    expert's ``dropout.training=False`` proven in eval, NLLB's ``moe_token_dropout=0.0``) still holds. A change
+    raises, naming it, instead of running a plan proven for the old value (``model.train()`` after a plan made
+    in eval would turn on a dropout the proof found idle, drawing other numbers than the model's own loop)."""
+    block._autoep_folded = tuple(folded)
+    if block._autoep_folded and not getattr(block, "_autoep_watching_folded", False):
+        block._autoep_watching_folded = True
+        block.register_forward_pre_hook(_check_folded_hook)
+
+
+def _check_folded_hook(module: nn.Module, args) -> None:
+    drift = folded_drift(module, module._autoep_folded)
+    if drift:
+        raise RuntimeError(f"{type(module).__name__}: {drift[0]}; the expert-parallel plan was proven for the old "
+                           "value (an expert's dropout in eval is the identity, while training it draws random numbers "
+                           "the exchange cannot reproduce): set it back, or apply the plan to the model in its new state")
 
 
 def join_backward_exchanges(block: nn.Module, ep_mesh) -> None:

@@ -34,7 +34,14 @@ from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure, own_loop_facts
 from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.dispatch import ep_experts_forward
-from autoep.runtime.recipes import bind_experts_forward, experts_of, join_backward_exchanges, watching_facts
+from autoep.runtime.recipes import (
+    as_structure,
+    bind_experts_forward,
+    experts_of,
+    join_backward_exchanges,
+    watching_facts,
+    watching_folded,
+)
 from autoep.runtime.recipes.local_experts import GROUP, local_expert_fn, place_experts, spec_of
 
 _LAYOUT_DIMS = {"EKT": (2, 1, 0), "ETK": (2, 0, 1)}
@@ -58,6 +65,7 @@ def ep_container_experts(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     place_experts(container, path="", num_experts=loop.num_experts, identity_experts=0, ep_mesh=ep_mesh,
                   swiglu=None, act="", fast_path=fast_path, name=type(module).__name__)
     join_backward_exchanges(module, ep_mesh)
+    watching_folded(module, as_structure(structure).folded)  # e.g. an expert's dropout proven idle in eval
     spec = _EpContainer(inspect.signature(experts_forward(type(container))), loop.roles,
                         _LAYOUT_DIMS[loop.layout] if loop.mask else None)
     bind_experts_forward(container, spec, _ep_forward)

@@ -29,13 +29,19 @@ from torch import Tensor
 
 from autoep.detect.container_loop import has_own_loop
 from autoep.detect.module_list_proof import module_list_facts, module_list_plan
-from autoep.detect.row_local import folded_drift
 from autoep.detect.source import Refusal
 from autoep.detect.splice import compile_spliced
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.dispatch import ep_experts_forward, ep_grouped_forward
-from autoep.runtime.recipes import container_loop, ep_group_of, experts_of, join_backward_exchanges, watching_facts
+from autoep.runtime.recipes import (
+    container_loop,
+    ep_group_of,
+    experts_of,
+    join_backward_exchanges,
+    watching_facts,
+    watching_folded,
+)
 from autoep.runtime.recipes.local_experts import _ACTIVATIONS, local_expert_fn, place_experts, spec_of
 
 # ---------------------------------------------------------------------------------------------
@@ -250,9 +256,7 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
                   fast_path=fast_path, name=type(module).__name__)
     ep_group = ep_group_of(ep_mesh)
     join_backward_exchanges(module, ep_mesh)
-    folded = tuple(structure.get("folded") or ())
-    if folded:  # e.g. an expert's dropout proven in eval: a later .train() would make it draw random numbers
-        module.register_forward_pre_hook(functools.partial(_check_folded, folded=folded))
+    watching_folded(module, structure.get("folded", ()))  # e.g. an expert's dropout proven idle in eval
     for method in dict.fromkeys(plan.method for plan in plans):
         mine = [plan for plan in plans if plan.method == method]
         spliced = compile_spliced(mine, [_region_fn(plan, ep_group) for plan in mine])
@@ -260,15 +264,6 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
             spliced = torch.no_grad()(spliced)  # the method's own (only) decorator, proven by the detector
         # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run.
         setattr(module, method, types.MethodType(spliced, module))
-
-
-def _check_folded(module: nn.Module, args, *, folded: tuple) -> None:
-    """Before each call: the constants the expert proofs folded (``MoeStructure.folded``) still hold."""
-    drift = folded_drift(module, folded)
-    if drift:
-        raise RuntimeError(f"{type(module).__name__}: {drift[0]}; the expert-parallel plan was proven for the old "
-                           "value (an expert's dropout in eval is the identity, while training it draws random numbers "
-                           "the exchange cannot reproduce): set it back, or apply the plan to the model in its new state")
 
 
 def _swiglu(module: nn.Module, structure: dict) -> tuple[str, str, str] | None:

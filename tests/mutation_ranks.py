@@ -16,6 +16,7 @@ import copy
 import datetime
 import itertools
 import re
+import sys
 
 import mutation
 import torch
@@ -156,7 +157,7 @@ def gloo_check(names: list[str], world_size: int = 2, breaks_per_target: int = 1
         if not todo:
             break
         done = {}
-        for per_rank in spawn(world_size, "mutation_ranks:gloo_cases", todo):
+        for per_rank in _spawn_twice_on_a_signal(spawn, world_size, todo):
             for name, result in per_rank.items():
                 done[name] = max(done.get(name, result), result, key=rank)
         merged |= done
@@ -165,6 +166,22 @@ def gloo_check(names: list[str], world_size: int = 2, breaks_per_target: int = 1
             breaks[target_of(breaker)] = breaks.get(target_of(breaker), 0) + 1
     why = f"not run: its target broke {breaks_per_target} process group(s) first"
     return merged | {n: ("unchecked", why) for n in names if n not in merged}
+
+
+def _spawn_twice_on_a_signal(spawn, world_size: int, todo: list[str]) -> list[dict]:
+    """``spawn`` the batch; where a rank died by a signal (seen twice in many CI runs: glibc aborting a gloo rank
+    on a corrupted heap, ``munmap_chunk(): invalid pointer``; cause not found, not reproduced alone), run the
+    same batch once more in fresh processes. A crash that repeats still fails; the first one is printed."""
+    from torch.multiprocessing import ProcessExitedException
+
+    try:
+        return spawn(world_size, "mutation_ranks:gloo_cases", todo)
+    except ProcessExitedException as exc:
+        if not exc.signal_name:
+            raise
+        print(f"mutation_ranks: a rank died by {exc.signal_name} in a batch of {len(todo)} mutants; running the "
+              f"batch once more", file=sys.stderr, flush=True)
+        return spawn(world_size, "mutation_ranks:gloo_cases", todo)
 
 
 def apply_rank_results(outcomes: list[Outcome], ranks: dict[str, tuple[str, str]], world_size: int) -> None:

@@ -84,7 +84,12 @@ def fail(prog: str, exc: BaseException) -> None:
         except OSError:
             pass  # the summary then says <N/A>; the line above was printed all the same
     # NOTE: sys.exit, not leave(): a rank that leaves at once would let torchrun stop rank 0 before it
-    # prints the one line every rank shares.
+    # prints the one line every rank shares. For the same reason the silent ranks give rank 0 a moment first
+    # (torchrun stops every rank as soon as one exits; seen on a loaded machine: no line at all).
+    if _rank() != 0 and _every_rank_alike(exc) and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        import time
+
+        time.sleep(3.0)
     sys.exit(code)
 
 

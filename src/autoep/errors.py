@@ -59,3 +59,9 @@ class NonFiniteLoss(RuntimeError):
 class GradientsNotFinished(RuntimeError):
     """An optimizer step or a gradient clip came after a backward whose gradients were not finished for EP
     (expert grads not reduced over ``edp`` nor scaled to the loss's convention): it would apply wrong gradients."""
+
+
+class AfterApplyError(RuntimeError):
+    """A torch call after ``apply_plan`` that would silently mishandle the expert-parallel model (an optimizer
+    holding parameters apply replaced, torch's ``clip_grad_norm_`` over expert shards): refused before it changes
+    anything; the message names the parameters and the autoep call to use instead."""

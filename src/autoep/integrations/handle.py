@@ -98,11 +98,14 @@ class ExpertParallel:
             write_plan(self.resolved, self.run_dir)  # rank 0 only; every rank gets the path
         self.prepare_ddp(model)
         self._unfinished = False  # a backward wrote gradients that finish_gradients has not finished yet
-        self._param_ids = set()
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._on_grad)
-                self._param_ids.add(id(p))
+        # "A backward happened": a backward through any planned block's output (whichever parameter objects the
+        # model holds by then: an adapter added after apply, load_state_dict(assign=True)), or a gradient
+        # accumulated into any trainable parameter the handle watches (``_watch``; a backward missing the blocks).
+        self._param_ids: set[int] = set()
+        self._watch()
+        for entry in self.resolved.plan:
+            for name in entry.decision.modules:
+                model.get_submodule(name).register_forward_hook(_BackwardSignal(self))
         # Every optimizer holding this model's parameters is guarded, attached or not: a step on unfinished
         # gradients is an error, never a silently wrong update (torch's global optimizer step pre-hook; a step
         # given a closure runs its backward after the hook and is not judged here).
@@ -140,6 +143,16 @@ class ExpertParallel:
     def _on_grad(self, param) -> None:
         self._unfinished = True
 
+    def _watch(self) -> None:
+        """Hook every trainable parameter the model holds now (new objects included) and note which they are."""
+        dense, expert = grads.split_params(self.model)
+        for p in dense + expert:
+            hooks = p._post_accumulate_grad_hooks or {}
+            if not any(getattr(h, "__func__", None) is ExpertParallel._on_grad and h.__self__ is self
+                       for h in hooks.values()):
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._param_ids = {id(p) for p in dense + expert}
+
     def finish_gradients(self, *, dense_synced: bool = True) -> None:
         """After backward (all micro-batches), before clipping and the optimizer step; a collective.
 
@@ -163,6 +176,7 @@ class ExpertParallel:
         grads.finish_grads(dense, expert, world_group=world, edp_group=edp, world_size=self.world,
                            convention=self.grad_convention, dense_synced=dense_synced)
         self._unfinished = False
+        self._watch()  # parameters added since the last step (an adapter, assign=True) are watched from now on
 
     def attach(self, optimizer) -> None:
         """Make ``optimizer.step()`` raise ``GradientsNotFinished`` when a backward since the last
@@ -236,10 +250,42 @@ def _step_guard(handle_ref):
     gradients. Holds the handle weakly; a set lookup per parameter and step."""
     def guard(optimizer, args, kwargs):
         ep = handle_ref()
-        if ep is not None and ep._unfinished and not _has_closure(args, kwargs) and any(
-                id(p) in ep._param_ids for group in optimizer.param_groups for p in group["params"]):
-            ep._check_finished("optimizer.step()")
+        if ep is None or not ep._unfinished or _has_closure(args, kwargs):
+            return
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if ids.isdisjoint(ep._param_ids):
+            ep._watch()  # parameters the model gained since the last step (an adapter, assign=True)?
+            if ids.isdisjoint(ep._param_ids):
+                return
+        ep._check_finished("optimizer.step()")
     return guard
+
+
+class _BackwardSignal:
+    """A forward hook on each planned block: a backward reaching the block's output marks the handle's gradients
+    unfinished. Holds the handle weakly; a copy of the block (``deepcopy``, ``pickle``: an EMA model) gets a
+    disarmed one, so only the handle's own model reports to it."""
+
+    def __init__(self, handle: ExpertParallel | None = None):
+        self.handle = None if handle is None else weakref.ref(handle)
+
+    def __call__(self, module, args, output) -> None:
+        if self.handle is None or not torch.is_grad_enabled():
+            return
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._mark)
+
+    def _mark(self, grad) -> None:
+        ep = self.handle()
+        if ep is not None:
+            ep._unfinished = True
+
+    def __deepcopy__(self, memo) -> _BackwardSignal:
+        return _BackwardSignal()
+
+    def __reduce__(self):
+        return (_BackwardSignal, ())
 
 
 def resolve_once(parallel: DictConfig, model: nn.Module, rank: int, world: int) -> DictConfig:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoep.errors import PlanError
-from autoep.runtime import live_state
+from autoep.runtime import after_apply, live_state
 from autoep.targets import RECIPES, check_not_moved, factory_spec
 
 ALLOWED_PREFIXES = (RECIPES + ".",)
@@ -52,6 +52,7 @@ def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets
     ep_mesh = ep_mesh_of(mesh)
     named = dict(model.named_modules())
     _check_live_state(model, cfg, named)
+    before = {id(p): (n, p) for n, p in model.named_parameters(remove_duplicate=False)}
     for i, entry in enumerate(cfg.get("plan") or []):
         decision = entry.get("decision")
         if not decision:
@@ -67,6 +68,10 @@ def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets
             shard_experts(block, mesh, name=name)
             factory(block, ep_mesh=ep_mesh, **fn_cfg)
             live_state.after_block(block, name, held, path)
+            after_apply.keep_hooks_through_moves(block)
+    # The parameter objects the recipes replaced (sharded, released): an optimizer still holding one is refused.
+    kept = {id(p) for _, p in model.named_parameters(remove_duplicate=False)}
+    after_apply.track(model, {k: v for k, v in before.items() if k not in kept})
     return model
 
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from autoep.runtime.dense import is_expert
 from autoep.runtime.recipes import local_tensor
-from autoep.runtime.recipes.local_experts import local_expert_names
+from autoep.runtime.recipes.local_experts import expert_owners
 
 CONVENTIONS = ("mean", "sum")
 
@@ -36,13 +36,16 @@ CONVENTIONS = ("mean", "sum")
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(dense, expert) trainable parameters; experts are the DTensors ``apply_plan`` sharded on ``ep`` and this
     rank's own module experts (plain tensors, ``autoep.runtime.recipes.local_experts``; the other ranks' are
-    frozen ``meta`` stand-ins, left out). Dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under
+    ``meta`` stand-ins, left out whatever their ``requires_grad``: ``model.requires_grad_(True)`` reaches them
+    too, and they never compute). Dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under
     ``trainer.dense_sharding=fsdp2``."""
-    own = local_expert_names(model)
+    owners = expert_owners(model)
     dense, expert = [], []
     for name, p in model.named_parameters():
-        if p.requires_grad:
-            (expert if is_expert(p) or name in own else dense).append(p)
+        place = owners.get(name)
+        if not p.requires_grad or (place is not None and not place.local):
+            continue
+        (expert if is_expert(p) or place is not None else dense).append(p)
     return dense, expert
 
 

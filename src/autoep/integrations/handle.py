@@ -143,15 +143,17 @@ class ExpertParallel:
     def _on_grad(self, param) -> None:
         self._unfinished = True
 
-    def _watch(self) -> None:
-        """Hook every trainable parameter the model holds now (new objects included) and note which they are."""
-        dense, expert = grads.split_params(self.model)
-        for p in dense + expert:
+    def _watch(self, params: list[nn.Parameter] | None = None) -> None:
+        """Hook every trainable parameter the model holds now (``params``: ``split_params``'s two lists joined, when
+        the caller has them; new objects included) and note which they are."""
+        if params is None:
+            params = [p for group in grads.split_params(self.model) for p in group]
+        for p in params:
             hooks = p._post_accumulate_grad_hooks or {}
             if not any(getattr(h, "__func__", None) is ExpertParallel._on_grad and h.__self__ is self
                        for h in hooks.values()):
                 p.register_post_accumulate_grad_hook(self._on_grad)
-        self._param_ids = {id(p) for p in dense + expert}
+        self._param_ids = {id(p) for p in params}
 
     def finish_gradients(self, *, dense_synced: bool = True) -> None:
         """After backward (all micro-batches), before clipping and the optimizer step; a collective.
@@ -176,7 +178,7 @@ class ExpertParallel:
         grads.finish_grads(dense, expert, world_group=world, edp_group=edp, world_size=self.world,
                            convention=self.grad_convention, dense_synced=dense_synced)
         self._unfinished = False
-        self._watch()  # parameters added since the last step (an adapter, assign=True) are watched from now on
+        self._watch(dense + expert)  # parameters added since the last step (an adapter, assign=True) watched from now
 
     def attach(self, optimizer) -> None:
         """Make ``optimizer.step()`` raise ``GradientsNotFinished`` when a backward since the last

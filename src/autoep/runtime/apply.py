@@ -21,6 +21,10 @@ materialised (tests) is sliced locally here: no communication.
 
 Gradients: expert grads are DTensors over ``ep`` and must be all-reduced over ``edp`` only; dense
 grads over the whole world.
+
+After apply it is still the user's model (``autoep.runtime.after_apply``): an optimizer holding a parameter
+object apply replaced is refused at its step, torch's ``clip_grad_norm_`` over expert gradients is refused
+(``clip_grad_value_`` is exact), and hooks on expert parameters survive ``model.to(...)``.
 """
 
 from __future__ import annotations

@@ -121,23 +121,31 @@ def moved(before: dict, after: dict) -> bool:
 # -- 1. an optimizer built before apply --------------------------------------------------------------------------
 def optimizer_before_apply_case(rank, world, family: str):
     """The experts of an optimizer built before apply would never train: its step is refused, naming the
-    replaced parameters and the fix, before any weight moved. Once nothing holds the replaced objects, the global
-    hook's per-step cost is an emptiness test (the registry holds nothing)."""
+    replaced parameters and the fix, before any weight moved; with the handle (batched) and with ``apply_plan``
+    alone (module_list). Once nothing holds the replaced objects, the global hook's per-step cost is an
+    emptiness test (the registry holds nothing)."""
+    from autoep import apply_plan, resolve_plan
     from autoep.runtime.after_apply import replaced_parameters
+    from autoep.runtime.mesh import make_mesh
 
     make, plan, loss_fn = FAMILIES[family]
     model = make()
     early = sgd(model.parameters())
-    ep = ExpertParallel(model, {"ep_size": world, "plan": plan})
+    if family == "batched":
+        ep = ExpertParallel(model, {"ep_size": world, "plan": plan})
+    else:
+        apply_plan(model, resolve_plan({"ep_size": world, "plan": plan}, model), make_mesh(world, world,
+                                                                                         torch.device("cpu")))
     assert replaced_parameters(), "apply replaced no parameter object: the case tests nothing"
     loss_fn(model, batch(0, world)[rank]).backward()
-    ep.finish_gradients(dense_synced=False)
+    if family == "batched":
+        ep.finish_gradients(dense_synced=False)
     before = weights(model)
     with raises(AfterApplyError, match=r"SGD.step\(\) over \d+ parameter\(s\) that apply_plan replaced "
                                               r"\(.*experts.*built before apply_plan.*ep.param_groups"):
         early.step()
     assert not moved(before, weights(model))
-    sgd(ep.param_groups()).step()  # built after apply: steps
+    sgd(model.parameters()).step()  # built after apply: steps
     del early
     gc.collect()
     assert not replaced_parameters(), "something in autoep still holds the replaced expert tensors"

@@ -23,6 +23,7 @@ instance ``_apply`` that re-attaches them to the new payload, as they stay attac
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -57,13 +58,20 @@ def _install() -> None:
     if _INSTALLED:
         return
     _INSTALLED.append(register_optimizer_step_pre_hook(_refuse_replaced))
-    original_norm, original_foreach = clip_grad._get_total_norm, clip_grad._has_foreach_support
+    # NOTE: torch-private names (as in torch 2.13); where a torch lacks them nothing is wrapped, and
+    # tests/integrations/test_after_apply.py's clipping cases fail, so an upgrade cannot drop the guard silently.
+    original_norm = getattr(clip_grad, "_get_total_norm", None)
+    original_foreach = getattr(clip_grad, "_has_foreach_support", None)
+    if original_norm is None or original_foreach is None:
+        return
 
+    @functools.wraps(original_norm)
     def _get_total_norm(tensors, *args, **kwargs):
         tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
         _refuse_expert_norm(tensors)
         return original_norm(tensors, *args, **kwargs)
 
+    @functools.wraps(original_foreach)
     def _has_foreach_support(tensors, device):
         # NOTE: a list mixing DTensors (of one mesh or several) with other tensors takes the per-tensor loop:
         # the same elementwise result, and ``torch._foreach_*`` refuses the mix.

@@ -71,10 +71,12 @@ class Decision:
 @dataclass
 class PlanEntry:
     match: str = MISSING  # fnmatch pattern over model.named_modules()
-    local_compute_fn: Any = "auto"  # "auto" or {_target_: pkg.factory, **kwargs}
-    # true: take only the matched modules that have an `experts` submodule; the others (dense MLPs of a
-    # model that mixes dense and MoE layers, e.g. DeepSeek-V3's first 3) are listed in decision.skipped
-    moe_only: bool = False
+    local_compute_fn: Any = "auto"  # "auto" or {_factory_: pkg.factory, **kwargs} (errors.OPT_OUT_SPELLING)
+    # true (the default, here and in the shipped entry, autoep/plan/conf/parallel/default.yaml): take only the
+    # matched modules that hold experts; the others (dense MLPs of a model that mixes dense and MoE layers,
+    # e.g. DeepSeek-V3's first 3) are listed in decision.skipped. false: every matched module must be an MoE
+    # block (or, for an explicit factory of your own, modules autoep finds no experts in)
+    moe_only: bool = True
     decision: Optional[Decision] = None
 
 

@@ -198,6 +198,54 @@ def test_resume_continues_the_same_run(checkpoints, kind):
         for name, w in rank[kind]["final"].items():
             torch.testing.assert_close(rank[kind]["resumed"][name], w, msg=name)
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_host_apps_checkpoints_load_as_without_ep(checkpoints, kind):
+    """Issue 20: a module that saves a Hydra partial with its hyperparameters (lightning-hydra-template's), loaded
+    with ``weights_only=False`` as the host passes it: ``trainer.test(ckpt_path="best")``, an eval script's fresh
+    module and trainer, and ``trainer.fit(ckpt_path=<epoch 0>)`` give the test losses and weights of the same runs
+    without EP (they crashed with a weights-only unpickling error: the caller's ``weights_only`` was dropped)."""
+    for rank in checkpoints:
+        ref, ep = rank["host"]["ddp"], rank["host"][kind]
+        assert "error" not in ref, ref["error"]
+        assert "error" not in ep, ep["error"]
+        torch.testing.assert_close(torch.tensor([ep["test"], ep["eval"]]), torch.tensor([ref["test"], ref["eval"]]))
+        for what in ("final", "tested", "resumed"):
+            assert ep[what].keys() == ref[what].keys()
+            for name in ref[what]:
+                torch.testing.assert_close(ep[what][name], ref[what][name], msg=lambda m: f"{what} {name}: {m}")
+    ref = checkpoints[0]["host"]["ddp"]
+    for name in ref["final"]:  # the resumed run is the uninterrupted one, and "best" is not the last epoch's
+        torch.testing.assert_close(ref["resumed"][name], ref["final"][name], msg=name)
+    assert any(not torch.equal(ref["tested"][n], ref["final"][n]) for n in ref["final"]), "best is the last epoch"
+
+
+def test_the_host_apps_checkpoints_need_weights_only_false():
+    """The control: the hyperparameters of ``HostMoeLM`` are refused by ``torch.load(weights_only=True)``, so the
+    comparison above loads what a ``weights_only=True`` read could not (this is what the adapter dropped)."""
+    import io
+    import pickle
+
+    from lightning_moe import HostMoeLM
+
+    buffer = io.BytesIO()
+    torch.save({"hyper_parameters": HostMoeLM().hparams}, buffer)  # what save_hyperparameters puts in a checkpoint
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(buffer, weights_only=True)
+
+
+def test_a_strategy_override_is_refused_before_a_step(checkpoints):
+    """Issue 20: ``trainer.strategy`` overridden away from ExpertParallelStrategy (here by Lightning's plain
+    ``ddp``) silently trained without EP; with ``RequireExpertParallel`` in the callbacks it stops in setup, no
+    step taken, no weight moved, naming the strategy and the fix."""
+    for rank in checkpoints:
+        run = rank["require_ep"]
+        assert run["error"] is not None and run["error"].startswith(
+            "PlanError: trainer.strategy is Lightning's DDPStrategy"), run["error"]
+        assert "without expert parallelism" in run["error"] and "remove RequireExpertParallel" in run["error"]
+        assert run["steps"] == 0 and run["moved"] == []
+
+
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 
 

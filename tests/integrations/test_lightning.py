@@ -258,10 +258,9 @@ def lightning_section_files() -> dict[str, str]:
     return files
 
 
-def test_the_docs_lightning_app_runs_and_replays(tmp_path):
-    """docs/integrations.md's Lightning app, as its users run it: ``python train.py``; Lightning starts the
-    second rank itself (re-running the script with Hydra's run dir), fits, and tests the best checkpoint. Then
-    the replay line its ``resolved.yaml`` prints, run as printed: the same frozen plan, replayed."""
+def docs_app(tmp_path: Path):
+    """docs/integrations.md's Lightning app written into ``tmp_path``; returns ``run(command, ok=True)``, which
+    runs a command there as its users would and returns its output."""
     import autoep
 
     for name, text in lightning_section_files().items():
@@ -277,11 +276,18 @@ def test_the_docs_lightning_app_runs_and_replays(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
 
-    def run(command: list[str]) -> str:
+    def run(command: list[str], ok: bool = True) -> str:
         done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        assert (done.returncode == 0) == ok, done.stdout[-3000:] + done.stderr[-5000:]
         return done.stdout + done.stderr
+    return run
 
+
+def test_the_docs_lightning_app_runs_and_replays(tmp_path):
+    """docs/integrations.md's Lightning app, as its users run it: ``python train.py``; Lightning starts the
+    second rank itself (re-running the script with Hydra's run dir), fits, and tests the best checkpoint. Then
+    the replay line its ``resolved.yaml`` prints, run as printed: the same frozen plan, replayed."""
+    run = docs_app(tmp_path)
     log = run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}"])
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log  # Lightning launched the second rank
     resolved = (tmp_path / "run" / "resolved.yaml").read_text()
@@ -297,3 +303,14 @@ def test_the_docs_lightning_app_runs_and_replays(tmp_path):
     (again,) = (tmp_path / "outputs").rglob("resolved.yaml")
     body = lambda text: text[text.index("\nparallel:"):]  # noqa: E731 - the header names each file's own path
     assert body(again.read_text()) == body(resolved)
+
+
+def test_the_docs_lightning_app_refuses_a_strategy_override(tmp_path):
+    """Issue 20: ``trainer.strategy=ddp_spawn`` on the docs app's command line trained without EP, silently. Its
+    ``RequireExpertParallel`` callback stops each spawned rank in setup, naming the override and the fix."""
+    run = docs_app(tmp_path)
+    log = run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}", "trainer.strategy=ddp_spawn"], ok=False)
+    assert ("PlanError: trainer.strategy is Lightning's DDPStrategy(start_method='spawn'), set by "
+            "trainer.strategy=ddp_spawn, not autoep.integrations.lightning.ExpertParallelStrategy, so the model "
+            "would train without expert parallelism") in log, log[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # no step, no checkpoint

@@ -11,6 +11,7 @@ gathered over ``ep`` (a collective: every rank calls it).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import traceback
 
@@ -235,8 +236,16 @@ def parity_worker(rank: int, world_size: int, tmp: str) -> dict:
     settings["module_list"] = {"module_cls": ModuleListMoeLM}
     settings["adamw_foreach"] = {"module_cls": AdamWMoeLM}
     out = {}
+    records = []  # autoep's info lines during the adapter's runs (rank 0 alone logs them)
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("autoep")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     for name, kwargs in settings.items():
         out[name] = {"ref": fit(world_size, "ddp", **kwargs), "ep": fit(world_size, ep_strategy(tmp), **kwargs)}
+    logger.removeHandler(handler)
+    out["info_lines"] = records
     try:
         fit(world_size, ep_strategy(tmp), steps=1, module_cls=TwoOptimizersMoeLM)
         out["partial_clip"] = None

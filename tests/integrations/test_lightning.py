@@ -76,6 +76,15 @@ def test_ddp_with_the_adapter_equals_ddp_without_ep(parity, setting):
         assert_same_run(rank[setting]["ep"], rank[setting]["ref"])
 
 
+def test_info_lines_are_logged_once_per_run(parity):
+    """Rank 0 alone logs autoep's info lines (the plan table, the param group stepping per parameter): in a host
+    whose logging shows every rank they printed once per rank (issue 20)."""
+    lines = [rank["info_lines"] for rank in parity]
+    assert lines[1] == [], lines[1]
+    assert any("autoep plan" in line for line in lines[0]), lines[0]
+    assert any("param group 0 mixes expert and dense parameters" in line for line in lines[0]), lines[0]
+
+
 def test_module_list_experts_train_the_same_losses(parity):
     for rank in parity:
         torch.testing.assert_close(torch.tensor(rank["module_list"]["ep"]["losses"]),

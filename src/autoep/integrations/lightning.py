@@ -17,8 +17,8 @@ Run it as any Lightning DDP job: ``python train.py`` (Lightning launches the ran
 --nproc-per-node 2 train.py``; CPU ranks use gloo, GPU ranks NCCL.
 
 Why a Strategy and not a Callback: every place EP must hook is the strategy's (or its precision plugin's)
-job in Lightning -- what DDP wraps (``configure_ddp``), when a checkpoint is restored relative to the wrap
-(``restore_checkpoint_after_setup``), how a checkpoint is written and read (``save_checkpoint``,
+job in Lightning -- what DDP wraps (``configure_ddp``), when a checkpoint is read and when it is loaded
+(``restore_checkpoint_after_setup``, ``setup``), how a checkpoint is written and read (``save_checkpoint``,
 ``load_checkpoint``), and how gradients are clipped (the precision plugin the strategy holds). A Callback sees
 none of these and would have to patch them. Each override below is a few lines on the public handle
 ``autoep.ExpertParallel`` (``autoep.integrations.handle``), which owns the gradient, clipping and checkpoint
@@ -34,8 +34,11 @@ logic:
 - checkpoints (``ModelCheckpoint``, ``trainer.save_checkpoint``): Lightning's own ``.ckpt`` file, written by
   rank 0 as usual, with every expert gathered to full shape in ``state_dict`` and the optimizer's state keyed
   by parameter name (expert moments gathered too). ``trainer.test(ckpt_path="best")`` and
-  ``trainer.fit(ckpt_path=...)`` slice each rank's experts back out of it; the file loads into the model
-  without EP as well (``LightningModule.load_from_checkpoint`` in one process).
+  ``trainer.fit(ckpt_path=...)`` slice each rank's experts back out of it (the file is read before ``setup``
+  with the caller's ``weights_only``, as ``strategy="ddp"`` reads it, and loaded once the experts are sharded);
+  the file loads into the model without EP as well (``LightningModule.load_from_checkpoint`` in one process).
+- ``RequireExpertParallel``: a callback for a Hydra host's ``trainer.callbacks`` that stops a run whose
+  ``trainer.strategy`` was overridden away from this strategy (which would train without EP, silently).
 - precision: ``32-true`` and ``bf16-mixed``; the others are refused (why, in ``_ep_precision``).
 """
 from __future__ import annotations

@@ -355,6 +355,11 @@ def test_the_recommended_opt_out_survives_the_hosts_recursive_instantiate(host, 
     cfg.parallel = resolved
     instantiate(cfg)  # the resolved section back in the host's config: still nothing called
     assert CALLS == []
+    from autoep import ExpertParallel
+
+    ExpertParallel(built.model, built.strategy.parallel)  # one process: the plan applied, the factory called
+    assert [(module, kwargs) for module, _, kwargs in CALLS] == [
+        (built.model.layers[0].moe, {"tag": "host"}), (built.model.layers[1].moe, {"tag": "host"})]
 
 
 def test_a_partial_without_an_import_path_is_refused_naming_the_spelling(host):

@@ -1,6 +1,7 @@
 """resolve_plan on real transformers MoE models built on meta from the shipped model configs."""
 import copy
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,23 @@ def test_moe_only_finds_experts_by_data_flow_not_by_name():
                "layers.2.mlp": blocks.SequentialExpertsMoE()}
     assert split_moe("parallel.plan.0", "layers.*.mlp", list(modules), modules) == (
         ["layers.0.mlp", "layers.2.mlp"], ["layers.1.mlp"])
+
+
+def test_a_glob_that_matches_nothing_suggests_globs_that_match_the_moe_blocks():
+    """Issue 20: a host keeps the causal LM under ``net`` (a LightningModule's attribute), so the usual glob
+    matches nothing; the error suggested that same glob back. Now it suggests globs over the blocks that hold
+    experts, and the one it proposes resolves to every MoE block."""
+    host = torch.nn.Module()
+    host.net = meta_model()
+    with pytest.raises(PlanError) as info:
+        resolve_plan(plan(), host)
+    message = str(info.value)
+    assert "e.g. match: 'net.model.layers.*.mlp'" in message, message
+    suggested = re.search(r"e.g. match: '([^']+)'", message).group(1)
+    assert suggested != MLP
+    decision = plain(resolve_plan(plan(match=suggested), host))["plan"][0]["decision"]
+    assert decision["modules"] == ["net.model.layers.0.mlp", "net.model.layers.1.mlp"]
+    # a dense-first model: the glob is over the blocks with experts; the dense ones are not suggested
+    host.net = meta_model("deepseek_v3", first_k_dense_replace=1)
+    with pytest.raises(PlanError, match=r"globs that match its MoE blocks: \['net.model.layers.\*.mlp'\]"):
+        resolve_plan(plan(match="model.layers.*.mlp"), host)

@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from autoep.detect import row_local, sharing, structure
-from autoep.errors import OPT_OUT_HINT, OPT_OUT_SPELLING, DriftError, PlanError, UnsupportedModuleStructure, UnsupportedPlanEntry
+from autoep.errors import (OPT_OUT_HINT, OPT_OUT_SPELLING, DriftError, PlanError, UnsupportedModuleStructure,
+                           UnsupportedPlanEntry)
 from autoep.plan import archetypes, replay
 from autoep.plan.artifact import load_plan
 from autoep.plan.fingerprint import class_hashes, seal

@@ -218,7 +218,7 @@ class ExpertParallelStrategy(DDPStrategy):
             self.expert_parallel.load(what, self._one_optimizer() if fitting else None)
 
     def teardown(self) -> None:
-        self._set_up = False
+        self._set_up, self._pending = False, None  # a run that failed before loading leaves nothing for the next
         super().teardown()
 
     def load_optimizer_state_dict(self, checkpoint) -> None:

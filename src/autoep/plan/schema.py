@@ -84,7 +84,7 @@ class PlanEntry:
 class ParallelConfig:
     ep_size: int = field(default=1, metadata=at_least(1, "ranks that share one copy of the experts; 1: no EP", 2))
     on_drift: str = field(default="error", metadata=one_of(ON_DRIFT, "what a replay does when the model's code changed"))
-    detect: bool = True  # false: never run structure detection; every entry must name its _target_
+    detect: bool = True  # false: never run structure detection; every entry must name its _factory_
     allowed_targets: List[str] = field(default_factory=list)  # import prefixes allowed besides autoep.runtime.recipes
     # a resolved.yaml whose frozen parallel section replaces this one (resolve_plan reads it; autoep.plan.replay)
     replay: Optional[str] = None

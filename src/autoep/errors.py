@@ -1,6 +1,11 @@
 """Errors autoep raises to its users. Each names the key, the value and the fix."""
 
-OPT_OUT_HINT = "Declare an explicit local_compute_fn._target_ to opt out of structure detection."
+# How a plan entry names its own compute-fn factory, spelled so that a host app's recursive
+# ``hydra.utils.instantiate`` over its whole config never calls it (autoep.targets says why).
+OPT_OUT_SPELLING = ("{_factory_: my_pkg.ep.my_factory, ...kwargs} "
+                    "(or {_target_: my_pkg.ep.my_factory, _partial_: true, ...})")
+OPT_OUT_HINT = (f"Declare an explicit local_compute_fn to opt out of structure detection: {OPT_OUT_SPELLING}; "
+                f"a bare _target_ is called by a host app's recursive hydra.utils.instantiate.")
 
 
 class UnsupportedModuleStructure(ValueError):

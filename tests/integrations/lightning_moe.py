@@ -10,7 +10,10 @@ gathered over ``ep`` (a collective: every rank calls it).
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import traceback
 
 import lightning as L
 import torch
@@ -135,6 +138,19 @@ class TwoOptimizersMoeLM(ManualMoeLM):
         self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
 
 
+class HostMoeLM(MoeLM):
+    """The module as lightning-hydra-template writes it: the optimizer arrives as a Hydra partial and is saved
+    with the hyperparameters (``save_hyperparameters``), so every checkpoint holds a ``functools.partial``,
+    which ``torch.load(weights_only=True)`` refuses; the template's scripts load with ``weights_only=False``."""
+
+    def __init__(self, optimizer=functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9), seed: int = 0):
+        super().__init__(seed=seed)
+        self.save_hyperparameters(logger=False)
+
+    def configure_optimizers(self):
+        return self.hparams.optimizer(params=self.parameters())
+
+
 def loader(n: int, seed: int = 1) -> DataLoader:
     return DataLoader(Tokens(n, seed), batch_size=ROWS_PER_RANK, shuffle=False)
 
@@ -220,8 +236,16 @@ def parity_worker(rank: int, world_size: int, tmp: str) -> dict:
     settings["module_list"] = {"module_cls": ModuleListMoeLM}
     settings["adamw_foreach"] = {"module_cls": AdamWMoeLM}
     out = {}
+    records = []  # autoep's info lines during the adapter's runs (rank 0 alone logs them)
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("autoep")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     for name, kwargs in settings.items():
         out[name] = {"ref": fit(world_size, "ddp", **kwargs), "ep": fit(world_size, ep_strategy(tmp), **kwargs)}
+    logger.removeHandler(handler)
+    out["info_lines"] = records
     try:
         fit(world_size, ep_strategy(tmp), steps=1, module_cls=TwoOptimizersMoeLM)
         out["partial_clip"] = None
@@ -265,7 +289,67 @@ def saved_slices(path: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_worker(rank: int, world_size: int, tmp: str) -> dict:
-    return {kind: checkpoint_case(world_size, os.path.join(tmp, kind), kind) for kind in ("full", "sharded")}
+    out = {kind: checkpoint_case(world_size, os.path.join(tmp, kind), kind) for kind in ("full", "sharded")}
+    strategies = {"ddp": lambda sub: "ddp",
+                  **{kind: functools.partial(ep_strategy, state_dict_type=kind) for kind in ("full", "sharded")}}
+    out["host"] = {name: host_checkpoint_case(world_size, os.path.join(tmp, f"host_{name}"), strategy)
+                   for name, strategy in strategies.items()}
+    out["require_ep"] = require_ep_case(world_size)
+    return out
+
+
+def host_checkpoint_case(world_size: int, tmp: str, strategy) -> dict:
+    """lightning-hydra-template's flow, loading with ``weights_only=False`` as its scripts do: fit with
+    ``ModelCheckpoint``, ``trainer.test(ckpt_path="best")`` (its train.py), a fresh module and trainer testing
+    the best checkpoint (its eval.py), and a fit resumed from the epoch-0 checkpoint. ``strategy(tmp)``:
+    Lightning's ``"ddp"`` or the adapter; an error is returned as its traceback (every rank raises alike)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from autoep.integrations.lightning import ExpertParallelStrategy, RequireExpertParallel
+
+    train, val, test = loader(12), loader(4, seed=2), loader(4, seed=3)
+    ckpt_dir = os.path.join(tmp, "ckpt")
+
+    def callbacks(s):  # the guard against a strategy override rides along wherever EP is the strategy
+        return [RequireExpertParallel()] if isinstance(s, ExpertParallelStrategy) else []
+
+    out = {}
+    try:
+        checkpoint = ModelCheckpoint(dirpath=ckpt_dir, monitor="val_loss", save_top_k=-1)
+        module, s = HostMoeLM(), strategy(tmp)
+        t = trainer(world_size, s, max_epochs=2, callbacks=[checkpoint, *callbacks(s)], enable_checkpointing=True)
+        t.fit(module, train_dataloaders=train, val_dataloaders=val)
+        out["final"], out["best"] = weights(module), checkpoint.best_model_path
+        out["test"] = t.test(module, dataloaders=test, ckpt_path="best", weights_only=False)[0]["test_loss"]
+        out["tested"] = weights(module)
+        fresh, s = HostMoeLM(seed=5), strategy(tmp)
+        out["eval"] = trainer(world_size, s, callbacks=callbacks(s)).test(
+            fresh, dataloaders=test, ckpt_path=out["best"], weights_only=False)[0]["test_loss"]
+        epoch0 = os.path.join(ckpt_dir, next(f for f in sorted(os.listdir(ckpt_dir)) if f.startswith("epoch=0")))
+        resumed, s = HostMoeLM(seed=5), strategy(tmp)
+        trainer(world_size, s, max_epochs=2, callbacks=callbacks(s)).fit(
+            resumed, train_dataloaders=train, val_dataloaders=val, ckpt_path=epoch0, weights_only=False)
+        out["resumed"] = weights(resumed)
+    except Exception:  # noqa: BLE001 - the test reads it
+        out["error"] = traceback.format_exc()
+    return out
+
+
+def require_ep_case(world_size: int) -> dict:
+    """``RequireExpertParallel`` in a run whose strategy was replaced by Lightning's plain ``"ddp"``: what it
+    raised, how many steps ran, and whether any weight moved."""
+    from autoep.integrations.lightning import RequireExpertParallel
+
+    module = MoeLM()
+    before = weights(module)
+    try:
+        trainer(world_size, "ddp", max_steps=2, callbacks=[RequireExpertParallel()]).fit(
+            module, train_dataloaders=loader(4 * world_size))
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        error = f"{type(e).__name__}: {e}"
+    moved = [n for n, w in weights(module).items() if not torch.equal(w, before[n])]
+    return {"error": error, "steps": len(module.losses), "moved": moved}
 
 
 def checkpoint_case(world_size: int, tmp: str, state_dict_type: str) -> dict:

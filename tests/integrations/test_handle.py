@@ -208,6 +208,10 @@ def refusals_case(rank, world, tmp: str):
     with pytest.raises(PlanError, match=r"rank 1 could not replay rank 0's plan: DriftError: .*num_experts 4 -> \[8\]"
                        if rank == 0 else r"num_experts 4 -> \[8\]"):
         ExpertParallel(model, {"ep_size": 2, "plan": PLAN})
+    # Rank 0 refuses: the others say so, in words (was: "rank 0 could not resolve's plan").
+    with pytest.raises(PlanError, match=r"matches no module" if rank == 0 else
+                       r"^rank 0 could not resolve the plan: PlanError: parallel.plan.0.match='nothing.\*' matches no"):
+        ExpertParallel(tiny_moe(), {"ep_size": 2, "plan": [{"match": "nothing.*"}]})
 
 
 def _with_experts(num_experts: int):
@@ -243,6 +247,18 @@ def artifact_case(rank, world, tmp: str):
     assert "run_dir" not in yaml.safe_load((Path(tmp) / "full0" / "resolved.yaml").read_text())
     replayed = ExpertParallel(tiny_moe(), Path(tmp) / "rank0" / "resolved.yaml")
     assert OmegaConf.to_container(replayed.resolved) == OmegaConf.to_container(ep.resolved)
+    # The host's replay key: every rank reads the file, rank 0 alone logs the line (was: once per rank).
+    records.clear()
+    logging.getLogger("autoep").addHandler(handler)
+    try:
+        replayed = ExpertParallel(tiny_moe(), {"replay": str(Path(tmp) / "rank0" / "resolved.yaml")})
+    finally:
+        logging.getLogger("autoep").removeHandler(handler)
+    assert OmegaConf.to_container(replayed.resolved) == OmegaConf.to_container(ep.resolved)
+    lines = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    assert sum("replaying its frozen plan" in line for line in lines) == (rank == 0), lines
+    if rank != 0:
+        assert lines == [], lines
 
 
 def checkpoint_case(rank, world, tmp: str):

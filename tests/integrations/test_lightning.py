@@ -76,6 +76,15 @@ def test_ddp_with_the_adapter_equals_ddp_without_ep(parity, setting):
         assert_same_run(rank[setting]["ep"], rank[setting]["ref"])
 
 
+def test_info_lines_are_logged_once_per_run(parity):
+    """Rank 0 alone logs autoep's info lines (the plan table, the param group stepping per parameter): in a host
+    whose logging shows every rank they printed once per rank (issue 20)."""
+    lines = [rank["info_lines"] for rank in parity]
+    assert lines[1] == [], lines[1]
+    assert any("autoep plan" in line for line in lines[0]), lines[0]
+    assert any("param group 0 mixes expert and dense parameters" in line for line in lines[0]), lines[0]
+
+
 def test_module_list_experts_train_the_same_losses(parity):
     for rank in parity:
         torch.testing.assert_close(torch.tensor(rank["module_list"]["ep"]["losses"]),
@@ -198,6 +207,54 @@ def test_resume_continues_the_same_run(checkpoints, kind):
         for name, w in rank[kind]["final"].items():
             torch.testing.assert_close(rank[kind]["resumed"][name], w, msg=name)
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_host_apps_checkpoints_load_as_without_ep(checkpoints, kind):
+    """Issue 20: a module that saves a Hydra partial with its hyperparameters (lightning-hydra-template's), loaded
+    with ``weights_only=False`` as the host passes it: ``trainer.test(ckpt_path="best")``, an eval script's fresh
+    module and trainer, and ``trainer.fit(ckpt_path=<epoch 0>)`` give the test losses and weights of the same runs
+    without EP (they crashed with a weights-only unpickling error: the caller's ``weights_only`` was dropped)."""
+    for rank in checkpoints:
+        ref, ep = rank["host"]["ddp"], rank["host"][kind]
+        assert "error" not in ref, ref["error"]
+        assert "error" not in ep, ep["error"]
+        torch.testing.assert_close(torch.tensor([ep["test"], ep["eval"]]), torch.tensor([ref["test"], ref["eval"]]))
+        for what in ("final", "tested", "resumed"):
+            assert ep[what].keys() == ref[what].keys()
+            for name in ref[what]:
+                torch.testing.assert_close(ep[what][name], ref[what][name], msg=lambda m: f"{what} {name}: {m}")
+    ref = checkpoints[0]["host"]["ddp"]
+    for name in ref["final"]:  # the resumed run is the uninterrupted one, and "best" is not the last epoch's
+        torch.testing.assert_close(ref["resumed"][name], ref["final"][name], msg=name)
+    assert any(not torch.equal(ref["tested"][n], ref["final"][n]) for n in ref["final"]), "best is the last epoch"
+
+
+def test_the_host_apps_checkpoints_need_weights_only_false():
+    """The control: the hyperparameters of ``HostMoeLM`` are refused by ``torch.load(weights_only=True)``, so the
+    comparison above loads what a ``weights_only=True`` read could not (this is what the adapter dropped)."""
+    import io
+    import pickle
+
+    from lightning_moe import HostMoeLM
+
+    buffer = io.BytesIO()
+    torch.save({"hyper_parameters": HostMoeLM().hparams}, buffer)  # what save_hyperparameters puts in a checkpoint
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(buffer, weights_only=True)
+
+
+def test_a_strategy_override_is_refused_before_a_step(checkpoints):
+    """Issue 20: ``trainer.strategy`` overridden away from ExpertParallelStrategy (here by Lightning's plain
+    ``ddp``) silently trained without EP; with ``RequireExpertParallel`` in the callbacks it stops in setup, no
+    step taken, no weight moved, naming the strategy and the fix."""
+    for rank in checkpoints:
+        run = rank["require_ep"]
+        assert run["error"] is not None and run["error"].startswith(
+            "PlanError: trainer.strategy is Lightning's DDPStrategy"), run["error"]
+        assert "without expert parallelism" in run["error"] and "remove RequireExpertParallel" in run["error"]
+        assert run["steps"] == 0 and run["moved"] == []
+
+
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
 
 
@@ -210,10 +267,9 @@ def lightning_section_files() -> dict[str, str]:
     return files
 
 
-def test_the_docs_lightning_app_runs_and_replays(tmp_path):
-    """docs/integrations.md's Lightning app, as its users run it: ``python train.py``; Lightning starts the
-    second rank itself (re-running the script with Hydra's run dir), fits, and tests the best checkpoint. Then
-    the replay line its ``resolved.yaml`` prints, run as printed: the same frozen plan, replayed."""
+def docs_app(tmp_path: Path):
+    """docs/integrations.md's Lightning app written into ``tmp_path``; returns ``run(command, ok=True)``, which
+    runs a command there as its users would and returns its output."""
     import autoep
 
     for name, text in lightning_section_files().items():
@@ -229,11 +285,18 @@ def test_the_docs_lightning_app_runs_and_replays(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1",
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
 
-    def run(command: list[str]) -> str:
+    def run(command: list[str], ok: bool = True) -> str:
         done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        assert (done.returncode == 0) == ok, done.stdout[-3000:] + done.stderr[-5000:]
         return done.stdout + done.stderr
+    return run
 
+
+def test_the_docs_lightning_app_runs_and_replays(tmp_path):
+    """docs/integrations.md's Lightning app, as its users run it: ``python train.py``; Lightning starts the
+    second rank itself (re-running the script with Hydra's run dir), fits, and tests the best checkpoint. Then
+    the replay line its ``resolved.yaml`` prints, run as printed: the same frozen plan, replayed."""
+    run = docs_app(tmp_path)
     log = run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}"])
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log  # Lightning launched the second rank
     resolved = (tmp_path / "run" / "resolved.yaml").read_text()
@@ -249,3 +312,14 @@ def test_the_docs_lightning_app_runs_and_replays(tmp_path):
     (again,) = (tmp_path / "outputs").rglob("resolved.yaml")
     body = lambda text: text[text.index("\nparallel:"):]  # noqa: E731 - the header names each file's own path
     assert body(again.read_text()) == body(resolved)
+
+
+def test_the_docs_lightning_app_refuses_a_strategy_override(tmp_path):
+    """Issue 20: ``trainer.strategy=ddp_spawn`` on the docs app's command line trained without EP, silently. Its
+    ``RequireExpertParallel`` callback stops each spawned rank in setup, naming the override and the fix."""
+    run = docs_app(tmp_path)
+    log = run([sys.executable, "train.py", f"hydra.run.dir={tmp_path / 'run'}", "trainer.strategy=ddp_spawn"], ok=False)
+    assert ("PlanError: trainer.strategy is Lightning's DDPStrategy(start_method='spawn'), set by "
+            "trainer.strategy=ddp_spawn, not autoep.integrations.lightning.ExpertParallelStrategy, so the model "
+            "would train without expert parallelism") in log, log[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()  # no step, no checkpoint

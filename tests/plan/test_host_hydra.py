@@ -5,8 +5,10 @@ by that app itself with the line the artifact's header prints.
 The host app is written here (conf/config.yaml + train.py, research_moe's model, which autoep never saw)
 and run as its users run it; nothing of autoep's own trainer is involved.
 """
+import functools
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -284,19 +286,89 @@ def test_empty_or_foreign_resolved_yaml_replayed_by_autoep_plan_is_a_clear_error
 
 
 def test_the_factory_override_in_docs_overrides_resolves_like_the_target_one():
-    """docs/overrides.md's `_factory_` line, composed by autoep's own tree, is the same plan as its `_target_` line."""
+    """docs/overrides.md's `_factory_` and `_target_` + `_partial_` lines, composed by autoep's own tree, are the
+    same plan as its bare `_target_` line."""
     from test_config import DOC_OVERRIDES, compose_train
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "overrides.md").read_text()
     by_factory = DOC_OVERRIDES[0].replace("{_target_:", "{_factory_:")
-    assert f"autoep-plan '{by_factory}'" in doc
+    by_partial = DOC_OVERRIDES[0].replace(",structure:", ",_partial_:true,structure:", 1)
+    for line in (by_factory, by_partial):
+        assert f"autoep-plan '{line}'" in doc
     import torch
 
     resolved = []
-    for override in (DOC_OVERRIDES[0], by_factory):
+    for override in (DOC_OVERRIDES[0], by_factory, by_partial):
         cfg = compose_train([override])
         with torch.device("meta"):
             model = instantiate(cfg.model)
         resolved.append(resolve_plan(cfg.parallel, model))
-    assert plan_hash(resolved[0]) == plan_hash(resolved[1])
+    assert plan_hash(resolved[0]) == plan_hash(resolved[1]) == plan_hash(resolved[2])
     assert resolved[0].plan[0].decision.source == "explicit"
+
+
+class Holder:
+    """What a host's config node such as Lightning's ``strategy: {_target_: ..., parallel: ${parallel}}`` builds:
+    its ``parallel`` is the section as the host's recursive ``instantiate`` made it."""
+
+    def __init__(self, parallel):
+        self.parallel = parallel
+
+
+def spellings() -> dict[str, str]:
+    """The opt-out spellings autoep's own messages recommend (``errors.OPT_OUT_SPELLING``, ending every
+    ``UnsupportedModuleStructure``), as Hydra overrides naming ``record`` with one keyword."""
+    from autoep.errors import OPT_OUT_HINT, OPT_OUT_SPELLING
+
+    assert OPT_OUT_SPELLING in OPT_OUT_HINT
+    forms = re.findall(r"\{[^{}]*\}", OPT_OUT_SPELLING)
+    assert len(forms) == 2, OPT_OUT_SPELLING
+    out = {}
+    for form in forms:
+        form = form.replace("my_pkg.ep.my_factory", "test_host_hydra.record").replace(", ...kwargs", ", tag: host")
+        out[form.split(":")[0].strip("{")] = form.replace(", ...", ", tag: host")
+    assert set(out) == {"_factory_", "_target_"}, out
+    return out
+
+
+@pytest.mark.parametrize("spelling", ["_factory_", "_target_"])
+def test_the_recommended_opt_out_survives_the_hosts_recursive_instantiate(host, spelling):
+    """Issue 20: the opt-out as autoep's messages spell it is never called by a host that instantiates its whole
+    config (also where a node interpolates the section, as a Lightning strategy does), and resolves, from the
+    composed section or from what ``instantiate`` made of it, to the plan of the `_factory_` spelling."""
+    override = spellings()[spelling]
+    assert ("_partial_: true" in override) == (spelling == "_target_")
+    cfg = compose_host(host, [f"parallel.plan.0.local_compute_fn={override}"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.strategy = {"_target_": "test_host_hydra.Holder", "parallel": "${parallel}"}
+    built = instantiate(cfg)  # the host's own recursive instantiate: model, optimizer partial, strategy, ...
+    assert CALLS == []
+    made = built.strategy.parallel.plan[0].local_compute_fn  # Hydra made a partial of the _target_ spelling
+    assert isinstance(made, functools.partial) == (spelling == "_target_"), made
+    reference = resolve_plan(compose_host(
+        host, ["parallel.plan.0.local_compute_fn={_factory_:test_host_hydra.record,tag:host}"]).parallel, built.model)
+    for section in (cfg.parallel, built.parallel, built.strategy.parallel):
+        resolved = resolve_plan(section, built.model)
+        assert plan_hash(resolved) == plan_hash(reference)
+        assert OmegaConf.to_container(resolved.plan[0].local_compute_fn) == {
+            "_factory_": "test_host_hydra.record", "tag": "host"}
+    cfg.parallel = resolved
+    instantiate(cfg)  # the resolved section back in the host's config: still nothing called
+    assert CALLS == []
+    from autoep import ExpertParallel
+
+    ExpertParallel(built.model, built.strategy.parallel)  # one process: the plan applied, the factory called
+    assert [(module, kwargs) for module, _, kwargs in CALLS] == [
+        (built.model.layers[0].moe, {"tag": "host"}), (built.model.layers[1].moe, {"tag": "host"})]
+
+
+def test_a_partial_without_an_import_path_is_refused_naming_the_spelling(host):
+    model = instantiate(compose_host(host).model)
+
+    def local(module, *, ep_mesh):
+        return None
+    for fn, why in ((functools.partial(local), "no import path that leads back"),
+                    (functools.partial(record, 1), "positional arguments")):
+        with pytest.raises(PlanError, match=rf"parallel.plan.0.local_compute_fn is a functools.partial with {why}.*"
+                                            r"\{_factory_: my_pkg.ep.my_factory"):
+            resolve_plan({"plan": [{"match": "layers.*.moe", "local_compute_fn": fn}]}, model)

@@ -1,6 +1,8 @@
 """resolve_plan on real transformers MoE models built on meta from the shipped model configs."""
 import copy
 import functools
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from autoep.plan.resolve import resolve_plan
 from autoep.train.config import CONF_DIR
 
 MLP = "model.layers.*.mlp"
+SHIPPED_PARALLEL = Path(autoep.__file__).parent / "plan" / "conf" / "parallel" / "default.yaml"
 EXPECTED = {  # model config -> (shared_experts, num_experts), proven by the detector
     "qwen3_moe": ("none", 8), "mixtral": ("none", 4), "qwen2_moe": ("gated", 8),
     "deepseek_v3": ("additive", 8), "olmoe": ("none", 8), "gpt_oss": ("none", 4),
@@ -33,8 +36,9 @@ def meta_model(name="qwen3_moe", **overrides):
         return instantiate(model_cfg(name, **overrides))
 
 
-def plan(ep_size=1, match=MLP, fn="auto", **parallel):
-    return {"ep_size": ep_size, "plan": [{"match": match, "local_compute_fn": fn}], **parallel}
+def plan(ep_size=1, match=MLP, fn="auto", moe_only=None, **parallel):
+    entry = {"match": match, "local_compute_fn": fn} | ({} if moe_only is None else {"moe_only": moe_only})
+    return {"ep_size": ep_size, "plan": [entry], **parallel}
 
 
 def plain(resolved):
@@ -118,14 +122,17 @@ def swap_in_qwen2_block(model):
     ({"plan": [{"local_compute_fn": "auto"}]}, r"parallel.plan.0.match is required"),
     ({"on_drift": "ignore"}, r"parallel.on_drift='ignore' is not one of \['error', 'redetect'\]"),
     (plan(match="model.layer.*.mlp"), r"parallel.plan.0.match='model.layer.\*.mlp' matches no module.*"
-                                      r"closest modules that look like MoE blocks: \['model.layers"),
-    (plan(match="model.layers.0.moe"), r"matches no module.*'model.layers.0.mlp'"),
-    (plan(match="model.layers.*.self_attn"), r"matched model.layers.0.self_attn \(Qwen3MoeAttention\), which auto "
-                                             r"cannot take: .*"
-                                             r"Declare an explicit local_compute_fn._target_"),
+                                      r"globs that match its MoE blocks: \['model.layers.\*.mlp'\]"),
+    (plan(match="model.layers.0.moe"), r"matches no module.*e.g. match: 'model.layers.\*.mlp'"),
+    (plan(match="model.layers.*.self_attn", moe_only=False),
+     r"matched model.layers.0.self_attn \(Qwen3MoeAttention\), which auto cannot take: .*"
+     r"Declare an explicit local_compute_fn to opt out of structure detection: \{_factory_: "),
+    (plan(match="model.layers.*.self_attn"), r"moe_only=true matches 2 modules and none has an `experts` submodule; "
+                                             r"globs that match its MoE blocks: \['model.layers.\*.mlp'\]"),
     (plan(fn="autoep.runtime.recipes.batched.ep_batched_experts"), r"local_compute_fn='autoep.runtime.recipes.batched.ep_batched"
-                                                           r"_experts' must be 'auto' or a mapping with a _target_"),
-    (plan(fn={"target": "x.y"}), r"must be 'auto' or a mapping with a _target_"),
+                                                           r"_experts' must be 'auto' or a mapping naming its factory: "
+                                                           r".*\{_factory_: my_pkg.ep.my_factory"),
+    (plan(fn={"target": "x.y"}), r"must be 'auto' or a mapping naming its factory"),
     (plan(fn={"_target_": "os..system"}), r"_target_='os..system' is not a dotted import path"),
     (plan(fn={"_target_": 42}), r"_target_=42 is not a dotted import path"),
     (plan(fn={"_target_": "evil_pkg_never_imported.run"}), r"'evil_pkg_never_imported.run' is not under an "
@@ -161,7 +168,7 @@ def test_a_module_claimed_by_two_entries_is_refused():
 
 
 def test_unmatched_names_fall_back_to_all_modules_when_nothing_looks_like_moe():
-    with pytest.raises(PlanError, match=r"closest module names \(none has an `experts` attribute\)"):
+    with pytest.raises(PlanError, match=r"no module of the model holds experts; closest module names: \['0'\]"):
         resolve_plan(plan(match="lin"), torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
@@ -240,7 +247,7 @@ def test_auto_on_a_non_moe_module_is_also_an_unsupported_structure():
     from autoep import UnsupportedModuleStructure
 
     with pytest.raises(UnsupportedModuleStructure) as info:
-        resolve_plan(plan(match="model.layers.*.self_attn"), meta_model())
+        resolve_plan(plan(match="model.layers.*.self_attn", moe_only=False), meta_model())
     assert info.value.cls_name == "Qwen3MoeAttention" and "no `experts` submodule" in info.value.reason
 
 
@@ -269,20 +276,30 @@ def test_an_explicit_recipe_that_fits_resolves():
 
 
 def test_moe_only_takes_the_moe_blocks_of_a_model_that_mixes_dense_layers():
-    """DeepSeek-V3's first layers are dense: the shipped default (moe_only) takes the MoE blocks and lists
-    the dense ones; without moe_only the same glob stops on the dense module, naming it."""
+    """DeepSeek-V3's first layers are dense: moe_only (the default of an entry a user writes and of the shipped
+    one alike) takes the MoE blocks and lists the dense ones; with moe_only=false the same glob stops on the
+    dense module, naming it."""
     model = meta_model("deepseek_v3", first_k_dense_replace=1)
-    entry = {"match": MLP, "local_compute_fn": "auto", "moe_only": True}
-    resolved = plain(resolve_plan({"ep_size": 2, "plan": [entry]}, model))
+    resolved = plain(resolve_plan(plan(ep_size=2), model))  # the entry as a user writes it: no moe_only key
     decision = resolved["plan"][0]["decision"]
     assert decision["modules"] == ["model.layers.1.mlp"] and decision["skipped"] == ["model.layers.0.mlp"]
     assert plain(resolve_plan(resolved, model)) == resolved  # replay keeps it
+    shipped = {"plan": [OmegaConf.to_container(OmegaConf.load(SHIPPED_PARALLEL).plan[0])], "ep_size": 2}
+    assert plain(resolve_plan(shipped, model)) == resolved
     from autoep import UnsupportedModuleStructure
 
     with pytest.raises(UnsupportedModuleStructure, match="model.layers.0.mlp"):
-        resolve_plan(plan(ep_size=2), model)
+        resolve_plan(plan(ep_size=2, moe_only=False), model)
     with pytest.raises(PlanError, match=r"moe_only=true matches .* none has an `experts` submodule"):
         resolve_plan({"plan": [{"match": "model.layers.*.self_attn", "moe_only": True}]}, model)
+
+
+def test_moe_only_has_one_default_the_shipped_entry_and_the_schema():
+    """The entry autoep ships (plan/conf/parallel/default.yaml) and an entry a user writes without the key get
+    the same moe_only (issue 20: they differed)."""
+    from autoep.plan.schema import PlanEntry
+
+    assert OmegaConf.load(SHIPPED_PARALLEL).plan[0].moe_only is PlanEntry().moe_only is True
 
 
 def test_moe_only_finds_experts_by_data_flow_not_by_name():
@@ -294,3 +311,23 @@ def test_moe_only_finds_experts_by_data_flow_not_by_name():
                "layers.2.mlp": blocks.SequentialExpertsMoE()}
     assert split_moe("parallel.plan.0", "layers.*.mlp", list(modules), modules) == (
         ["layers.0.mlp", "layers.2.mlp"], ["layers.1.mlp"])
+
+
+def test_a_glob_that_matches_nothing_suggests_globs_that_match_the_moe_blocks():
+    """Issue 20: a host keeps the causal LM under ``net`` (a LightningModule's attribute), so the usual glob
+    matches nothing; the error suggested that same glob back. Now it suggests globs over the blocks that hold
+    experts, and the one it proposes resolves to every MoE block."""
+    host = torch.nn.Module()
+    host.net = meta_model()
+    with pytest.raises(PlanError) as info:
+        resolve_plan(plan(), host)
+    message = str(info.value)
+    assert "e.g. match: 'net.model.layers.*.mlp'" in message, message
+    suggested = re.search(r"e.g. match: '([^']+)'", message).group(1)
+    assert suggested != MLP
+    decision = plain(resolve_plan(plan(match=suggested), host))["plan"][0]["decision"]
+    assert decision["modules"] == ["net.model.layers.0.mlp", "net.model.layers.1.mlp"]
+    # a dense-first model: the glob is over the blocks with experts; the dense ones are not suggested
+    host.net = meta_model("deepseek_v3", first_k_dense_replace=1)
+    with pytest.raises(PlanError, match=r"globs that match its MoE blocks: \['net.model.layers.\*.mlp'\]"):
+        resolve_plan(plan(match="model.layers.*.mlp"), host)

@@ -327,7 +327,7 @@ def api_cases(world: Path) -> list[tuple]:
         ("apply_unresolved", lambda r: apply_plan(_meta_model(), {"plan": [{"match": "model.layers.*.mlp"}]}, None),
          "PlanError", "parallel.plan.0 has no decision"),
         ("detect_not_moe", lambda r: detect_moe_structure(torch.nn.Linear(2, 2)), "UnsupportedModuleStructure",
-         "Declare an explicit local_compute_fn._target_"),
+         "Declare an explicit local_compute_fn to opt out of structure detection: {_factory_: "),
         ("train_steps_zero", lambda r: _train(_cfg(f"run_dir={r}", "trainer.steps=0")), "ConfigError", "trainer.steps=0"),
         ("train_untyped_unknown_key", lambda r: _train(_untyped(max_steps=2, **{"steps": 2})), "ConfigError",
          "trainer.max_steps: no such key; did you mean trainer.steps?"),

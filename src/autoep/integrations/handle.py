@@ -25,6 +25,7 @@ a step of any optimizer over the model's parameters without it is an error (a gl
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -72,7 +73,8 @@ class ExpertParallel:
             parallel = load_plan(parallel)
         elif dataclasses.is_dataclass(parallel):
             parallel = OmegaConf.structured(parallel)
-        parallel = typed_parallel(parallel)
+        with _info_on_rank_zero():  # NOTE: every rank reads a replayed file; rank 0 alone says so
+            parallel = typed_parallel(parallel)
         ep_size = parallel.ep_size
         check_distributed(ep_size)
         self.rank, self.world = world_of()
@@ -318,11 +320,27 @@ def resolve_once(parallel: DictConfig, model: nn.Module, rank: int, world: int) 
     failed = {r: msg for r, (msg, _) in enumerate(outcomes) if msg is not None}
     if failed:
         r, msg = next(iter(failed.items()))
-        raise PlanError(f"rank {r} could not {'resolve' if r == 0 else 'replay rank 0'}'s plan: {msg}")
+        what = "resolve the plan" if r == 0 else "replay rank 0's plan"
+        raise PlanError(f"rank {r} could not {what}: {msg}")
     if len({h for _, h in outcomes}) > 1:
         raise PlanError("ranks hold different resolved plans; every rank must build the same model from the same "
                         "config: resolve once and give every rank the same resolved.yaml")
     return resolved
+
+
+@contextlib.contextmanager
+def _info_on_rank_zero():
+    """autoep's info lines inside are logged by rank 0 only (every rank does the same work, so they would print
+    once per rank in a host whose logging shows every rank); warnings and errors still show on every rank."""
+    logger = logging.getLogger("autoep")
+    quiet = dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+    level = logger.level
+    if quiet and logger.getEffectiveLevel() < logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _device_type() -> str:

@@ -17,8 +17,8 @@ Run it as any Lightning DDP job: ``python train.py`` (Lightning launches the ran
 --nproc-per-node 2 train.py``; CPU ranks use gloo, GPU ranks NCCL.
 
 Why a Strategy and not a Callback: every place EP must hook is the strategy's (or its precision plugin's)
-job in Lightning -- what DDP wraps (``configure_ddp``), when a checkpoint is restored relative to the wrap
-(``restore_checkpoint_after_setup``), how a checkpoint is written and read (``save_checkpoint``,
+job in Lightning -- what DDP wraps (``configure_ddp``), when a checkpoint is read and when it is loaded
+(``restore_checkpoint_after_setup``, ``setup``), how a checkpoint is written and read (``save_checkpoint``,
 ``load_checkpoint``), and how gradients are clipped (the precision plugin the strategy holds). A Callback sees
 none of these and would have to patch them. Each override below is a few lines on the public handle
 ``autoep.ExpertParallel`` (``autoep.integrations.handle``), which owns the gradient, clipping and checkpoint
@@ -34,8 +34,11 @@ logic:
 - checkpoints (``ModelCheckpoint``, ``trainer.save_checkpoint``): Lightning's own ``.ckpt`` file, written by
   rank 0 as usual, with every expert gathered to full shape in ``state_dict`` and the optimizer's state keyed
   by parameter name (expert moments gathered too). ``trainer.test(ckpt_path="best")`` and
-  ``trainer.fit(ckpt_path=...)`` slice each rank's experts back out of it; the file loads into the model
-  without EP as well (``LightningModule.load_from_checkpoint`` in one process).
+  ``trainer.fit(ckpt_path=...)`` slice each rank's experts back out of it (the file is read before ``setup``
+  with the caller's ``weights_only``, as ``strategy="ddp"`` reads it, and loaded once the experts are sharded);
+  the file loads into the model without EP as well (``LightningModule.load_from_checkpoint`` in one process).
+- ``RequireExpertParallel``: a callback for a Hydra host's ``trainer.callbacks`` that stops a run whose
+  ``trainer.strategy`` was overridden away from this strategy (which would train without EP, silently).
 - precision: ``32-true`` and ``bf16-mixed``; the others are refused (why, in ``_ep_precision``).
 """
 from __future__ import annotations
@@ -85,6 +88,8 @@ class ExpertParallelStrategy(DDPStrategy):
         self._state_dict_type = state_dict_type
         self.expert_parallel = None  # the handle, built in ``setup`` on the LightningModule
         self._grads_finished = True
+        self._set_up = False  # between ``setup`` and ``teardown``: the experts are sharded, the optimizers built
+        self._pending = None  # a checkpoint read before ``setup``, loaded into the model at its end
 
     # ---- precision: the strategy holds the plugin Lightning built from ``precision=`` -----------------------
 
@@ -100,7 +105,13 @@ class ExpertParallelStrategy(DDPStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the experts must be sharded (and the optimizer built) before the handle loads into them
+        # NOTE: False although the experts must be sharded (and the optimizer built) before the handle loads
+        # into them: after setup, Lightning 2.6 reads the file without the caller's ``weights_only``
+        # (``_restore_modules_and_callbacks(ckpt_path)``), so torch's default ``weights_only=True`` refuses a
+        # checkpoint whose hyperparameters hold a Hydra partial or a DictConfig, where ``strategy="ddp"``
+        # loads it. So Lightning reads the checkpoint before ``setup``, as for ``ddp``, with the caller's
+        # ``weights_only``; the model's state waits in ``_pending`` and ``setup`` loads it (``_load_pending``).
+        return False
 
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
@@ -113,7 +124,9 @@ class ExpertParallelStrategy(DDPStrategy):
         self.expert_parallel.prepare_ddp(module)  # DDP (fit) and Lightning's state sync (test) skip the experts
         super().setup(trainer)
         for optimizer in self.optimizers:
-            _no_mixed_multi_tensor_kernels(optimizer)
+            _no_mixed_multi_tensor_kernels(optimizer, log_it=self.global_rank == 0)
+        self._set_up = True
+        self._load_pending()
         # NOTE: the handle's step guard cannot check Lightning's steps: Lightning passes ``optimizer.step`` a
         # closure that runs the last backward inside the step, after any step pre-hook. The finishing is ensured
         # by construction instead: every Lightning step runs the precision plugin's ``_after_closure`` (the
@@ -173,19 +186,40 @@ class ExpertParallelStrategy(DDPStrategy):
         if fitting and not meta[SHARDED]["optimizer"]:
             raise KeyError(f"Trying to restore optimizer state but {path} holds only the model (saved with "
                            f"ModelCheckpoint(save_weights_only=True)); resume from a full checkpoint")
-        self.expert_parallel.load(path, self._one_optimizer() if fitting else None)
+        self._load_or_defer(("sharded", path, fitting))
         if meta[SHARDED]["optimizer"]:
-            meta["optimizer_states"] = []  # loaded above; the key tells Lightning the checkpoint has them
+            meta["optimizer_states"] = []  # loaded with the model; the key tells Lightning the checkpoint has them
         return meta
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         if SHARDED in checkpoint:
-            return  # ``load_checkpoint`` loaded the model through the handle
+            return  # ``load_checkpoint`` loads the model (and the optimizer) through the handle
         if not strict:
             raise PlanError("LightningModule.strict_loading=False is not supported with ExpertParallelStrategy: the "
                             "experts are loaded strictly (a missing expert would stay as initialised without a word); "
                             "set strict_loading=True")
-        self.expert_parallel.load_state_dict(checkpoint["state_dict"])  # each rank keeps its experts' slices
+        self._load_or_defer(("full", checkpoint["state_dict"], False))
+
+    def _load_or_defer(self, pending: tuple) -> None:
+        """Load a checkpoint's model state now when ``setup`` has sharded the experts (a restore mid-run, e.g.
+        Lightning's tuner), else keep it for the end of ``setup``."""
+        self._pending = pending
+        if self._set_up:
+            self._load_pending()
+
+    def _load_pending(self) -> None:
+        if self._pending is None:
+            return
+        kind, what, fitting = self._pending
+        self._pending = None
+        if kind == "full":
+            self.expert_parallel.load_state_dict(what)  # each rank keeps its experts' slices
+        else:
+            self.expert_parallel.load(what, self._one_optimizer() if fitting else None)
+
+    def teardown(self) -> None:
+        self._set_up, self._pending = False, None  # a run that failed before loading leaves nothing for the next
+        super().teardown()
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         if SHARDED in checkpoint:
@@ -205,7 +239,51 @@ class ExpertParallelStrategy(DDPStrategy):
         return self.optimizers[0]
 
 
-def _no_mixed_multi_tensor_kernels(optimizer) -> None:
+class RequireExpertParallel(pl.Callback):
+    """Stop a run whose strategy is not ``ExpertParallelStrategy``, naming what replaced it.
+
+    In a Hydra host, ``trainer.strategy`` names the strategy and hands it ``parallel``; an override of that
+    node (``trainer.strategy=ddp_spawn`` on the command line) replaces it, and then nothing of autoep runs:
+    the model would train without expert parallelism and say nothing. Listed in ``trainer.callbacks``,
+    which such an override leaves alone, this callback raises in ``setup``, before any step::
+
+        callbacks:
+          - _target_: autoep.integrations.lightning.RequireExpertParallel
+    """
+
+    def __init__(self):
+        # NOTE: read here, in the process that composed the config: Hydra's state does not reach the ranks a
+        # spawning strategy starts.
+        self.overrides = _strategy_overrides()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, ExpertParallelStrategy):
+            return
+        spawn = getattr(strategy, "_start_method", None)
+        name = type(strategy).__name__ + (f"(start_method={spawn!r})" if spawn not in (None, "popen") else "")
+        cause = (f", set by {' '.join(self.overrides)}" if self.overrides
+                 else " (the config's trainer.strategy was replaced, e.g. on the command line)")
+        raise PlanError(f"trainer.strategy is Lightning's {name}{cause}, not autoep.integrations.lightning."
+                        f"ExpertParallelStrategy, so the model would train without expert parallelism. Drop the "
+                        f"override (ExpertParallelStrategy is Lightning's ddp with EP; spawn is not supported with "
+                        f"it: launch with `python train.py` or torchrun), or remove RequireExpertParallel from "
+                        f"trainer.callbacks to train without EP on purpose")
+
+
+def _strategy_overrides() -> list[str]:
+    """The Hydra command-line overrides of this run that name a strategy (``trainer.strategy=ddp_spawn``)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return [o for o in HydraConfig.get().overrides.task if "strategy" in o.split("=", 1)[0]]
+    except Exception:  # noqa: BLE001 - Hydra absent or not running this app: nothing to name
+        pass
+    return []
+
+
+def _no_mixed_multi_tensor_kernels(optimizer, log_it: bool = True) -> None:
     """Step param groups that mix expert (DTensor) and dense (plain) parameters param by param.
 
     An optimizer's foreach and fused kernels (torch's default on CUDA) cannot take both kinds in one list
@@ -221,9 +299,10 @@ def _no_mixed_multi_tensor_kernels(optimizer) -> None:
             group["foreach"] = False
             if group.get("fused"):
                 group["fused"] = False
-            log.info("autoep: %s param group %d mixes expert and dense parameters; foreach/fused kernels cannot "
-                     "take both, so it steps per parameter (give experts their own group to keep them: "
-                     "self.trainer.strategy.expert_parallel.param_groups(...))", type(optimizer).__name__, i)
+            if log_it:  # once per run, not once per rank
+                log.info("autoep: %s param group %d mixes expert and dense parameters; foreach/fused kernels cannot "
+                         "take both, so it steps per parameter (give experts their own group to keep them: "
+                         "self.trainer.strategy.expert_parallel.param_groups(...))", type(optimizer).__name__, i)
 
 
 def _unwrap(optimizer):

@@ -21,12 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from autoep.detect import row_local, sharing, structure
-from autoep.errors import OPT_OUT_HINT, DriftError, PlanError, UnsupportedModuleStructure, UnsupportedPlanEntry
+from autoep.errors import (OPT_OUT_HINT, OPT_OUT_SPELLING, DriftError, PlanError, UnsupportedModuleStructure,
+                           UnsupportedPlanEntry)
 from autoep.plan import archetypes, replay
 from autoep.plan.artifact import load_plan
 from autoep.plan.fingerprint import class_hashes, seal
 from autoep.plan.schema import ON_DRIFT, ParallelConfig, PlanEntry
-from autoep.targets import FACTORY_KEY, check_not_moved, factory_key, factory_spec, import_object
+from autoep.targets import FACTORY_KEY, check_not_moved, factory_key, factory_mapping, factory_spec, import_object
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def _typed(parallel_cfg) -> DictConfig:
     cfg = _merge_typed(ParallelConfig, raw, "parallel")
     if not isinstance(plan, (list, tuple)):
         raise PlanError(f"parallel.plan={plan!r} must be a list of {{match, local_compute_fn}} entries")
-    entries = [_merge_typed(PlanEntry, _plain(e, f"parallel.plan.{i}"), f"parallel.plan.{i}") for i, e in enumerate(plan)]
+    entries = [_merge_typed(PlanEntry, _entry(e, f"parallel.plan.{i}"), f"parallel.plan.{i}") for i, e in enumerate(plan)]
     for i, entry in enumerate(entries):
         if OmegaConf.is_missing(entry, "match"):
             raise PlanError(f"parallel.plan.{i}.match is required: an fnmatch pattern such as 'model.layers.*.mlp'")
@@ -101,6 +102,15 @@ def _merge_typed(schema: type, raw: dict, where: str) -> DictConfig:
         fix = (f"valid keys of {where}: {', '.join(fields)}" if isinstance(e, ConfigKeyError)
                else f"give a value of the type autoep.plan.schema.{schema.__name__} declares")
         raise PlanError(f"{key}: {first_line}; {fix}") from None
+
+
+def _entry(node, where: str) -> dict:
+    """A plan entry as a plain dict; a ``functools.partial`` compute fn (a host's recursive ``instantiate`` of
+    ``{_target_: pkg.fn, _partial_: true}``) read back as the mapping it was instantiated from."""
+    entry = _plain(node, where)
+    if "local_compute_fn" in entry:
+        entry["local_compute_fn"] = factory_mapping(entry["local_compute_fn"], f"{where}.local_compute_fn")
+    return entry
 
 
 def _plain(node, where: str = "plan entry") -> dict:
@@ -127,20 +137,34 @@ def split_moe(key: str, pattern: str, matched: list[str], modules: dict) -> tupl
     moe = [n for n in matched if structure.has_experts(modules[n])]
     if not moe:
         raise PlanError(f"{key}.match={pattern!r} with moe_only=true matches {len(matched)} modules and none has an "
-                        f"`experts` submodule; point the match at the MoE blocks (e.g. 'model.layers.*.mlp')")
+                        f"`experts` submodule; {_where_the_experts_are(pattern, modules)} (or set {key}.moe_only=false "
+                        f"for an explicit factory of your own over modules without experts)")
     return moe, [n for n in matched if n not in moe]
 
 
 def match_modules(key: str, pattern: str, modules: dict[str, nn.Module]) -> list[str]:
-    """Module names ``pattern`` matches (fnmatch), or a ``PlanError`` listing the closest MoE-looking names."""
+    """Module names ``pattern`` matches (fnmatch), or a ``PlanError`` suggesting globs that do match MoE blocks."""
     matched = [name for name in modules if fnmatch.fnmatchcase(name, pattern)]
     if matched:
         return matched
-    moe_like = [name for name, m in modules.items() if hasattr(m, "experts")]
-    close = difflib.get_close_matches(pattern, moe_like or list(modules), n=5, cutoff=0.0)
-    kind = "modules that look like MoE blocks" if moe_like else "module names (none has an `experts` attribute)"
-    raise PlanError(f"{key}.match={pattern!r} matches no module of the model; closest {kind}: {close}. "
-                    f"Fix the pattern (fnmatch over model.named_modules(), e.g. 'model.layers.*.mlp')")
+    raise PlanError(f"{key}.match={pattern!r} matches no module of the model (fnmatch over model.named_modules()); "
+                    f"{_where_the_experts_are(pattern, modules)}")
+
+
+def _where_the_experts_are(pattern: str, modules: dict[str, nn.Module]) -> str:
+    """A suggestion for a pattern that missed the MoE blocks: globs over the innermost modules holding experts
+    (found by data flow, as ``moe_only`` and the detector find them; layer indices written as ``*``), closest
+    to ``pattern`` first, each matching at least one block; or the closest module names when none has experts."""
+    holders = [n for n, m in modules.items() if n and structure.has_experts(m)]
+    # NOTE: has_experts is also true of a module it cannot read (a decoder, the model itself), so only the
+    # innermost holders are MoE blocks.
+    blocks = [n for n in holders if not any(h.startswith(n + ".") for h in holders)]
+    globs = list(dict.fromkeys(".".join("*" if part.isdigit() else part for part in n.split(".")) for n in blocks))
+    if not globs:
+        close = difflib.get_close_matches(pattern, [n for n in modules if n], n=5, cutoff=0.0)
+        return f"no module of the model holds experts; closest module names: {close}"
+    globs.sort(key=lambda g: -difflib.SequenceMatcher(None, pattern, g).ratio())
+    return f"globs that match its MoE blocks: {globs[:5]}; e.g. match: {globs[0]!r}"
 
 
 def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, matched: list[str],
@@ -149,7 +173,7 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
     if fn == AUTO:
         if not parallel.detect:
             raise PlanError(f"{key}.local_compute_fn=auto but parallel.detect=false, so nothing may be detected. "
-                            f"Name the factory ('{key}.local_compute_fn={{_target_:pkg.fn}}') or remove the entry")
+                            f"Name the factory ('{key}.local_compute_fn={{{FACTORY_KEY}:pkg.fn}}') or remove the entry")
         structure_dict, num_experts = _detect_group(key, entry["match"], modules, matched)
         cls_name = type(modules[matched[0]]).__name__
         fn = archetypes.compute_fn_config(structure.MoeStructure(**structure_dict), cls_name)
@@ -233,8 +257,8 @@ def check_compute_fn(key: str, fn, allowed_targets) -> None:
     nothing disallowed is imported."""
     name = factory_key(fn, f"{key}.local_compute_fn") if isinstance(fn, Mapping) else None
     if name is None:
-        raise PlanError(f"{key}.local_compute_fn={fn!r} must be 'auto' or a mapping with a _target_ (or "
-                        f"{FACTORY_KEY}), e.g. '{key}.local_compute_fn={{_target_:my_pkg.ep.my_factory}}'")
+        raise PlanError(f"{key}.local_compute_fn={fn!r} must be 'auto' or a mapping naming its factory: "
+                        f"{key}.local_compute_fn: {OPT_OUT_SPELLING}")
     _, target, kwargs = factory_spec(fn)
     where = f"{key}.local_compute_fn.{name}"
     check_not_moved(target, where)

@@ -71,10 +71,12 @@ class Decision:
 @dataclass
 class PlanEntry:
     match: str = MISSING  # fnmatch pattern over model.named_modules()
-    local_compute_fn: Any = "auto"  # "auto" or {_target_: pkg.factory, **kwargs}
-    # true: take only the matched modules that have an `experts` submodule; the others (dense MLPs of a
-    # model that mixes dense and MoE layers, e.g. DeepSeek-V3's first 3) are listed in decision.skipped
-    moe_only: bool = False
+    local_compute_fn: Any = "auto"  # "auto" or {_factory_: pkg.factory, **kwargs} (errors.OPT_OUT_SPELLING)
+    # true (the default, here and in the shipped entry, autoep/plan/conf/parallel/default.yaml): take only the
+    # matched modules that hold experts; the others (dense MLPs of a model that mixes dense and MoE layers,
+    # e.g. DeepSeek-V3's first 3) are listed in decision.skipped. false: every matched module must be an MoE
+    # block (or, for an explicit factory of your own, modules autoep finds no experts in)
+    moe_only: bool = True
     decision: Optional[Decision] = None
 
 
@@ -82,7 +84,7 @@ class PlanEntry:
 class ParallelConfig:
     ep_size: int = field(default=1, metadata=at_least(1, "ranks that share one copy of the experts; 1: no EP", 2))
     on_drift: str = field(default="error", metadata=one_of(ON_DRIFT, "what a replay does when the model's code changed"))
-    detect: bool = True  # false: never run structure detection; every entry must name its _target_
+    detect: bool = True  # false: never run structure detection; every entry must name its _factory_
     allowed_targets: List[str] = field(default_factory=list)  # import prefixes allowed besides autoep.runtime.recipes
     # a resolved.yaml whose frozen parallel section replaces this one (resolve_plan reads it; autoep.plan.replay)
     replay: Optional[str] = None

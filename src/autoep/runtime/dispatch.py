@@ -132,8 +132,11 @@ def ep_experts_forward(
     if acc_dtype is not None and acc_dtype != torch.float32:
         out_TD = _combine_like_the_loop(y_SD.view(T, K, D), top_k_weights_TK.clone(), top_k_index_TK, acc_dtype)
     else:
-        weighted_TKD = y_SD.float().view(T, K, D) * top_k_weights_TK.to(torch.float32, copy=True).unsqueeze(-1)
-        out_TD = weighted_TKD.sum(dim=1)
+        # Each product in the dtype the loop's ``y * w`` promotes to (rounded there: bf16 outputs times bf16 weights
+        # under autocast), then summed in fp32.
+        product = torch.promote_types(y_SD.dtype, top_k_weights_TK.dtype)
+        weighted_TKD = y_SD.view(T, K, D).to(product) * top_k_weights_TK.to(product, copy=True).unsqueeze(-1)
+        out_TD = weighted_TKD.float().sum(dim=1)
     out_TD = out_TD.to(y_SD.dtype if out_dtype == "experts" else out_dtype or hidden_TD.dtype)
     if W > 1:
         _exchanged(out_TD)

@@ -49,6 +49,8 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils.hooks import RemovableHandle
 
+from autoep.detect import elementwise
+from autoep.detect.source import Refusal
 from autoep.errors import PlanError, UnsupportedModuleStructure
 from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
 
@@ -459,13 +461,14 @@ def own_forward(experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert:
 def fast_path_ok(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor) -> bool:
     """The grouped GEMM computes exactly what the experts' own forwards would: proven SwiGLU experts whose
     projections are plain, unhooked, bias-free ``nn.Linear``\\ s with plain weights of ``x``'s dtype and a
-    nonzero width, all of one shape (gate and up (F, D), down (D, F), D = ``x``'s width), no global hooks,
-    no patched ``nn.Linear.forward``/``F.linear``, no torch-function mode."""
+    nonzero width, all of one shape (gate and up (F, D), down (D, F), D = ``x``'s width), one known element-wise
+    activation on every expert (``_activation``), no global hooks, no patched ``nn.Linear.forward``/``F.linear``,
+    no torch-function mode. Under autocast the grouped GEMM casts as ``F.linear`` does (``grouped_linear``)."""
     if not spec.fast_path or spec.swiglu is None or x_SD.dim() != 2:
         return False
     if nn.Linear.forward is not _LINEAR_FORWARD or F.linear is not _F_LINEAR or _global_hooks():
         return False
-    if torch._C._is_torch_function_mode_enabled():
+    if torch._C._is_torch_function_mode_enabled() or _activation(spec, experts) is None:
         return False
     D = x_SD.shape[1]
     shapes = None
@@ -504,8 +507,27 @@ def _grouped(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor, tokens_
     """The grouped GEMM on the local experts' own weights (``fast_path_ok`` holds): read in place from their
     stacked home where they live there (or can be moved there), stacked per forward (a copy) otherwise."""
     gate_up_L2FD, down_LDF = _stacked_weights(spec, experts, stacked, x_SD)
-    act = experts[0].act_fn if spec.act == "act_fn" else _ACTIVATIONS[spec.act]
-    return grouped_swiglu(x_SD, tokens_per_local_expert, gate_up_L2FD, down_LDF, apply_gate=glu_gate(act))
+    return grouped_swiglu(x_SD, tokens_per_local_expert, gate_up_L2FD, down_LDF,
+                          apply_gate=glu_gate(_activation(spec, experts)))
+
+
+def _activation(spec: LocalExperts, experts: list[nn.Module]):
+    """The activation every local expert's own forward applies now, or None where one applies another (an
+    ``act_fn`` swapped on one expert after apply) or one the fast path does not know to be element-wise:
+    only each expert's own forward applies those."""
+    if spec.act != "act_fn":
+        return _ACTIVATIONS.get(spec.act)
+    first = getattr(experts[0], "act_fn", None)
+    for e, expert in enumerate(experts):
+        act = getattr(expert, "act_fn", None)
+        try:
+            elementwise.check_activation_module(act, f"experts[{e}].act_fn")
+        except Refusal:
+            return None
+        if act is not first and not (isinstance(act, nn.Module) and isinstance(first, nn.Module)
+                                     and elementwise.same_activation(act, first)):
+            return None
+    return first
 
 
 def _stacked_weights(spec: LocalExperts, experts: list[nn.Module], stacked: _Stacked | None,

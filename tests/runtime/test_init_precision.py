@@ -1,0 +1,229 @@
+"""After apply it is still the user's model (issue 20): re-initialisation, precision and expert modules changed
+after ``apply_plan`` behave as on the model.
+
+Every case runs the same user code on the single-process model and on its EP copy (2 gloo ranks, 4 for the
+initialisation) and compares values: ``model.apply(init)`` seeded (every expert weight gathered from its owner,
+every dense weight on every rank), autocast in bf16 and fp16 and casts after apply (outputs, input gradients and
+gathered expert gradients against the model under the same autocast, each rank's slice run on its own), an
+activation swapped on one expert, parametrizations added to expert Linears, experts holding a plain function as
+activation. One spawn per world size runs every case (spawn cost dominates).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import guarded, run_cases
+from test_parity_hf import _first, build_tiny_lm, ep_plan, gathered_grads
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import blocks
+from autoep.runtime.apply import apply_plan
+
+D = 16
+TOKENS = {2: [7, 3], 4: [5, 1, 3, 2]}  # this rank's tokens; uneven
+
+
+class FnActMLP(nn.Module):
+    """A SwiGLU expert holding its activation as a plain function attribute (``self.act_fn = F.silu``)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.act_fn = F.silu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FnActMoE(blocks.MoE):
+    """torchtitan-style MoE whose experts are ``FnActMLP``s."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.experts = nn.ModuleList([FnActMLP(self.config.dim, self.config.hidden_dim)
+                                      for _ in range(self.config.num_experts)])
+
+
+def _module_list() -> nn.Module:
+    torch.manual_seed(0)
+    return blocks.MixtralStyleSparseMoeBlock(hidden=D, num_experts=4, top_k=2)
+
+
+def _batched() -> nn.Module:
+    return build_tiny_lm("qwen3_moe").model.layers[0].mlp
+
+
+def _fn_act() -> nn.Module:
+    torch.manual_seed(0)
+    return FnActMoE(hidden=D, num_experts=4, top_k=2)
+
+
+def _apply(block: nn.Module, world_size: int) -> nn.Module:
+    """An EP copy of ``block`` (the resolved plan the detector writes, applied on an ``ep`` mesh)."""
+    holder = nn.Module()
+    holder.mlp = copy.deepcopy(block)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    apply_plan(holder, ep_plan(holder, ["mlp"]), mesh)
+    return holder.mlp
+
+
+def _slices(world_size: int, hidden: int, seed: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    counts = TOKENS[world_size]
+    x = torch.randn(1, sum(counts), hidden, generator=g)
+    grad_out = torch.randn(1, sum(counts), hidden, generator=g)
+    bounds = [(sum(counts[:r]), sum(counts[: r + 1])) for r in range(world_size)]
+    return x, grad_out, bounds
+
+
+def _run(block: nn.Module, x: torch.Tensor, grad_out: torch.Tensor | None, context):
+    """``block``'s output on ``x`` under ``context()`` (and, with ``grad_out``, the input's gradient)."""
+    x = x.clone().requires_grad_(grad_out is not None)
+    with context():
+        out = _first(block(x)).reshape(x.shape)
+    if grad_out is not None:
+        (out.float() * grad_out).sum().backward()
+    return out.detach(), x.grad
+
+
+def _parity(rank, world_size, make_block, context, *, prepare=None, backward=True, overflow=False):
+    """The same user code (``prepare(block)`` after apply, then a forward under ``context()``) on the model, each
+    rank's slice on its own (gradients summed), and on the EP model: outputs, input gradients, expert gradients
+    gathered from their owners and dense gradients summed over ranks: outputs at fp32 defaults, gradients at
+    ``_grad_tol``; non-finite values must sit exactly where the model's are."""
+    grad_tol = _grad_tol(context)
+    ref = make_block()
+    ep = _apply(ref, world_size)
+    for block in (ref, ep):
+        if prepare is not None:
+            prepare(block)
+    hidden = ref.gate.weight.shape[-1]
+    x, grad_out, bounds = _slices(world_size, hidden)
+    refs = [_run(ref, x[:, a:b], grad_out[:, a:b] if backward else None, context) for a, b in bounds]
+    if overflow:  # the case is about the model's own overflow: it must happen
+        assert any(torch.isinf(out).any() for out, _ in refs), "the model's experts did not overflow"
+    lo, hi = bounds[rank]
+    out, x_grad = _run(ep, x[:, lo:hi], grad_out[:, lo:hi] if backward else None, context)
+    _close(out, refs[rank][0], "output", None)
+    if backward:
+        _close(x_grad, refs[rank][1], "input grad", grad_tol)
+        grads = gathered_grads(ep)  # NOTE: collective
+        for name, p in ref.named_parameters():
+            _close(grads[name], torch.zeros_like(p) if p.grad is None else p.grad, f"grad of {name}", grad_tol)
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, what: str, tol: float | None) -> None:
+    """fp32 ``assert_close`` defaults, or ``tol``: a relative error of ``tol`` of the tensor's largest magnitude
+    (see ``_grad_tol``); inf and nan exactly where the model has them."""
+    assert got.dtype == expected.dtype, f"{what}: dtype {got.dtype}, the model's {expected.dtype}"
+    for check in (torch.isnan, torch.isposinf, torch.isneginf):
+        where, ref_where = check(got), check(expected)
+        assert torch.equal(where, ref_where), f"{what}: {check.__name__} at {where.nonzero().tolist()[:6]}, the " \
+                                              f"model's at {ref_where.nonzero().tolist()[:6]}"
+    finite = torch.isfinite(expected)
+    if tol is None:
+        torch.testing.assert_close(got[finite], expected[finite], msg=lambda m: f"{what}: {m}")
+        return
+    scale = float(expected[finite].abs().max()) if finite.any() else 0.0
+    torch.testing.assert_close(got[finite], expected[finite], rtol=tol, atol=tol * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _grad_tol(context) -> float | None:
+    """Gradients under autocast: each GEMM rounds its result to the autocast dtype, and the model's own
+    gradients change by about one unit of that rounding when the same rows are computed in another grouping
+    (its per-slice reference computes each expert's rows in two GEMMs, EP in one; CPU kernels block by the row
+    count). The unit roundoff of the dtype, relative to the tensor's largest magnitude (cancellation makes
+    small entries carry the absolute error of the large terms): 2**-8 for bf16, 2**-11 for fp16, times 4 for the
+    roundings on the way (forward product, activation, backward product, cast back)."""
+    dtype = getattr(context, "dtype", None)
+    return None if dtype is None else 4 * torch.finfo(dtype).eps / 2
+
+
+class _autocast:
+    """``torch.autocast("cpu", dtype)`` made fresh for each forward."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self):
+        return torch.autocast("cpu", dtype=self.dtype)
+
+
+def _no_context():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision: autocast and casts after apply
+# ---------------------------------------------------------------------------------------------
+
+
+def _overflowing(make_block):
+    """``make_block``'s block with its experts' down projections scaled so that some fp16 outputs overflow
+    (the model's own experts give inf there; fp32 compute would not)."""
+
+    def make():
+        block = make_block()
+        with torch.no_grad():
+            for name, p in block.named_parameters():
+                if "experts" in name and "down" in name:
+                    p.mul_(2e5)  # fp16 holds the weights (0.1 * 2e5 < 65504); some outputs exceed it
+        return block
+
+    return make
+
+
+PRECISION_CASES = {
+    "autocast bf16, ModuleList experts": lambda r, w: _parity(r, w, _module_list, _autocast(torch.bfloat16)),
+    "autocast fp16, ModuleList experts": lambda r, w: _parity(r, w, _module_list, _autocast(torch.float16)),
+    "autocast bf16, batched experts": lambda r, w: _parity(r, w, _batched, _autocast(torch.bfloat16)),
+    "autocast fp16, batched experts": lambda r, w: _parity(r, w, _batched, _autocast(torch.float16)),
+    "autocast fp16 overflow, ModuleList experts": lambda r, w: _parity(
+        r, w, _overflowing(_module_list), _autocast(torch.float16), backward=False, overflow=True),
+    "autocast fp16 overflow, batched experts": lambda r, w: _parity(
+        r, w, _overflowing(_batched), _autocast(torch.float16), backward=False, overflow=True),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert modules changed after apply
+# ---------------------------------------------------------------------------------------------
+
+
+def _swap_act_on_one(block: nn.Module) -> None:
+    block.experts[1].act_fn = nn.GELU()
+
+
+MODULE_CASES = {
+    "activation swapped on one expert": lambda r, w: _parity(r, w, _module_list, _no_context,
+                                                             prepare=_swap_act_on_one),
+    "experts holding a function as activation": lambda r, w: _parity(r, w, _fn_act, _no_context),
+}
+
+
+def cases(rank: int, world_size: int, only: tuple = ()) -> dict:
+    results: dict = {}
+    for name, case in {**PRECISION_CASES, **MODULE_CASES}.items():
+        if not only or name in only:
+            guarded(results, name, case, rank, world_size)
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_cases(2, "test_init_precision:cases")
+
+
+@pytest.mark.parametrize("name", [*PRECISION_CASES, *MODULE_CASES])
+def test_two_ranks(two_ranks, name):
+    assert not two_ranks[name], "\n".join(two_ranks[name])

@@ -211,19 +211,109 @@ MODULE_CASES = {
 }
 
 
+# ---------------------------------------------------------------------------------------------
+# Re-initialisation after apply
+# ---------------------------------------------------------------------------------------------
+
+
+def _normal(m: nn.Module) -> None:
+    for p in m.parameters(recurse=False):
+        nn.init.normal_(p, std=0.02)
+
+
+def _xavier(m: nn.Module) -> None:
+    for p in m.parameters(recurse=False):
+        nn.init.xavier_uniform_(p) if p.dim() >= 2 else nn.init.uniform_(p)
+
+
+def _zeros(m: nn.Module) -> None:
+    for p in m.parameters(recurse=False):
+        nn.init.zeros_(p)
+
+
+def _reset(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        m.reset_parameters()
+
+
+def _with_dense_after(make_block):
+    """A model holding the block, then a dense layer initialised after the experts (the stream must reach it as
+    on the model)."""
+
+    def make():
+        block = make_block()
+        model = nn.Module()
+        model.mlp = block
+        width = block.gate.weight.shape[-1]
+        model.out = nn.Linear(width, width)
+        return model
+
+    return make
+
+
+def _full_state(model: nn.Module) -> dict:
+    """Every tensor of ``model`` as the single-process model holds it: ModuleList experts from their owners,
+    DTensor experts gathered (collectives)."""
+    from torch.distributed.tensor import DTensor
+
+    from autoep.runtime.recipes.local_experts import full_state_dict_of_experts
+
+    state = full_state_dict_of_experts(model)
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def _init_parity(rank: int, world_size: int, make_model, init) -> None:
+    """Seeded ``model.apply(init)`` after apply: every weight, gathered, equals the model's under the same seed
+    (and, the stream being the same, the dense layer initialised after the experts on every rank)."""
+    ref = make_model()
+    ep = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    apply_plan(ep, ep_plan(ep, ["mlp"]), mesh)
+    for model in (ref, ep):
+        torch.manual_seed(1234)
+        model.apply(init)
+    expected, got = ref.state_dict(), _full_state(ep)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    # Still a working EP model: one forward matches the re-initialised model's.
+    _parity_after_init(rank, world_size, ref.mlp, ep.mlp)
+
+
+def _parity_after_init(rank, world_size, ref_block, ep_block) -> None:
+    x, _, bounds = _slices(world_size, ref_block.gate.weight.shape[-1])
+    lo, hi = bounds[rank]
+    with torch.no_grad():
+        torch.testing.assert_close(_first(ep_block(x[:, lo:hi])).reshape(1, hi - lo, -1),
+                                   _first(ref_block(x[:, lo:hi])).reshape(1, hi - lo, -1))
+
+
+INIT_CASES = {
+    f"model.apply({init.__name__[1:]}) after apply, {kind} experts": (
+        lambda r, w, make=make, init=init: _init_parity(r, w, _with_dense_after(make), init))
+    for kind, make in (("ModuleList", _module_list), ("batched", _batched))
+    for init in (_normal, _xavier, _zeros, _reset)
+    if not (kind == "batched" and init is _reset)  # batched experts have no reset_parameters
+}
+
+
 def cases(rank: int, world_size: int, only: tuple = ()) -> dict:
     results: dict = {}
-    for name, case in {**PRECISION_CASES, **MODULE_CASES}.items():
+    every = {**INIT_CASES} if world_size == 4 else {**INIT_CASES, **PRECISION_CASES, **MODULE_CASES}
+    for name, case in every.items():
         if not only or name in only:
             guarded(results, name, case, rank, world_size)
     return results
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    return run_cases(2, "test_init_precision:cases")
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request):
+    return request.param, run_cases(request.param, "test_init_precision:cases")
 
 
-@pytest.mark.parametrize("name", [*PRECISION_CASES, *MODULE_CASES])
-def test_two_ranks(two_ranks, name):
-    assert not two_ranks[name], "\n".join(two_ranks[name])
+@pytest.mark.parametrize("name", [*INIT_CASES, *PRECISION_CASES, *MODULE_CASES])
+def test_after_apply(ranks, name):
+    world_size, results = ranks
+    if name not in results:
+        pytest.skip(f"runs on 2 ranks only")
+    assert not results[name], "\n".join(results[name])

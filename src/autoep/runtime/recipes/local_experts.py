@@ -37,6 +37,7 @@ Shape legend: S rows grouped by local expert, D hidden, F expert intermediate si
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -53,6 +54,7 @@ from autoep.detect import elementwise
 from autoep.detect.source import Refusal
 from autoep.errors import PlanError, UnsupportedModuleStructure
 from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
+from autoep.runtime.reinit import allocated
 
 SPEC = "_autoep_experts"  # the block attribute holding its ``LocalExperts``
 GROUP = "_autoep_ep_group"  # the block attribute holding its ep process group
@@ -152,6 +154,8 @@ def place_experts(block: nn.Module, *, path: str, num_experts: int, identity_exp
     setattr(block, GROUP, _Shared(None if ep_mesh is None else ep_mesh.get_group()))
     setattr(block, STACKED, _Stacked())
     _release(block, spec)
+    # ``model.apply(fn)`` recurses through ``container.apply``: remote experts drawn as on the model (reinit).
+    container.apply = functools.partial(_experts_apply, container, spec)
     return spec
 
 
@@ -186,7 +190,7 @@ def _release(block: nn.Module, spec: LocalExperts) -> None:
     module conversions keep on ``meta``."""
     for e, expert in enumerate(expert_modules(container_of(block, spec))[: spec.num_experts]):
         if not spec.is_local(e):
-            _stand_in_apply(expert, lambda t: t)
+            _stand_in_apply(expert, _unchanged)
             expert._apply = types.MethodType(_stand_in_apply, expert)
 
 
@@ -203,6 +207,30 @@ def _stand_in_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
             if b is not None:
                 m._buffers[name] = _meta_like(b, fn)
     return self
+
+
+def _experts_apply(container: nn.Module, spec: LocalExperts, fn) -> nn.Module:
+    """``nn.Module.apply`` for an experts container (``autoep.runtime.reinit``): each remote expert is allocated in
+    full on the local experts' device for the time of its own ``apply``, then becomes a stand-in again, so ``fn``
+    draws for every expert, in the model's order."""
+    experts = expert_modules(container)
+    remote = {id(experts[e]) for e in range(spec.num_experts) if not spec.is_local(e)}
+    device = _device_of(container)
+    for child in container.children():
+        if id(child) not in remote:
+            child.apply(fn)
+            continue
+        try:
+            with allocated(child, device):
+                child.apply(fn)
+        finally:
+            _stand_in_apply(child, _unchanged)  # NOTE: frees the expert's tensors (meta stand-ins again)
+    fn(container)
+    return container
+
+
+def _unchanged(t: Tensor) -> Tensor:
+    return t
 
 
 def _meta_like(t: Tensor, fn) -> Tensor:

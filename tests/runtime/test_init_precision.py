@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import blocks
+from autoep.errors import LiveStateError
 from autoep.runtime.apply import apply_plan
 
 D = 16
@@ -93,12 +94,12 @@ def _run(block: nn.Module, x: torch.Tensor, grad_out: torch.Tensor | None, conte
     return out.detach(), x.grad
 
 
-def _parity(rank, world_size, make_block, context, *, prepare=None, backward=True, overflow=False):
+def _parity(rank, world_size, make_block, context, *, prepare=None, backward=True, overflow=False, dtype=None):
     """The same user code (``prepare(block)`` after apply, then a forward under ``context()``) on the model, each
     rank's slice on its own (gradients summed), and on the EP model: outputs, input gradients, expert gradients
     gathered from their owners and dense gradients summed over ranks: outputs at fp32 defaults, gradients at
     ``_grad_tol``; non-finite values must sit exactly where the model's are."""
-    grad_tol = _grad_tol(context)
+    grad_tol = _grad_tol(context) if dtype is None else _grad_tol(_autocast(dtype))
     ref = make_block()
     ep = _apply(ref, world_size)
     for block in (ref, ep):
@@ -106,12 +107,14 @@ def _parity(rank, world_size, make_block, context, *, prepare=None, backward=Tru
             prepare(block)
     hidden = ref.gate.weight.shape[-1]
     x, grad_out, bounds = _slices(world_size, hidden)
+    if dtype is not None:  # a model cast after apply takes inputs of its dtype
+        x, grad_out = x.to(dtype), grad_out.to(dtype)
     refs = [_run(ref, x[:, a:b], grad_out[:, a:b] if backward else None, context) for a, b in bounds]
     if overflow:  # the case is about the model's own overflow: it must happen
         assert any(torch.isinf(out).any() for out, _ in refs), "the model's experts did not overflow"
     lo, hi = bounds[rank]
     out, x_grad = _run(ep, x[:, lo:hi], grad_out[:, lo:hi] if backward else None, context)
-    _close(out, refs[rank][0], "output", None)
+    _close(out, refs[rank][0], "output", None if dtype is None else grad_tol)
     if backward:
         _close(x_grad, refs[rank][1], "input grad", grad_tol)
         grads = gathered_grads(ep)  # NOTE: collective
@@ -183,7 +186,15 @@ def _overflowing(make_block):
     return make
 
 
+def _cast(how: str):
+    return lambda block: getattr(block, how)() if how != "to" else block.to(torch.bfloat16)
+
+
 PRECISION_CASES = {
+    **{f"{kind} experts cast by .{how}() after apply": (
+        lambda r, w, make=make, how=how: _parity(r, w, make, _no_context, prepare=_cast(how),
+                                                 dtype=torch.float16 if how == "half" else torch.bfloat16))
+       for kind, make in (("ModuleList", _module_list), ("batched", _batched)) for how in ("to", "half", "bfloat16")},
     "autocast bf16, ModuleList experts": lambda r, w: _parity(r, w, _module_list, _autocast(torch.bfloat16)),
     "autocast fp16, ModuleList experts": lambda r, w: _parity(r, w, _module_list, _autocast(torch.float16)),
     "autocast bf16, batched experts": lambda r, w: _parity(r, w, _batched, _autocast(torch.bfloat16)),
@@ -204,10 +215,53 @@ def _swap_act_on_one(block: nn.Module) -> None:
     block.experts[1].act_fn = nn.GELU()
 
 
+class _Halve(nn.Module):
+    """A user parametrization (``register_parametrization``): the weight used is half the stored one."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 0.5
+
+
+def _weight_norm(block: nn.Module) -> None:
+    for expert in block.experts:
+        torch.nn.utils.parametrizations.weight_norm(expert.gate_proj)
+        torch.nn.utils.parametrizations.weight_norm(expert.up_proj)
+
+
+def _halve_down(block: nn.Module) -> None:
+    for expert in block.experts:
+        torch.nn.utils.parametrize.register_parametrization(expert.down_proj, "weight", _Halve())
+
+
+def _old_spectral_norm(expert: nn.Module) -> None:
+    torch.nn.utils.spectral_norm(expert.up_proj)  # the hook-based spelling: buffers weight_u/weight_v
+
+
+def _spectral_norm_refused(rank: int, world_size: int, register, needle: str) -> None:
+    """``spectral_norm`` draws its ``_u``/``_v`` when registered: on an EP model the stand-ins of other ranks'
+    experts draw nothing, so this rank's experts would get other draws than the model's. Refused at the first
+    forward, before any exchange, on every rank alike, naming the expert and the parametrization."""
+    ep = _apply(_module_list(), world_size)
+    for expert in ep.experts:
+        register(expert)
+    x, _, bounds = _slices(world_size, D)
+    with pytest.raises(LiveStateError, match=needle):
+        ep(x[:, slice(*bounds[rank])])
+
+
 MODULE_CASES = {
     "activation swapped on one expert": lambda r, w: _parity(r, w, _module_list, _no_context,
                                                              prepare=_swap_act_on_one),
     "experts holding a function as activation": lambda r, w: _parity(r, w, _fn_act, _no_context),
+    "weight_norm on expert Linears after apply": lambda r, w: _parity(r, w, _module_list, _no_context,
+                                                                      prepare=_weight_norm),
+    "register_parametrization on expert Linears after apply": lambda r, w: _parity(
+        r, w, _module_list, _no_context, prepare=_halve_down),
+    "spectral_norm on expert Linears after apply: refused": lambda r, w: _spectral_norm_refused(
+        r, w, lambda expert: torch.nn.utils.parametrizations.spectral_norm(expert.gate_proj),
+        r"experts\.0\.gate_proj carries the parametrization _SpectralNorm of weight \(buffers _u, _v\), state drawn"),
+    "spectral_norm hook on expert Linears after apply: refused": lambda r, w: _spectral_norm_refused(
+        r, w, _old_spectral_norm, r"experts\.0\.up_proj carries the forward pre hook SpectralNorm, state drawn"),
 }
 
 

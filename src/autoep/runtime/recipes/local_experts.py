@@ -48,11 +48,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.utils.hooks import RemovableHandle
 
 from autoep.detect import elementwise
 from autoep.detect.source import Refusal
-from autoep.errors import PlanError, UnsupportedModuleStructure
+from autoep.errors import LiveStateError, PlanError, UnsupportedModuleStructure
 from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
 from autoep.runtime.reinit import allocated
 
@@ -463,9 +464,13 @@ def register_counts_hook(block: nn.Module, hook) -> RemovableHandle:
 
 
 def local_expert_fn(block: nn.Module):
-    """``expert_fn(x_SD, tokens_per_local_expert) -> y_SD`` for the exchange: this rank's experts on their rows."""
+    """``expert_fn(x_SD, tokens_per_local_expert) -> y_SD`` for the exchange: this rank's experts on their rows.
+    Called before the exchange: raises ``LiveStateError`` (on every rank alike) where an expert carries state
+    drawn or updated per call that EP cannot keep as the model does (``_check_drawn_state``)."""
     spec = spec_of(block)
-    experts = expert_modules(container_of(block, spec))[spec.first: spec.first + spec.num_local]
+    every = expert_modules(container_of(block, spec))
+    _check_drawn_state(block, spec, every)
+    experts = every[spec.first: spec.first + spec.num_local]
     stacked = getattr(block, STACKED, None)
 
     def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
@@ -476,6 +481,27 @@ def local_expert_fn(block: nn.Module):
         return own_forward(experts, x_SD, tokens_per_local_expert)
 
     return expert_fn
+
+
+def _check_drawn_state(block: nn.Module, spec: LocalExperts, experts: list[nn.Module]) -> None:
+    """Refuse parametrizations holding buffers (``spectral_norm``'s ``_u``/``_v``) and ``spectral_norm`` hooks on
+    any expert (remote stand-ins included, so every rank decides alike): they draw their state at registration,
+    where a ``meta`` stand-in draws nothing, so the local experts' draws come from another point of the RNG stream
+    than on the model (and the power iteration then updates it from there)."""
+    for e, expert in enumerate(experts[: spec.num_experts]):
+        for name, m in expert.named_modules():
+            found = [f"the forward pre hook {type(h).__name__}" for h in m._forward_pre_hooks.values()
+                     if isinstance(h, SpectralNorm)]
+            for attr, chain in getattr(m, "parametrizations", {}).items():
+                found += [f"the parametrization {type(p).__name__} of {attr} (buffers "
+                          f"{', '.join(n for n, _ in p.named_buffers())})" for p in chain if any(True for _ in p.buffers())]
+            if found:
+                where = _join(spec.path, spec.keys[e], name)
+                raise LiveStateError(f"{type(block).__name__}.{where} carries {found[0]}, state drawn from the RNG "
+                                     f"when it was registered; under expert parallelism the experts other ranks own are "
+                                     f"meta stand-ins here, which draw nothing, so this rank's experts got other draws "
+                                     f"than the model's. Register it before apply_plan on a block autoep accepts, use a "
+                                     f"stateless parametrization (weight_norm), or leave the block out of parallel.plan")
 
 
 def own_forward(experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:

@@ -66,6 +66,26 @@ def _fn_act() -> nn.Module:
     return FnActMoE(hidden=D, num_experts=4, top_k=2)
 
 
+def _grouped() -> nn.Module:
+    torch.manual_seed(0)
+    return blocks.TitanMoE(hidden=D, num_experts=4, top_k=2)
+
+
+def _equal_groups() -> nn.Module:
+    torch.manual_seed(0)
+    return blocks.EqualGroupsMoE(hidden=D, num_experts=4, top_k=2)
+
+
+def _split_loop() -> nn.Module:
+    torch.manual_seed(0)
+    return blocks.SortedSplitMoE(hidden=D, num_experts=4, top_k=2)
+
+
+def _width(block: nn.Module) -> int:
+    router = getattr(block, "gate", None) or block.router
+    return router.weight.shape[-1]
+
+
 def _apply(block: nn.Module, world_size: int) -> nn.Module:
     """An EP copy of ``block`` (the resolved plan the detector writes, applied on an ``ep`` mesh)."""
     holder = nn.Module()
@@ -105,7 +125,7 @@ def _parity(rank, world_size, make_block, context, *, prepare=None, backward=Tru
     for block in (ref, ep):
         if prepare is not None:
             prepare(block)
-    hidden = ref.gate.weight.shape[-1]
+    hidden = _width(ref)
     x, grad_out, bounds = _slices(world_size, hidden)
     if dtype is not None:  # a model cast after apply takes inputs of its dtype
         x, grad_out = x.to(dtype), grad_out.to(dtype)
@@ -199,6 +219,11 @@ PRECISION_CASES = {
     "autocast fp16, ModuleList experts": lambda r, w: _parity(r, w, _module_list, _autocast(torch.float16)),
     "autocast bf16, batched experts": lambda r, w: _parity(r, w, _batched, _autocast(torch.bfloat16)),
     "autocast fp16, batched experts": lambda r, w: _parity(r, w, _batched, _autocast(torch.float16)),
+    "autocast bf16, ModuleList split loop": lambda r, w: _parity(r, w, _split_loop, _autocast(torch.bfloat16)),
+    "autocast bf16, grouped experts": lambda r, w: _parity(r, w, _grouped, _autocast(torch.bfloat16)),
+    "autocast fp16, grouped experts": lambda r, w: _parity(r, w, _grouped, _autocast(torch.float16)),
+    "autocast bf16, equal-groups experts": lambda r, w: _parity(r, w, _equal_groups, _autocast(torch.bfloat16)),
+    "autocast fp16, equal-groups experts": lambda r, w: _parity(r, w, _equal_groups, _autocast(torch.float16)),
     "autocast fp16 overflow, ModuleList experts": lambda r, w: _parity(
         r, w, _overflowing(_module_list), _autocast(torch.float16), backward=False, overflow=True),
     "autocast fp16 overflow, batched experts": lambda r, w: _parity(

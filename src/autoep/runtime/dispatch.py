@@ -260,7 +260,8 @@ def ep_grouped_forward(
     rows_SD: Tensor, counts_E: Tensor, *, num_experts: int, ep_group, expert_fn: ExpertFn
 ) -> Tensor:
     """Rows already grouped by expert (``counts_E[e]`` contiguous rows for expert e, in expert order) ->
-    each row through its own expert, same order: ``sum(counts_E)`` rows in ``rows_SD``'s dtype.
+    each row through its own expert, same order: ``sum(counts_E)`` rows in the dtype the experts computed them in
+    (``rows_SD``'s, or the autocast dtype, as the experts' own forward returns them).
 
     The exchange of ``ep_experts_forward`` with one slot per row and weight one (``y * 1.0`` in fp32 and
     back is exact, so values and gradients are the experts' own).
@@ -268,4 +269,4 @@ def ep_grouped_forward(
     ids_S = torch.repeat_interleave(torch.arange(num_experts, device=rows_SD.device), counts_E.to(rows_SD.device))
     ones_S1 = torch.ones((ids_S.shape[0], 1), dtype=torch.float32, device=rows_SD.device)
     return ep_experts_forward(rows_SD[: ids_S.shape[0]], ids_S.unsqueeze(1), ones_S1, num_experts=num_experts,
-                              ep_group=ep_group, expert_fn=expert_fn, out_dtype=rows_SD.dtype)
+                              ep_group=ep_group, expert_fn=expert_fn, out_dtype="experts")

@@ -61,6 +61,12 @@ def _batched() -> nn.Module:
     return build_tiny_lm("qwen3_moe").model.layers[0].mlp
 
 
+def _gpt_oss() -> nn.Module:
+    """transformers' GPT-OSS block: batched experts with biases, ``x @ w + b`` (the bias promotes to fp32 under
+    autocast), its own clamped gate."""
+    return build_tiny_lm("gpt_oss").model.layers[0].mlp
+
+
 def _fn_act() -> nn.Module:
     torch.manual_seed(0)
     return FnActMoE(hidden=D, num_experts=4, top_k=2)
@@ -219,6 +225,8 @@ PRECISION_CASES = {
     "autocast fp16, ModuleList experts": lambda r, w: _parity(r, w, _module_list, _autocast(torch.float16)),
     "autocast bf16, batched experts": lambda r, w: _parity(r, w, _batched, _autocast(torch.bfloat16)),
     "autocast fp16, batched experts": lambda r, w: _parity(r, w, _batched, _autocast(torch.float16)),
+    "autocast bf16, batched experts with biases (GPT-OSS)": lambda r, w: _parity(r, w, _gpt_oss,
+                                                                                  _autocast(torch.bfloat16)),
     "autocast bf16, ModuleList split loop": lambda r, w: _parity(r, w, _split_loop, _autocast(torch.bfloat16)),
     "autocast bf16, grouped experts": lambda r, w: _parity(r, w, _grouped, _autocast(torch.bfloat16)),
     "autocast fp16, grouped experts": lambda r, w: _parity(r, w, _grouped, _autocast(torch.float16)),

@@ -492,7 +492,7 @@ def _check_drawn_state(block: nn.Module, spec: LocalExperts, experts: list[nn.Mo
         for name, m in expert.named_modules():
             found = [f"the forward pre hook {type(h).__name__}" for h in m._forward_pre_hooks.values()
                      if isinstance(h, SpectralNorm)]
-            for attr, chain in getattr(m, "parametrizations", {}).items():
+            for attr, chain in (m._modules.get("parametrizations") or {}).items():
                 found += [f"the parametrization {type(p).__name__} of {attr} (buffers "
                           f"{', '.join(n for n, _ in p.named_buffers())})" for p in chain if any(True for _ in p.buffers())]
             if found:

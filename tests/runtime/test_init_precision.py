@@ -349,7 +349,7 @@ def _full_state(model: nn.Module) -> dict:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
-def _init_parity(rank: int, world_size: int, make_model, init) -> None:
+def _init_parity(rank: int, world_size: int, make_model, init, *, through_apply: bool = True) -> None:
     """Seeded ``model.apply(init)`` after apply: every weight, gathered, equals the model's under the same seed
     (and, the stream being the same, the dense layer initialised after the experts on every rank)."""
     ref = make_model()
@@ -358,7 +358,7 @@ def _init_parity(rank: int, world_size: int, make_model, init) -> None:
     apply_plan(ep, ep_plan(ep, ["mlp"]), mesh)
     for model in (ref, ep):
         torch.manual_seed(1234)
-        model.apply(init)
+        model.apply(init) if through_apply else init(model)
     expected, got = ref.state_dict(), _full_state(ep)
     assert got.keys() == expected.keys()
     for key, value in expected.items():
@@ -375,6 +375,13 @@ def _parity_after_init(rank, world_size, ref_block, ep_block) -> None:
                                    _first(ref_block(x[:, lo:hi])).reshape(1, hi - lo, -1))
 
 
+def _reset_loop(model: nn.Module) -> None:
+    """``reset_parameters()`` called on each module in turn (not through ``apply``)."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+
+
 INIT_CASES = {
     f"model.apply({init.__name__[1:]}) after apply, {kind} experts": (
         lambda r, w, make=make, init=init: _init_parity(r, w, _with_dense_after(make), init))
@@ -382,6 +389,8 @@ INIT_CASES = {
     for init in (_normal, _xavier, _zeros, _reset)
     if not (kind == "batched" and init is _reset)  # batched experts have no reset_parameters
 }
+INIT_CASES["reset_parameters() on each module after apply, ModuleList experts"] = (
+    lambda r, w: _init_parity(r, w, _with_dense_after(_module_list), _reset_loop, through_apply=False))
 
 
 def cases(rank: int, world_size: int, only: tuple = ()) -> dict:

@@ -11,7 +11,7 @@ The modules holding such experts therefore get an instance-level ``apply`` (``nn
 ``child.apply(fn)``, which finds it), a ``functools.partial`` so that a deep copy or a pickle keeps it:
   - ModuleList experts (``autoep.runtime.recipes.local_experts``, on the container): a remote expert's tensors are
     allocated in full on the local experts' device for the time of its own ``apply`` (one expert at a time), then
-    it becomes a stand-in again;
+    it becomes a stand-in again; its modules' ``reset_parameters`` likewise, where called directly;
   - sharded experts (``sharded_apply``, on the experts module): each DTensor parameter is swapped for a full plain
     parameter holding this rank's shard in its slot (zeros elsewhere) for the time of the call; afterwards the slot
     is copied back into the shard and the rest freed.

@@ -189,10 +189,14 @@ def _join(*parts: str) -> str:
 def _release(block: nn.Module, spec: LocalExperts) -> None:
     """Every remote expert's parameters and buffers become ``meta`` stand-ins (``requires_grad=False``) that
     module conversions keep on ``meta``."""
-    for e, expert in enumerate(expert_modules(container_of(block, spec))[: spec.num_experts]):
+    container = container_of(block, spec)
+    for e, expert in enumerate(expert_modules(container)[: spec.num_experts]):
         if not spec.is_local(e):
             _stand_in_apply(expert, _unchanged)
             expert._apply = types.MethodType(_stand_in_apply, expert)
+            for m in expert.modules():  # ``m.reset_parameters()`` called directly draws as on the model too
+                if callable(getattr(type(m), "reset_parameters", None)):
+                    m.reset_parameters = functools.partial(_stand_in_reset, m, container)
 
 
 def _stand_in_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
@@ -228,6 +232,20 @@ def _experts_apply(container: nn.Module, spec: LocalExperts, fn) -> nn.Module:
             _stand_in_apply(child, _unchanged)  # NOTE: frees the expert's tensors (meta stand-ins again)
     fn(container)
     return container
+
+
+def _stand_in_reset(module: nn.Module, container: nn.Module) -> None:
+    """``reset_parameters`` of a module inside a remote expert: its class's own, on tensors allocated for the call
+    (it draws what the model's module draws), then stand-ins again; as is where an enclosing ``apply`` allocated
+    them already (``_experts_apply`` releases them)."""
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        type(module).reset_parameters(module)
+        return
+    try:
+        with allocated(module, _device_of(container)):
+            type(module).reset_parameters(module)
+    finally:
+        _stand_in_apply(module, _unchanged)
 
 
 def _unchanged(t: Tensor) -> Tensor:

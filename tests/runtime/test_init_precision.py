@@ -14,7 +14,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import guarded, run_cases
 from test_parity_hf import _first, build_tiny_lm, ep_plan, gathered_grads

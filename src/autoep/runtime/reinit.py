@@ -63,7 +63,8 @@ def _place(shard: DTensor) -> tuple[int, int]:
     """(number of shards, this rank's index) along dim 0: the ``ep`` mesh dim that ``Shard(0)`` is placed on."""
     dims = [i for i, placement in enumerate(shard.placements) if placement.is_shard(0)]
     if len(dims) != 1:
-        raise ValueError(f"expert parameter placed {shard.placements}; autoep shards experts Shard(0) over one mesh dim")
+        raise ValueError(f"expert parameter placed {shard.placements}; autoep shards experts Shard(0) over one "
+                         f"mesh dim")
     return shard.device_mesh.size(dims[0]), shard.device_mesh.get_local_rank(dims[0])
 
 

@@ -512,14 +512,19 @@ def _check_drawn_state(block: nn.Module, spec: LocalExperts, experts: list[nn.Mo
                      if isinstance(h, SpectralNorm)]
             for attr, chain in (m._modules.get("parametrizations") or {}).items():
                 found += [f"the parametrization {type(p).__name__} of {attr} (buffers "
-                          f"{', '.join(n for n, _ in p.named_buffers())})" for p in chain if any(True for _ in p.buffers())]
+                          f"{', '.join(n for n, _ in p.named_buffers())})" for p in chain if _holds_buffers(p)]
             if found:
                 where = _join(spec.path, spec.keys[e], name)
-                raise LiveStateError(f"{type(block).__name__}.{where} carries {found[0]}, state drawn from the RNG "
-                                     f"when it was registered; under expert parallelism the experts other ranks own are "
-                                     f"meta stand-ins here, which draw nothing, so this rank's experts got other draws "
-                                     f"than the model's. Register it before apply_plan on a block autoep accepts, use a "
-                                     f"stateless parametrization (weight_norm), or leave the block out of parallel.plan")
+                raise LiveStateError(
+                    f"{type(block).__name__}.{where} carries {found[0]}, state drawn from the RNG when it was "
+                    f"registered; under expert parallelism the experts other ranks own are meta stand-ins here, "
+                    f"which draw nothing, so this rank's experts got other draws than the model's. Remove it "
+                    f"(torch.nn.utils.parametrize.remove_parametrizations), use one without drawn state "
+                    f"(weight_norm), or leave the block out of parallel.plan")
+
+
+def _holds_buffers(m: nn.Module) -> bool:
+    return any(True for _ in m.buffers())
 
 
 def own_forward(experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:

@@ -281,7 +281,26 @@ def _spectral_norm_refused(rank: int, world_size: int, register, needle: str) ->
         ep(x[:, slice(*bounds[rank])])
 
 
+def _reshaping_init_refused(rank: int, world_size: int) -> None:
+    """``model.apply(fn)`` where ``fn`` replaces a batched expert parameter by one of another shape: each rank keeps
+    its shard of the model's shape, so the call raises naming the parameter, and the shard stays in place."""
+    from torch.distributed.tensor import DTensor
+
+    ep = _apply(_batched(), world_size)
+    before = ep.experts.gate_up_proj
+
+    def reshape(m: nn.Module) -> None:
+        if "gate_up_proj" in m._parameters:
+            m.gate_up_proj = nn.Parameter(torch.zeros(2, 2))
+
+    with pytest.raises(ValueError, match=r"replaced the expert parameter Qwen3MoeExperts\.gate_up_proj of shape "
+                                         r"\(8, 32, 32\) by \(2, 2\)"):
+        ep.apply(reshape)
+    assert ep.experts.gate_up_proj is before and isinstance(before, DTensor)
+
+
 MODULE_CASES = {
+    "model.apply(fn) replacing an expert parameter's shape: refused": _reshaping_init_refused,
     "activation swapped on one expert": lambda r, w: _parity(r, w, _module_list, _no_context,
                                                              prepare=_swap_act_on_one),
     "experts holding a function as activation": lambda r, w: _parity(r, w, _fn_act, _no_context),

@@ -367,13 +367,14 @@ def _full_state(model: nn.Module) -> dict:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
-def _init_parity(rank: int, world_size: int, make_model, init, *, through_apply: bool = True) -> None:
+def _init_parity(rank: int, world_size: int, make_model, init, *, through_apply: bool = True, edp: int = 1) -> None:
     """Seeded ``model.apply(init)`` after apply: every weight, gathered, equals the model's under the same seed
     (and, the stream being the same, the dense layer initialised after the experts on every rank)."""
     ref = make_model()
     ep = copy.deepcopy(ref)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
-    apply_plan(ep, ep_plan(ep, ["mlp"]), mesh)
+    mesh = init_device_mesh("cpu", (edp, world_size // edp), mesh_dim_names=("edp", "ep")) if edp > 1 else \
+        init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    apply_plan(ep, ep_plan(ep, ["mlp"]) | {"ep_size": world_size // edp}, mesh)
     for model in (ref, ep):
         torch.manual_seed(1234)
         model.apply(init) if through_apply else init(model)
@@ -381,8 +382,8 @@ def _init_parity(rank: int, world_size: int, make_model, init, *, through_apply:
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
-    # Still a working EP model: one forward matches the re-initialised model's.
-    _parity_after_init(rank, world_size, ref.mlp, ep.mlp)
+    if edp == 1:  # still a working EP model: one forward matches the re-initialised model's
+        _parity_after_init(rank, world_size, ref.mlp, ep.mlp)
 
 
 def _parity_after_init(rank, world_size, ref_block, ep_block) -> None:
@@ -411,10 +412,17 @@ INIT_CASES["reset_parameters() on each module after apply, ModuleList experts"] 
     lambda r, w: _init_parity(r, w, _with_dense_after(_module_list), _reset_loop, through_apply=False))
 
 
+EDP_CASES = {  # 4 ranks: experts Shard(0) over ep, replicated over edp
+    f"model.apply(normal) after apply, {kind} experts, (edp, ep) = (2, 2)": (
+        lambda r, w, make=make: _init_parity(r, w, _with_dense_after(make), _normal, edp=2))
+    for kind, make in (("ModuleList", _module_list), ("batched", _batched))
+}
+
+
 def cases(rank: int, world_size: int, only: tuple = ()) -> dict:
     """Every case at 2 ranks, the initialisation cases at 4 (``only``: these names alone, for a rerun by hand)."""
     results: dict = {}
-    every = INIT_CASES if world_size == 4 else {**INIT_CASES, **PRECISION_CASES, **MODULE_CASES}
+    every = {**INIT_CASES, **EDP_CASES} if world_size == 4 else {**INIT_CASES, **PRECISION_CASES, **MODULE_CASES}
     for name, case in every.items():
         if not only or name in only:
             guarded(results, name, case, rank, world_size)
@@ -436,6 +444,6 @@ def test_two_ranks(two_ranks, name):
     assert not two_ranks[name], "\n".join(two_ranks[name])
 
 
-@pytest.mark.parametrize("name", list(INIT_CASES))
+@pytest.mark.parametrize("name", [*INIT_CASES, *EDP_CASES])
 def test_four_ranks(four_ranks, name):
     assert not four_ranks[name], "\n".join(four_ranks[name])

@@ -412,6 +412,24 @@ INIT_CASES["reset_parameters() on each module after apply, ModuleList experts"] 
     lambda r, w: _init_parity(r, w, _with_dense_after(_module_list), _reset_loop, through_apply=False))
 
 
+def _hf_init_parity(rank: int, world_size: int) -> None:
+    """transformers' own init through ``apply`` on a whole tiny Qwen3-MoE LM (every MoE block under EP): the
+    README's spelling, ``model.apply(model._init_weights)``, gives the model's weights on every rank."""
+    from test_parity_hf import moe_block_names
+
+    ref = build_tiny_lm("qwen3_moe")
+    ep = copy.deepcopy(ref)
+    apply_plan(ep, ep_plan(ep, moe_block_names(ep)), init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)))
+    for model in (ref, ep):
+        torch.manual_seed(1234)
+        model.apply(model._init_weights)
+    expected, got = ref.state_dict(), _full_state(ep)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+INIT_CASES["model.apply(model._init_weights) after apply, transformers Qwen3-MoE LM"] = _hf_init_parity
+
 EDP_CASES = {  # 4 ranks: experts Shard(0) over ep, replicated over edp
     f"model.apply(normal) after apply, {kind} experts, (edp, ep) = (2, 2)": (
         lambda r, w, make=make: _init_parity(r, w, _with_dense_after(make), _normal, edp=2))

@@ -132,8 +132,11 @@ def ep_experts_forward(
     if acc_dtype is not None and acc_dtype != torch.float32:
         out_TD = _combine_like_the_loop(y_SD.view(T, K, D), top_k_weights_TK.clone(), top_k_index_TK, acc_dtype)
     else:
-        weighted_TKD = y_SD.float().view(T, K, D) * top_k_weights_TK.to(torch.float32, copy=True).unsqueeze(-1)
-        out_TD = weighted_TKD.sum(dim=1)
+        # Each product in the dtype the loop's ``y * w`` promotes to (rounded there: bf16 outputs times bf16 weights
+        # under autocast), then summed in fp32.
+        product = torch.promote_types(y_SD.dtype, top_k_weights_TK.dtype)
+        weighted_TKD = y_SD.view(T, K, D).to(product) * top_k_weights_TK.to(product, copy=True).unsqueeze(-1)
+        out_TD = weighted_TKD.float().sum(dim=1)
     out_TD = out_TD.to(y_SD.dtype if out_dtype == "experts" else out_dtype or hidden_TD.dtype)
     if W > 1:
         _exchanged(out_TD)
@@ -257,7 +260,8 @@ def ep_grouped_forward(
     rows_SD: Tensor, counts_E: Tensor, *, num_experts: int, ep_group, expert_fn: ExpertFn
 ) -> Tensor:
     """Rows already grouped by expert (``counts_E[e]`` contiguous rows for expert e, in expert order) ->
-    each row through its own expert, same order: ``sum(counts_E)`` rows in ``rows_SD``'s dtype.
+    each row through its own expert, same order: ``sum(counts_E)`` rows in the dtype the experts computed them in
+    (``rows_SD``'s, or the autocast dtype, as the experts' own forward returns them).
 
     The exchange of ``ep_experts_forward`` with one slot per row and weight one (``y * 1.0`` in fp32 and
     back is exact, so values and gradients are the experts' own).
@@ -265,4 +269,4 @@ def ep_grouped_forward(
     ids_S = torch.repeat_interleave(torch.arange(num_experts, device=rows_SD.device), counts_E.to(rows_SD.device))
     ones_S1 = torch.ones((ids_S.shape[0], 1), dtype=torch.float32, device=rows_SD.device)
     return ep_experts_forward(rows_SD[: ids_S.shape[0]], ids_S.unsqueeze(1), ones_S1, num_experts=num_experts,
-                              ep_group=ep_group, expert_fn=expert_fn, out_dtype=rows_SD.dtype)
+                              ep_group=ep_group, expert_fn=expert_fn, out_dtype="experts")

@@ -80,7 +80,10 @@ def can_use_grouped_mm(x_SD: Tensor, w_LIO: Tensor) -> bool:
 
 
 def grouped_linear(x_SD: Tensor, tokens_per_expert: Tensor, w_LIO: Tensor, bias_LO: Tensor | None = None) -> Tensor:
-    """``y[s] = x[s] @ w[e(s)] (+ bias[e(s)])`` for rows grouped by expert (``w`` as (L, in, out))."""
+    """``y[s] = x[s] @ w[e(s)] (+ bias[e(s)])`` for rows grouped by expert (``w`` as (L, in, out)). Under autocast
+    the product runs in the autocast dtype, as ``x @ w`` and ``F.linear`` do in the experts' own forward
+    (``torch._grouped_mm`` has no autocast rule of its own); the bias is added as given (``x @ w + b``)."""
+    x_SD, w_LIO = autocast_operands(x_SD, w_LIO)
     x_SD = _row_major(x_SD)
     if can_use_grouped_mm(x_SD, w_LIO):
         offs = torch.cumsum(tokens_per_expert, dim=0).to(torch.int32)
@@ -93,6 +96,17 @@ def grouped_linear(x_SD: Tensor, tokens_per_expert: Tensor, w_LIO: Tensor, bias_
         )
         y = y + bias_LO.index_select(0, expert_of_row)
     return y
+
+
+def autocast_operands(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The operands a matmul (``@``, ``F.linear``) computes on: under autocast for their device type, every
+    floating tensor but float64 cast to the autocast dtype (autocast's own rule for the ops it runs in lower
+    precision; the casts are differentiable, so fp32 weights get fp32 gradients); as given otherwise."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
 
 def _loop_linear(x_SD: Tensor, tokens_per_expert: Tensor, w_LIO: Tensor) -> Tensor:

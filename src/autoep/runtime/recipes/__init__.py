@@ -35,6 +35,7 @@ from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.apply import shard_expert_tensor
 from autoep.runtime.dispatch import join_exchanges, open_exchanges
+from autoep.runtime.reinit import install_sharded_apply
 
 Proof = TypeVar("Proof")
 
@@ -179,6 +180,7 @@ def bind_experts_forward(experts: nn.Module, spec, forward: Callable) -> None:
     experts._autoep_ep = spec
     experts._autoep_proven_code = _forward_code(type(experts))
     experts.forward = types.MethodType(_live(forward), experts)
+    install_sharded_apply(experts)  # ``model.apply(fn)`` draws for the full expert tensors, as on the model
 
 
 def _forward_code(cls: type):

@@ -89,7 +89,7 @@ def _ep_forward(self: nn.Module, *args, **kwargs) -> Tensor:
     y_RD = ep_experts_forward(
         x_SD[:routed], expert_of_row_R1.unsqueeze(1), ones_R1, num_experts=E, ep_group=spec.ep_group,
         expert_fn=lambda x, tokens_per_local_expert: _local_swiglu(self, proof, x, tokens_per_local_expert),
-        out_dtype=x_SD.dtype,
+        out_dtype="experts",  # as their own forward returns them (the autocast dtype under autocast)
     )
     if routed == x_SD.shape[0]:
         return y_RD

@@ -10,7 +10,9 @@ contiguous experts ``[r*L, (r+1)*L)`` (L = E // ep_size), as the exchange sends 
   - every other expert's parameters and buffers become ``meta`` stand-ins with ``requires_grad=False``
     (never allocated, never trained here). ``model.to(device)``, ``.cuda()``, ``.to_empty(...)``, ``.bfloat16()``
     keep them on ``meta`` (the expert's ``_apply`` is replaced on the instance) while taking the dtype the
-    conversion gives, so a gather still receives the owner's dtype.
+    conversion gives, so a gather still receives the owner's dtype. ``model.apply(fn)`` (and a stand-in module's
+    ``reset_parameters()``) allocates a remote expert for the call, so an init draws for it as on the model
+    (``autoep.runtime.reinit``).
 
 The ownership query (used by checkpoints, export and trainer integrations)::
 
@@ -37,6 +39,7 @@ Shape legend: S rows grouped by local expert, D hidden, F expert intermediate si
 
 from __future__ import annotations
 
+import functools
 import types
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -47,10 +50,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.utils.hooks import RemovableHandle
 
-from autoep.errors import PlanError, UnsupportedModuleStructure
+from autoep.detect import elementwise
+from autoep.detect.source import Refusal
+from autoep.errors import LiveStateError, PlanError, UnsupportedModuleStructure
 from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
+from autoep.runtime.reinit import allocated
 
 SPEC = "_autoep_experts"  # the block attribute holding its ``LocalExperts``
 GROUP = "_autoep_ep_group"  # the block attribute holding its ep process group
@@ -150,6 +157,8 @@ def place_experts(block: nn.Module, *, path: str, num_experts: int, identity_exp
     setattr(block, GROUP, _Shared(None if ep_mesh is None else ep_mesh.get_group()))
     setattr(block, STACKED, _Stacked())
     _release(block, spec)
+    # ``model.apply(fn)`` recurses through ``container.apply``: remote experts drawn as on the model (reinit).
+    container.apply = functools.partial(_experts_apply, container, spec)
     return spec
 
 
@@ -182,10 +191,14 @@ def _join(*parts: str) -> str:
 def _release(block: nn.Module, spec: LocalExperts) -> None:
     """Every remote expert's parameters and buffers become ``meta`` stand-ins (``requires_grad=False``) that
     module conversions keep on ``meta``."""
-    for e, expert in enumerate(expert_modules(container_of(block, spec))[: spec.num_experts]):
+    container = container_of(block, spec)
+    for e, expert in enumerate(expert_modules(container)[: spec.num_experts]):
         if not spec.is_local(e):
-            _stand_in_apply(expert, lambda t: t)
+            _stand_in_apply(expert, _unchanged)
             expert._apply = types.MethodType(_stand_in_apply, expert)
+            for m in expert.modules():  # ``m.reset_parameters()`` called directly draws as on the model too
+                if callable(getattr(type(m), "reset_parameters", None)):
+                    m.reset_parameters = functools.partial(_stand_in_reset, m, container)
 
 
 def _stand_in_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
@@ -201,6 +214,44 @@ def _stand_in_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
             if b is not None:
                 m._buffers[name] = _meta_like(b, fn)
     return self
+
+
+def _experts_apply(container: nn.Module, spec: LocalExperts, fn) -> nn.Module:
+    """``nn.Module.apply`` for an experts container (``autoep.runtime.reinit``): each remote expert is allocated in
+    full on the local experts' device for the time of its own ``apply``, then becomes a stand-in again, so ``fn``
+    draws for every expert, in the model's order."""
+    experts = expert_modules(container)
+    remote = {id(experts[e]) for e in range(spec.num_experts) if not spec.is_local(e)}
+    device = _device_of(container)
+    for child in container.children():
+        if id(child) not in remote:
+            child.apply(fn)
+            continue
+        try:
+            with allocated(child, device):
+                child.apply(fn)
+        finally:
+            _stand_in_apply(child, _unchanged)  # NOTE: frees the expert's tensors (meta stand-ins again)
+    fn(container)
+    return container
+
+
+def _stand_in_reset(module: nn.Module, container: nn.Module) -> None:
+    """``reset_parameters`` of a module inside a remote expert: its class's own, on tensors allocated for the call
+    (it draws what the model's module draws), then stand-ins again; as is where an enclosing ``apply`` allocated
+    them already (``_experts_apply`` releases them)."""
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        type(module).reset_parameters(module)
+        return
+    try:
+        with allocated(module, _device_of(container)):
+            type(module).reset_parameters(module)
+    finally:
+        _stand_in_apply(module, _unchanged)
+
+
+def _unchanged(t: Tensor) -> Tensor:
+    return t
 
 
 def _meta_like(t: Tensor, fn) -> Tensor:
@@ -433,9 +484,13 @@ def register_counts_hook(block: nn.Module, hook) -> RemovableHandle:
 
 
 def local_expert_fn(block: nn.Module):
-    """``expert_fn(x_SD, tokens_per_local_expert) -> y_SD`` for the exchange: this rank's experts on their rows."""
+    """``expert_fn(x_SD, tokens_per_local_expert) -> y_SD`` for the exchange: this rank's experts on their rows.
+    Called before the exchange: raises ``LiveStateError`` (on every rank alike) where an expert carries state
+    drawn or updated per call that EP cannot keep as the model does (``_check_drawn_state``)."""
     spec = spec_of(block)
-    experts = expert_modules(container_of(block, spec))[spec.first: spec.first + spec.num_local]
+    every = expert_modules(container_of(block, spec))
+    _check_drawn_state(block, spec, every)
+    experts = every[spec.first: spec.first + spec.num_local]
     stacked = getattr(block, STACKED, None)
 
     def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
@@ -446,6 +501,32 @@ def local_expert_fn(block: nn.Module):
         return own_forward(experts, x_SD, tokens_per_local_expert)
 
     return expert_fn
+
+
+def _check_drawn_state(block: nn.Module, spec: LocalExperts, experts: list[nn.Module]) -> None:
+    """Refuse parametrizations holding buffers (``spectral_norm``'s ``_u``/``_v``) and ``spectral_norm`` hooks on
+    any expert (remote stand-ins included, so every rank decides alike): they draw their state at registration,
+    where a ``meta`` stand-in draws nothing, so the local experts' draws come from another point of the RNG stream
+    than on the model (and the power iteration then updates it from there)."""
+    for e, expert in enumerate(experts[: spec.num_experts]):
+        for name, m in expert.named_modules():
+            found = [f"the forward pre hook {type(h).__name__}" for h in m._forward_pre_hooks.values()
+                     if isinstance(h, SpectralNorm)]
+            for attr, chain in (m._modules.get("parametrizations") or {}).items():
+                found += [f"the parametrization {type(p).__name__} of {attr} (buffers "
+                          f"{', '.join(n for n, _ in p.named_buffers())})" for p in chain if _holds_buffers(p)]
+            if found:
+                where = _join(spec.path, spec.keys[e], name)
+                raise LiveStateError(
+                    f"{type(block).__name__}.{where} carries {found[0]}, state drawn from the RNG when it was "
+                    f"registered; under expert parallelism the experts other ranks own are meta stand-ins here, "
+                    f"which draw nothing, so this rank's experts got other draws than the model's. Remove it "
+                    f"(torch.nn.utils.parametrize.remove_parametrizations), use one without drawn state "
+                    f"(weight_norm), or leave the block out of parallel.plan")
+
+
+def _holds_buffers(m: nn.Module) -> bool:
+    return any(True for _ in m.buffers())
 
 
 def own_forward(experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
@@ -459,13 +540,14 @@ def own_forward(experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert:
 def fast_path_ok(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor) -> bool:
     """The grouped GEMM computes exactly what the experts' own forwards would: proven SwiGLU experts whose
     projections are plain, unhooked, bias-free ``nn.Linear``\\ s with plain weights of ``x``'s dtype and a
-    nonzero width, all of one shape (gate and up (F, D), down (D, F), D = ``x``'s width), no global hooks,
-    no patched ``nn.Linear.forward``/``F.linear``, no torch-function mode."""
+    nonzero width, all of one shape (gate and up (F, D), down (D, F), D = ``x``'s width), one known element-wise
+    activation on every expert (``_activation``), no global hooks, no patched ``nn.Linear.forward``/``F.linear``,
+    no torch-function mode. Under autocast the grouped GEMM casts as ``F.linear`` does (``grouped_linear``)."""
     if not spec.fast_path or spec.swiglu is None or x_SD.dim() != 2:
         return False
     if nn.Linear.forward is not _LINEAR_FORWARD or F.linear is not _F_LINEAR or _global_hooks():
         return False
-    if torch._C._is_torch_function_mode_enabled():
+    if torch._C._is_torch_function_mode_enabled() or _activation(spec, experts) is None:
         return False
     D = x_SD.shape[1]
     shapes = None
@@ -504,8 +586,27 @@ def _grouped(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor, tokens_
     """The grouped GEMM on the local experts' own weights (``fast_path_ok`` holds): read in place from their
     stacked home where they live there (or can be moved there), stacked per forward (a copy) otherwise."""
     gate_up_L2FD, down_LDF = _stacked_weights(spec, experts, stacked, x_SD)
-    act = experts[0].act_fn if spec.act == "act_fn" else _ACTIVATIONS[spec.act]
-    return grouped_swiglu(x_SD, tokens_per_local_expert, gate_up_L2FD, down_LDF, apply_gate=glu_gate(act))
+    return grouped_swiglu(x_SD, tokens_per_local_expert, gate_up_L2FD, down_LDF,
+                          apply_gate=glu_gate(_activation(spec, experts)))
+
+
+def _activation(spec: LocalExperts, experts: list[nn.Module]):
+    """The activation every local expert's own forward applies now, or None where one applies another (an
+    ``act_fn`` swapped on one expert after apply) or one the fast path does not know to be element-wise:
+    only each expert's own forward applies those."""
+    if spec.act != "act_fn":
+        return _ACTIVATIONS.get(spec.act)
+    first = getattr(experts[0], "act_fn", None)
+    for e, expert in enumerate(experts):
+        act = getattr(expert, "act_fn", None)
+        try:
+            elementwise.check_activation_module(act, f"experts[{e}].act_fn")
+        except Refusal:
+            return None
+        if act is not first and not (isinstance(act, nn.Module) and isinstance(first, nn.Module)
+                                     and elementwise.same_activation(act, first)):
+            return None
+    return first
 
 
 def _stacked_weights(spec: LocalExperts, experts: list[nn.Module], stacked: _Stacked | None,

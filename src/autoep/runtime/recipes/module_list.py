@@ -274,9 +274,11 @@ def _swiglu(module: nn.Module, structure: dict) -> tuple[str, str, str] | None:
     if structure.get("expert_kind", "swiglu") != "swiglu" or len(names) != 3 or not all(names):
         return None
     if act == "act_fn":
-        first = next(iter(experts_of(module, structure).children()))
-        if any(True for _ in getattr(first, "act_fn", nn.Identity()).parameters()):
-            return None  # a learnable activation differs per expert: only their own forwards apply it
+        act_fn = getattr(next(iter(experts_of(module, structure).children())), "act_fn", None)
+        # A learnable activation differs per expert: only their own forwards apply it. A plain function
+        # (``self.act_fn = F.silu``) holds nothing. The fast path re-checks every expert's at each call.
+        if isinstance(act_fn, nn.Module) and any(True for _ in act_fn.parameters()):
+            return None
         return names
     return names if act in _ACTIVATIONS else None
 

@@ -1,0 +1,467 @@
+"""After apply it is still the user's model (issue 20): re-initialisation, precision and expert modules changed
+after ``apply_plan`` behave as on the model.
+
+Every case runs the same user code on the single-process model and on its EP copy (2 gloo ranks, 4 for the
+initialisation) and compares values: ``model.apply(init)`` seeded (every expert weight gathered from its owner,
+every dense weight on every rank), autocast in bf16 and fp16 and casts after apply (outputs, input gradients and
+gathered expert gradients against the model under the same autocast, each rank's slice run on its own), an
+activation swapped on one expert, parametrizations added to expert Linears, experts holding a plain function as
+activation. One spawn per world size runs every case (spawn cost dominates).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import guarded, run_cases
+from test_parity_hf import _first, build_tiny_lm, ep_plan, gathered_grads
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import blocks
+from autoep.errors import LiveStateError
+from autoep.runtime.apply import apply_plan
+
+D = 16
+TOKENS = {2: [7, 3], 4: [5, 1, 3, 2]}  # this rank's tokens; uneven
+
+
+class FnActMLP(nn.Module):
+    """A SwiGLU expert holding its activation as a plain function attribute (``self.act_fn = F.silu``)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.act_fn = F.silu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FnActMoE(blocks.MoE):
+    """torchtitan-style MoE whose experts are ``FnActMLP``s."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.experts = nn.ModuleList([FnActMLP(self.config.dim, self.config.hidden_dim)
+                                      for _ in range(self.config.num_experts)])
+
+
+def _module_list() -> nn.Module:
+    torch.manual_seed(0)
+    return blocks.MixtralStyleSparseMoeBlock(hidden=D, num_experts=4, top_k=2)
+
+
+def _batched() -> nn.Module:
+    return build_tiny_lm("qwen3_moe").model.layers[0].mlp
+
+
+def _gpt_oss() -> nn.Module:
+    """transformers' GPT-OSS block: batched experts with biases, ``x @ w + b`` (the bias promotes to fp32 under
+    autocast), its own clamped gate."""
+    return build_tiny_lm("gpt_oss").model.layers[0].mlp
+
+
+def _fn_act() -> nn.Module:
+    torch.manual_seed(0)
+    return FnActMoE(hidden=D, num_experts=4, top_k=2)
+
+
+def _grouped() -> nn.Module:
+    torch.manual_seed(0)
+    return blocks.TitanMoE(hidden=D, num_experts=4, top_k=2)
+
+
+def _equal_groups() -> nn.Module:
+    torch.manual_seed(0)
+    return blocks.EqualGroupsMoE(hidden=D, num_experts=4, top_k=2)
+
+
+def _split_loop() -> nn.Module:
+    torch.manual_seed(0)
+    return blocks.SortedSplitMoE(hidden=D, num_experts=4, top_k=2)
+
+
+def _width(block: nn.Module) -> int:
+    router = getattr(block, "gate", None) or block.router
+    return router.weight.shape[-1]
+
+
+def _apply(block: nn.Module, world_size: int) -> nn.Module:
+    """An EP copy of ``block`` (the resolved plan the detector writes, applied on an ``ep`` mesh)."""
+    holder = nn.Module()
+    holder.mlp = copy.deepcopy(block)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    apply_plan(holder, ep_plan(holder, ["mlp"]), mesh)
+    return holder.mlp
+
+
+def _slices(world_size: int, hidden: int, seed: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    counts = TOKENS[world_size]
+    x = torch.randn(1, sum(counts), hidden, generator=g)
+    grad_out = torch.randn(1, sum(counts), hidden, generator=g)
+    bounds = [(sum(counts[:r]), sum(counts[: r + 1])) for r in range(world_size)]
+    return x, grad_out, bounds
+
+
+def _run(block: nn.Module, x: torch.Tensor, grad_out: torch.Tensor | None, context):
+    """``block``'s output on ``x`` under ``context()`` (and, with ``grad_out``, the input's gradient)."""
+    x = x.clone().requires_grad_(grad_out is not None)
+    with context():
+        out = _first(block(x)).reshape(x.shape)
+    if grad_out is not None:
+        (out.float() * grad_out).sum().backward()
+    return out.detach(), x.grad
+
+
+def _parity(rank, world_size, make_block, context, *, prepare=None, backward=True, overflow=False, dtype=None):
+    """The same user code (``prepare(block)`` after apply, then a forward under ``context()``) on the model, each
+    rank's slice on its own (gradients summed), and on the EP model: outputs, input gradients, expert gradients
+    gathered from their owners and dense gradients summed over ranks: outputs at fp32 defaults, gradients at
+    ``_grad_tol``; non-finite values must sit exactly where the model's are."""
+    grad_tol = _grad_tol(context) if dtype is None else _grad_tol(_autocast(dtype))
+    ref = make_block()
+    ep = _apply(ref, world_size)
+    for block in (ref, ep):
+        if prepare is not None:
+            prepare(block)
+    hidden = _width(ref)
+    x, grad_out, bounds = _slices(world_size, hidden)
+    if dtype is not None:  # a model cast after apply takes inputs of its dtype
+        x, grad_out = x.to(dtype), grad_out.to(dtype)
+    refs = [_run(ref, x[:, a:b], grad_out[:, a:b] if backward else None, context) for a, b in bounds]
+    if overflow:  # the case is about the model's own overflow: it must happen
+        assert any(torch.isinf(out).any() for out, _ in refs), "the model's experts did not overflow"
+    lo, hi = bounds[rank]
+    out, x_grad = _run(ep, x[:, lo:hi], grad_out[:, lo:hi] if backward else None, context)
+    _close(out, refs[rank][0], "output", None if dtype is None else grad_tol)
+    if backward:
+        _close(x_grad, refs[rank][1], "input grad", grad_tol)
+        grads = gathered_grads(ep)  # NOTE: collective
+        for name, p in ref.named_parameters():
+            _close(grads[name], torch.zeros_like(p) if p.grad is None else p.grad, f"grad of {name}", grad_tol)
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, what: str, tol: float | None) -> None:
+    """fp32 ``assert_close`` defaults, or ``tol``: a relative error of ``tol`` of the tensor's largest magnitude
+    (see ``_grad_tol``); inf and nan exactly where the model has them."""
+    assert got.dtype == expected.dtype, f"{what}: dtype {got.dtype}, the model's {expected.dtype}"
+    for check in (torch.isnan, torch.isposinf, torch.isneginf):
+        where, ref_where = check(got), check(expected)
+        assert torch.equal(where, ref_where), f"{what}: {check.__name__} at {where.nonzero().tolist()[:6]}, the " \
+                                              f"model's at {ref_where.nonzero().tolist()[:6]}"
+    finite = torch.isfinite(expected)
+    if tol is None:
+        torch.testing.assert_close(got[finite], expected[finite], msg=lambda m: f"{what}: {m}")
+        return
+    scale = float(expected[finite].abs().max()) if finite.any() else 0.0
+    torch.testing.assert_close(got[finite], expected[finite], rtol=tol, atol=tol * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _grad_tol(context) -> float | None:
+    """Gradients under autocast: each GEMM rounds its result to the autocast dtype, and the model's own
+    gradients change by about one unit of that rounding when the same rows are computed in another grouping
+    (its per-slice reference computes each expert's rows in two GEMMs, EP in one; CPU kernels block by the row
+    count). The unit roundoff of the dtype, relative to the tensor's largest magnitude (cancellation makes
+    small entries carry the absolute error of the large terms): 2**-8 for bf16, 2**-11 for fp16, times 4 for the
+    roundings on the way (forward product, activation, backward product, cast back)."""
+    dtype = getattr(context, "dtype", None)
+    return None if dtype is None else 4 * torch.finfo(dtype).eps / 2
+
+
+class _autocast:
+    """``torch.autocast("cpu", dtype)`` made fresh for each forward."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self):
+        return torch.autocast("cpu", dtype=self.dtype)
+
+
+def _no_context():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision: autocast and casts after apply
+# ---------------------------------------------------------------------------------------------
+
+
+def _overflowing(make_block):
+    """``make_block``'s block with its experts' down projections scaled so that some fp16 outputs overflow
+    (the model's own experts give inf there; fp32 compute would not)."""
+
+    def make():
+        block = make_block()
+        with torch.no_grad():
+            for name, p in block.named_parameters():
+                if "experts" in name and "down" in name:
+                    p.mul_(2e5)  # fp16 holds the weights (0.1 * 2e5 < 65504); some outputs exceed it
+        return block
+
+    return make
+
+
+def _cast(how: str):
+    return lambda block: getattr(block, how)() if how != "to" else block.to(torch.bfloat16)
+
+
+PRECISION_CASES = {
+    **{f"{kind} experts cast by .{how}() after apply": (
+        lambda r, w, make=make, how=how: _parity(r, w, make, _no_context, prepare=_cast(how),
+                                                 dtype=torch.float16 if how == "half" else torch.bfloat16))
+       for kind, make in (("ModuleList", _module_list), ("batched", _batched)) for how in ("to", "half", "bfloat16")},
+    "autocast bf16, ModuleList experts": lambda r, w: _parity(r, w, _module_list, _autocast(torch.bfloat16)),
+    "autocast fp16, ModuleList experts": lambda r, w: _parity(r, w, _module_list, _autocast(torch.float16)),
+    "autocast bf16, batched experts": lambda r, w: _parity(r, w, _batched, _autocast(torch.bfloat16)),
+    "autocast fp16, batched experts": lambda r, w: _parity(r, w, _batched, _autocast(torch.float16)),
+    "autocast bf16, batched experts with biases (GPT-OSS)": lambda r, w: _parity(r, w, _gpt_oss,
+                                                                                  _autocast(torch.bfloat16)),
+    "autocast bf16, ModuleList split loop": lambda r, w: _parity(r, w, _split_loop, _autocast(torch.bfloat16)),
+    "autocast bf16, grouped experts": lambda r, w: _parity(r, w, _grouped, _autocast(torch.bfloat16)),
+    "autocast fp16, grouped experts": lambda r, w: _parity(r, w, _grouped, _autocast(torch.float16)),
+    "autocast bf16, equal-groups experts": lambda r, w: _parity(r, w, _equal_groups, _autocast(torch.bfloat16)),
+    "autocast fp16, equal-groups experts": lambda r, w: _parity(r, w, _equal_groups, _autocast(torch.float16)),
+    "autocast fp16 overflow, ModuleList experts": lambda r, w: _parity(
+        r, w, _overflowing(_module_list), _autocast(torch.float16), backward=False, overflow=True),
+    "autocast fp16 overflow, batched experts": lambda r, w: _parity(
+        r, w, _overflowing(_batched), _autocast(torch.float16), backward=False, overflow=True),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert modules changed after apply
+# ---------------------------------------------------------------------------------------------
+
+
+def _swap_act_on_one(block: nn.Module) -> None:
+    block.experts[1].act_fn = nn.GELU()
+
+
+class _Halve(nn.Module):
+    """A user parametrization (``register_parametrization``): the weight used is half the stored one."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 0.5
+
+
+def _weight_norm(block: nn.Module) -> None:
+    for expert in block.experts:
+        torch.nn.utils.parametrizations.weight_norm(expert.gate_proj)
+        torch.nn.utils.parametrizations.weight_norm(expert.up_proj)
+
+
+def _halve_down(block: nn.Module) -> None:
+    for expert in block.experts:
+        torch.nn.utils.parametrize.register_parametrization(expert.down_proj, "weight", _Halve())
+
+
+def _old_spectral_norm(expert: nn.Module) -> None:
+    torch.nn.utils.spectral_norm(expert.up_proj)  # the hook-based spelling: buffers weight_u/weight_v
+
+
+def _spectral_norm_refused(rank: int, world_size: int, register, needle: str) -> None:
+    """``spectral_norm`` draws its ``_u``/``_v`` when registered: on an EP model the stand-ins of other ranks'
+    experts draw nothing, so this rank's experts would get other draws than the model's. Refused at the first
+    forward, before any exchange, on every rank alike, naming the expert and the parametrization."""
+    ep = _apply(_module_list(), world_size)
+    for expert in ep.experts:
+        register(expert)
+    x, _, bounds = _slices(world_size, D)
+    with pytest.raises(LiveStateError, match=needle):
+        ep(x[:, slice(*bounds[rank])])
+
+
+def _reshaping_init_refused(rank: int, world_size: int) -> None:
+    """``model.apply(fn)`` where ``fn`` replaces a batched expert parameter by one of another shape: each rank keeps
+    its shard of the model's shape, so the call raises naming the parameter, and the shard stays in place."""
+    from torch.distributed.tensor import DTensor
+
+    ep = _apply(_batched(), world_size)
+    before = ep.experts.gate_up_proj
+
+    def reshape(m: nn.Module) -> None:
+        if "gate_up_proj" in m._parameters:
+            m.gate_up_proj = nn.Parameter(torch.zeros(2, 2))
+
+    with pytest.raises(ValueError, match=r"replaced the expert parameter Qwen3MoeExperts\.gate_up_proj of shape "
+                                         r"\(8, 32, 32\) by \(2, 2\)"):
+        ep.apply(reshape)
+    assert ep.experts.gate_up_proj is before and isinstance(before, DTensor)
+
+
+MODULE_CASES = {
+    "model.apply(fn) replacing an expert parameter's shape: refused": _reshaping_init_refused,
+    "activation swapped on one expert": lambda r, w: _parity(r, w, _module_list, _no_context,
+                                                             prepare=_swap_act_on_one),
+    "experts holding a function as activation": lambda r, w: _parity(r, w, _fn_act, _no_context),
+    "weight_norm on expert Linears after apply": lambda r, w: _parity(r, w, _module_list, _no_context,
+                                                                      prepare=_weight_norm),
+    "register_parametrization on expert Linears after apply": lambda r, w: _parity(
+        r, w, _module_list, _no_context, prepare=_halve_down),
+    "spectral_norm on expert Linears after apply: refused": lambda r, w: _spectral_norm_refused(
+        r, w, lambda expert: torch.nn.utils.parametrizations.spectral_norm(expert.gate_proj),
+        r"experts\.0\.gate_proj carries the parametrization _SpectralNorm of weight \(buffers _u, _v\), state drawn"),
+    "spectral_norm hook on expert Linears after apply: refused": lambda r, w: _spectral_norm_refused(
+        r, w, _old_spectral_norm, r"experts\.0\.up_proj carries the forward pre hook SpectralNorm, state drawn"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-initialisation after apply
+# ---------------------------------------------------------------------------------------------
+
+
+def _normal(m: nn.Module) -> None:
+    for p in m.parameters(recurse=False):
+        nn.init.normal_(p, std=0.02)
+
+
+def _xavier(m: nn.Module) -> None:
+    for p in m.parameters(recurse=False):
+        nn.init.xavier_uniform_(p) if p.dim() >= 2 else nn.init.uniform_(p)
+
+
+def _zeros(m: nn.Module) -> None:
+    for p in m.parameters(recurse=False):
+        nn.init.zeros_(p)
+
+
+def _reset(m: nn.Module) -> None:
+    if isinstance(m, nn.Linear):
+        m.reset_parameters()
+
+
+def _with_dense_after(make_block):
+    """A model holding the block, then a dense layer initialised after the experts (the stream must reach it as
+    on the model)."""
+
+    def make():
+        block = make_block()
+        model = nn.Module()
+        model.mlp = block
+        width = block.gate.weight.shape[-1]
+        model.out = nn.Linear(width, width)
+        return model
+
+    return make
+
+
+def _full_state(model: nn.Module) -> dict:
+    """Every tensor of ``model`` as the single-process model holds it: ModuleList experts from their owners,
+    DTensor experts gathered (collectives)."""
+    from torch.distributed.tensor import DTensor
+
+    from autoep.runtime.recipes.local_experts import full_state_dict_of_experts
+
+    state = full_state_dict_of_experts(model)
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def _init_parity(rank: int, world_size: int, make_model, init, *, through_apply: bool = True, edp: int = 1) -> None:
+    """Seeded ``model.apply(init)`` after apply: every weight, gathered, equals the model's under the same seed
+    (and, the stream being the same, the dense layer initialised after the experts on every rank)."""
+    ref = make_model()
+    ep = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (edp, world_size // edp), mesh_dim_names=("edp", "ep")) if edp > 1 else \
+        init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    apply_plan(ep, ep_plan(ep, ["mlp"]) | {"ep_size": world_size // edp}, mesh)
+    for model in (ref, ep):
+        torch.manual_seed(1234)
+        model.apply(init) if through_apply else init(model)
+    expected, got = ref.state_dict(), _full_state(ep)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+    if edp == 1:  # still a working EP model: one forward matches the re-initialised model's
+        _parity_after_init(rank, world_size, ref.mlp, ep.mlp)
+
+
+def _parity_after_init(rank, world_size, ref_block, ep_block) -> None:
+    x, _, bounds = _slices(world_size, ref_block.gate.weight.shape[-1])
+    lo, hi = bounds[rank]
+    with torch.no_grad():
+        torch.testing.assert_close(_first(ep_block(x[:, lo:hi])).reshape(1, hi - lo, -1),
+                                   _first(ref_block(x[:, lo:hi])).reshape(1, hi - lo, -1))
+
+
+def _reset_loop(model: nn.Module) -> None:
+    """``reset_parameters()`` called on each module in turn (not through ``apply``)."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+
+
+INIT_CASES = {
+    f"model.apply({init.__name__[1:]}) after apply, {kind} experts": (
+        lambda r, w, make=make, init=init: _init_parity(r, w, _with_dense_after(make), init))
+    for kind, make in (("ModuleList", _module_list), ("batched", _batched))
+    for init in (_normal, _xavier, _zeros, _reset)
+    if not (kind == "batched" and init is _reset)  # batched experts have no reset_parameters
+}
+INIT_CASES["reset_parameters() on each module after apply, ModuleList experts"] = (
+    lambda r, w: _init_parity(r, w, _with_dense_after(_module_list), _reset_loop, through_apply=False))
+
+
+def _hf_init_parity(rank: int, world_size: int) -> None:
+    """transformers' own init through ``apply`` on a whole tiny Qwen3-MoE LM (every MoE block under EP): the
+    README's spelling, ``model.apply(model._init_weights)``, gives the model's weights on every rank."""
+    from test_parity_hf import moe_block_names
+
+    ref = build_tiny_lm("qwen3_moe")
+    ep = copy.deepcopy(ref)
+    apply_plan(ep, ep_plan(ep, moe_block_names(ep)), init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)))
+    for model in (ref, ep):
+        torch.manual_seed(1234)
+        model.apply(model._init_weights)
+    expected, got = ref.state_dict(), _full_state(ep)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+INIT_CASES["model.apply(model._init_weights) after apply, transformers Qwen3-MoE LM"] = _hf_init_parity
+
+EDP_CASES = {  # 4 ranks: experts Shard(0) over ep, replicated over edp
+    f"model.apply(normal) after apply, {kind} experts, (edp, ep) = (2, 2)": (
+        lambda r, w, make=make: _init_parity(r, w, _with_dense_after(make), _normal, edp=2))
+    for kind, make in (("ModuleList", _module_list), ("batched", _batched))
+}
+
+
+def cases(rank: int, world_size: int, only: tuple = ()) -> dict:
+    """Every case at 2 ranks, the initialisation cases at 4 (``only``: these names alone, for a rerun by hand)."""
+    results: dict = {}
+    every = {**INIT_CASES, **EDP_CASES} if world_size == 4 else {**INIT_CASES, **PRECISION_CASES, **MODULE_CASES}
+    for name, case in every.items():
+        if not only or name in only:
+            guarded(results, name, case, rank, world_size)
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_cases(2, "test_init_precision:cases")
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_cases(4, "test_init_precision:cases")
+
+
+@pytest.mark.parametrize("name", [*INIT_CASES, *PRECISION_CASES, *MODULE_CASES])
+def test_two_ranks(two_ranks, name):
+    assert not two_ranks[name], "\n".join(two_ranks[name])
+
+
+@pytest.mark.parametrize("name", [*INIT_CASES, *EDP_CASES])
+def test_four_ranks(four_ranks, name):
+    assert not four_ranks[name], "\n".join(four_ranks[name])

@@ -178,6 +178,8 @@ class _Context:
                               f"{MIXES}")
             return ROWS
         if cls is nn.Dropout:
+            # Its probability is a fact at p=0 too: raised after apply, the model's own loop would draw masks.
+            self.fold(f"{path}.p" if path else "p", module.p)
             if module.p == 0:
                 return rows
             if module.training:

@@ -67,7 +67,7 @@ from mutation_source import function_tree, self_attr, with_method
 from torch import nn
 
 from autoep.detect.structure import detect_moe_structure
-from autoep.errors import LiveStateError, UnsupportedModuleStructure
+from autoep.errors import FactChanged, LiveStateError, UnsupportedModuleStructure
 from autoep.plan.archetypes import RUNNABLE_EXPERT_KINDS, compute_fn_config
 
 BATCH, SEQ = 2, 3
@@ -465,6 +465,9 @@ def source_mutator(site: SourceSite, edit: Edit) -> Callable[[nn.Module], None]:
             if edit.tweak is not None:
                 edit.tweak(obj)
 
+    if edit.around is not None:  # the edited module's globals: those of the method the mutant class defines
+        apply.around = lambda: edit.around(inspect.unwrap(getattr(cache["cls"], site.method)).__globals__)
+    apply.after_apply = edit.after_apply
     return apply
 
 
@@ -485,6 +488,14 @@ class Mutant:
         mode, a global hook: ``mutation_runtime._AROUND``); a no-op context otherwise."""
         make = getattr(self.mutate, "around", None)
         return make() if make is not None else contextlib.nullcontext()
+
+    def after_apply(self, block: nn.Module) -> nn.Module:
+        """``block`` after what the user does once the plan is applied (a dropout raised, a hook registered:
+        ``mutate.after_apply``), done to the reference and to the EP copy alike; unchanged otherwise."""
+        change = getattr(self.mutate, "after_apply", None)
+        if change is not None:
+            change(block)
+        return block
 
     def build(self) -> nn.Module:
         block = self.target.build()
@@ -745,7 +756,7 @@ def evaluate(mutant: Mutant) -> Outcome:
     x, flat = inputs(block), mutant.target.flat
     try:
         with mutant.around():
-            ref = forward_backward(copy.deepcopy(block), x, seed=100, flat=flat)
+            ref = forward_backward(mutant.after_apply(copy.deepcopy(block)), x, seed=100, flat=flat)
     except Exception as exc:  # noqa: BLE001 - the mutant's own code does not run
         return verdict("invalid", "own forward: " + short_error(exc))
     if why:
@@ -758,9 +769,9 @@ def evaluate(mutant: Mutant) -> Outcome:
         return verdict("accepted_wrong", "EP path raised " + short_error(exc))
     try:
         with mutant.around():
-            got = forward_backward(ep, x, seed=100, flat=flat)
-    except LiveStateError as exc:  # the fast path refuses process-wide state it would not honour, naming it
-        return verdict("refused", f"at forward: {exc}")
+            got = forward_backward(mutant.after_apply(ep), x, seed=100, flat=flat)
+    except (LiveStateError, FactChanged) as exc:  # process-wide state the fast path would not honour, or a value
+        return verdict("refused", f"at forward: {exc}")  # proven at apply changed since: named, before any work
     except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails
         return verdict("accepted_wrong", "EP path raised " + short_error(exc))
     diffs = differences(ref, got)

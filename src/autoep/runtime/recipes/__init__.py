@@ -28,7 +28,7 @@ from typing import Callable, TypeVar
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from autoep.detect.names import facts_under, holds, instance_attr, recording
+from autoep.detect.names import AttrFact, facts_under, holds, instance_attr, recording
 from autoep.detect.row_local import folded_drift
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
@@ -131,6 +131,21 @@ def watching_folded(block: nn.Module, folded) -> None:
     if block._autoep_folded and not getattr(block, "_autoep_watching", False):
         block._autoep_watching = True
         block.register_forward_pre_hook(_check_proven_hook)
+
+
+def watching_under(block: nn.Module, path: str) -> None:
+    """At each call of the experts at ``path`` whose forward a recipe replaced (``bind_experts_forward``), after
+    every user hook: what ``watching_facts`` and ``watching_folded`` watch on ``block`` that lies under them, and
+    the globals and class attributes. (A user's pre-hook registered after apply runs after the block's check.)"""
+    experts, prefix = block.get_submodule(path), path + "."
+    facts = []
+    for fact in getattr(block, "_autoep_facts", ()):
+        if not isinstance(fact, AttrFact):
+            facts.append(fact)
+        elif fact.path == path or fact.path.startswith(prefix):
+            facts.append(AttrFact(fact.path[len(prefix):], fact.name, fact.value))
+    experts._autoep_facts = tuple(facts)
+    experts._autoep_folded = tuple(e[len(prefix):] for e in getattr(block, "_autoep_folded", ()) if e.startswith(prefix))
 
 
 def check_proven(module: nn.Module) -> None:

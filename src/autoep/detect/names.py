@@ -64,7 +64,7 @@ _RECORD: contextvars.ContextVar = contextvars.ContextVar("autoep_folded_facts", 
 NOT_FACTS = ("training",)  # changes by design (train/eval); proofs that read it say what they do with it
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
 # Libraries whose module-level constants (``torch.float32``, ``math.pi``) nobody rebinds: not recorded.
-_LIBRARIES = ("torch", "math", "numpy", "builtins", "typing", "functools", "operator", "transformers")
+_LIBRARIES = ("torch", "math", "numpy", "builtins", "typing", "functools", "operator")
 
 
 @dataclass(frozen=True)

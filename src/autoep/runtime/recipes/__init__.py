@@ -74,8 +74,7 @@ def proven_experts(module: nn.Module, structure: dict | MoeStructure, prove: Cal
     if type(experts).forward is nn.Module.forward:  # e.g. a ModuleDict
         raise UnsupportedModuleStructure(name, f"experts is a {type(experts).__name__} with no forward of its own")
     try:
-        with watching_facts(experts, hook=False):  # what the experts' proof folds: checked at their call
-            proof = prove(experts)
+        proof = prove(experts)
     except Refusal as exc:
         raise UnsupportedModuleStructure(name, str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - any failure inside a proof is a refusal, as in the detector
@@ -107,16 +106,16 @@ def _block_flags(block: nn.Module, facts: MoeStructure) -> None:
 
 
 @contextlib.contextmanager
-def watching_facts(block: nn.Module, *, hook: bool = True):
+def watching_facts(block: nn.Module):
     """Around a recipe's ``validate``: every value its proofs fold (``names.recording``: a plain number of
     ``block`` or its submodules, a global, a module's or a class's attribute, a dropout probability) is checked
-    again before each call of ``block`` (``check_proven``: a forward pre-hook, unless ``hook=False``, and again
-    where the recipe's replaced code runs, after every user hook); a value changed since apply raises
-    ``FactChanged``, naming it, instead of running a plan proven for the old one."""
+    again before each call of ``block`` (``check_proven``: a forward pre-hook, and again where the recipe's
+    replaced code runs, after every user hook: ``checking_proven``, ``watching_under``); a value changed since
+    apply raises ``FactChanged``, naming it, instead of running a plan proven for the old one."""
     with recording() as reads:
         yield
     block._autoep_facts = facts_under(block, reads)
-    if hook and block._autoep_facts and not getattr(block, "_autoep_watching", False):
+    if block._autoep_facts and not getattr(block, "_autoep_watching", False):
         block._autoep_watching = True
         block.register_forward_pre_hook(_check_proven_hook)
 

@@ -24,6 +24,7 @@ import torch
 
 from autoep.detect.source import Refusal
 
+
 class _Missing:
     def __repr__(self) -> str:
         return "<missing>"
@@ -200,18 +201,13 @@ def _computed(static) -> bool:
 @contextlib.contextmanager
 def recording():
     """Collect what the proofs run inside read and fold: instance attributes (``instance_attr``), globals
-    (``Scope.lookup``) and attributes of modules and classes (``attribute``). Nested: what an inner recording
-    collects is the outer one's too."""
-    outer = _RECORD.get()
+    (``Scope.lookup``) and plain constants of modules and classes (``attribute``)."""
     facts: dict = {}
     token = _RECORD.set(facts)
     try:
         yield facts
     finally:
         _RECORD.reset(token)
-        if outer is not None:
-            for key, read in facts.items():
-                outer.setdefault(key, read)
 
 
 def facts_under(root, reads: dict) -> tuple[Fact, ...]:

@@ -170,13 +170,14 @@ def _check_proven_hook(module: nn.Module, args) -> None:
 def checking_proven(region: Callable) -> Callable:
     """``region(block, *args)`` (a spliced expert region's exchange) after ``check_proven(block)``: the check
     where the block's own code reaches its expert work, after every forward pre-hook (a user's registered after
-    apply may have changed a value the block pre-hook saw unchanged)."""
+    apply may have changed a value the block pre-hook saw unchanged). A partial of module-level functions: it
+    pickles and copies as the region does."""
+    return functools.partial(_checked_region, region)
 
-    def checked(block: nn.Module, *args):
-        check_proven(block)
-        return region(block, *args)
 
-    return checked
+def _checked_region(region: Callable, block: nn.Module, *args):
+    check_proven(block)
+    return region(block, *args)
 
 
 def join_backward_exchanges(block: nn.Module, ep_mesh) -> None:

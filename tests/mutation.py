@@ -23,11 +23,15 @@ loop skips, a class a function builds; grouped experts called as ``experts(x_sor
   the gate's float constants doubled or made learnable; a ``forward`` whose ``__code__`` was edited after
   import, a block number made a property (issue 17; its source operators, ``mutation_live_operators``:
   private names, default arguments and closure variables rebound, routing weights edited in place after
-  the loop, an empty experts output dropped).
+  the loop, an empty experts output dropped). Issue 20: values a proof folds changed after apply (a global
+  or a settings class's flag around each forward, ``Mutant.around``; a dropout raised, an instance flag set
+  by a user pre-hook registered after apply, ``Mutant.after_apply``, done to the reference and the EP copy);
+  a dim given as ``axis=``; a default whose global was rebound.
 
 Verdicts (``evaluate``): the detector raising anything but ``UnsupportedModuleStructure`` is a **crash**;
 a mutant whose own forward/backward raises is **invalid** (listed, not counted, whatever the detector
-said); a refusal is **refused**; otherwise the recipe from ``compute_fn_config`` runs on a deep copy at
+said); a refusal (at detection, at apply, or at forward: ``LiveStateError``, ``FactChanged``, raised before
+any expert work) is **refused**; otherwise the recipe from ``compute_fn_config`` runs on a deep copy at
 ``ep_mesh=None`` and outputs, input grad and every parameter grad must equal the mutant's own (fp32,
 default ``assert_close``): **accepted_exact**, else **accepted_wrong** (with the largest difference or
 the exception). ``mutation_ranks`` repeats the comparison on gloo ranks.

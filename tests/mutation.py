@@ -23,11 +23,15 @@ loop skips, a class a function builds; grouped experts called as ``experts(x_sor
   the gate's float constants doubled or made learnable; a ``forward`` whose ``__code__`` was edited after
   import, a block number made a property (issue 17; its source operators, ``mutation_live_operators``:
   private names, default arguments and closure variables rebound, routing weights edited in place after
-  the loop, an empty experts output dropped).
+  the loop, an empty experts output dropped). Issue 20: values a proof folds changed after apply (a global
+  or a settings class's flag around each forward, ``Mutant.around``; a dropout raised, an instance flag set
+  by a user pre-hook registered after apply, ``Mutant.after_apply``, done to the reference and the EP copy);
+  a dim given as ``axis=``; a default whose global was rebound.
 
 Verdicts (``evaluate``): the detector raising anything but ``UnsupportedModuleStructure`` is a **crash**;
 a mutant whose own forward/backward raises is **invalid** (listed, not counted, whatever the detector
-said); a refusal is **refused**; otherwise the recipe from ``compute_fn_config`` runs on a deep copy at
+said); a refusal (at detection, at apply, or at forward: ``LiveStateError``, ``FactChanged``, raised before
+any expert work) is **refused**; otherwise the recipe from ``compute_fn_config`` runs on a deep copy at
 ``ep_mesh=None`` and outputs, input grad and every parameter grad must equal the mutant's own (fp32,
 default ``assert_close``): **accepted_exact**, else **accepted_wrong** (with the largest difference or
 the exception). ``mutation_ranks`` repeats the comparison on gloo ranks.
@@ -67,7 +71,7 @@ from mutation_source import function_tree, self_attr, with_method
 from torch import nn
 
 from autoep.detect.structure import detect_moe_structure
-from autoep.errors import LiveStateError, UnsupportedModuleStructure
+from autoep.errors import FactChanged, LiveStateError, UnsupportedModuleStructure
 from autoep.plan.archetypes import RUNNABLE_EXPERT_KINDS, compute_fn_config
 
 BATCH, SEQ = 2, 3
@@ -465,6 +469,9 @@ def source_mutator(site: SourceSite, edit: Edit) -> Callable[[nn.Module], None]:
             if edit.tweak is not None:
                 edit.tweak(obj)
 
+    if edit.around is not None:  # the edited module's globals: those of the method the mutant class defines
+        apply.around = lambda: edit.around(inspect.unwrap(getattr(cache["cls"], site.method)).__globals__)
+    apply.after_apply = edit.after_apply
     return apply
 
 
@@ -485,6 +492,14 @@ class Mutant:
         mode, a global hook: ``mutation_runtime._AROUND``); a no-op context otherwise."""
         make = getattr(self.mutate, "around", None)
         return make() if make is not None else contextlib.nullcontext()
+
+    def after_apply(self, block: nn.Module) -> nn.Module:
+        """``block`` after what the user does once the plan is applied (a dropout raised, a hook registered:
+        ``mutate.after_apply``), done to the reference and to the EP copy alike; unchanged otherwise."""
+        change = getattr(self.mutate, "after_apply", None)
+        if change is not None:
+            change(block)
+        return block
 
     def build(self) -> nn.Module:
         block = self.target.build()
@@ -745,7 +760,7 @@ def evaluate(mutant: Mutant) -> Outcome:
     x, flat = inputs(block), mutant.target.flat
     try:
         with mutant.around():
-            ref = forward_backward(copy.deepcopy(block), x, seed=100, flat=flat)
+            ref = forward_backward(mutant.after_apply(copy.deepcopy(block)), x, seed=100, flat=flat)
     except Exception as exc:  # noqa: BLE001 - the mutant's own code does not run
         return verdict("invalid", "own forward: " + short_error(exc))
     if why:
@@ -758,9 +773,9 @@ def evaluate(mutant: Mutant) -> Outcome:
         return verdict("accepted_wrong", "EP path raised " + short_error(exc))
     try:
         with mutant.around():
-            got = forward_backward(ep, x, seed=100, flat=flat)
-    except LiveStateError as exc:  # the fast path refuses process-wide state it would not honour, naming it
-        return verdict("refused", f"at forward: {exc}")
+            got = forward_backward(mutant.after_apply(ep), x, seed=100, flat=flat)
+    except (LiveStateError, FactChanged) as exc:  # process-wide state the fast path would not honour, or a value
+        return verdict("refused", f"at forward: {exc}")  # proven at apply changed since: named, before any work
     except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails
         return verdict("accepted_wrong", "EP path raised " + short_error(exc))
     diffs = differences(ref, got)

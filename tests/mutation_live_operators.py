@@ -7,14 +7,22 @@ forward pre-hook rebinds on every call (from the seed the call runs under: the m
 spliced twin must share the cell). Autograd: the routing weights edited in place after the expert loop
 or experts call; the statement that adds the experts' output back run only ``if out.numel() > 0``
 (torchtune's ``MoE.forward``: a rank without tokens drops the exchange's output from its graph).
+
+Facts re-checked where they can change (issue 20), each guarding rows mixed in the experts' forward: a default
+argument whose global is rebound after the class is defined; a module global and a plain settings class's
+attribute set after apply (around each forward); an instance flag set by a user pre-hook registered on the
+block after apply (after autoep's own per-call check).
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
+import inspect
 
 import torch
+from torch import nn
 from mutation_source import (
     INDEX_LIKE,
     ROUTING_LIKE,
@@ -187,6 +195,98 @@ def op_drop_empty_output(fn, site):
     return each(fn, locate, mutate)
 
 
+# --- issue 20: every fact a proof uses is re-checked where it can change -----------------------------------
+
+EXPERT_MIX = "AUTOEP_EXPERT_MIX"  # a global of the edited module, read as a default or as a flag
+MIXED = "{x} = {x} - {x}.mean(0, keepdim=True)"  # the rows centred over the batch: not row-local
+
+
+def _expert_forward_input(fn, site) -> str | None:
+    """The input name of the experts' own ``forward`` (batched, ModuleList or activation module); None elsewhere."""
+    args = fn.args.args
+    expert_side = site.role in ("experts", "expert") or site.role.startswith(("act", "experts:"))
+    if not expert_side or site.method != "forward" or site.helper is not None or len(args) < 2 or args[0].arg != "self":
+        return None
+    return args[1].arg
+
+
+def _mixing_under(fn, site, condition: str, **edit) -> list[Edit]:
+    """``if <condition>: x = x - x.mean(0)`` first in the experts' forward: row-local only while it is false."""
+    x = _expert_forward_input(fn, site)
+    if x is None:
+        return []
+    tree = copy.deepcopy(fn)
+    tree.body[:0] = stmt(f"if {condition}:\n    {MIXED.format(x=x)}")
+    return [Edit(tree, **edit)]
+
+
+@contextlib.contextmanager
+def _set(obj, name: str, value, *, item: bool = False):
+    """``obj[name]`` (``item``) or ``obj.name`` set to ``value`` inside, restored after."""
+    old = obj[name] if item else getattr(obj, name)
+    obj.__setitem__(name, value) if item else setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        obj.__setitem__(name, old) if item else setattr(obj, name, old)
+
+
+def op_expert_default_global(fn, site):
+    """The experts' forward takes ``mix=AUTOEP_EXPERT_MIX`` (True when the class is defined, rebound to False
+    after): its calls run with the default the function object holds (True: rows mixed), not today's global."""
+    x = _expert_forward_input(fn, site)
+    if x is None or fn.args.vararg:
+        return []
+    tree = copy.deepcopy(fn)
+    tree.args.args.append(ast.arg(arg="autoep_mix"))
+    tree.args.defaults.append(expr(EXPERT_MIX))
+    tree.body[:0] = stmt(f"if autoep_mix:\n    {MIXED.format(x=x)}")
+
+    def tweak(obj):
+        inspect.unwrap(type(obj).forward).__globals__[EXPERT_MIX] = False
+
+    return [Edit(tree, f"{EXPERT_MIX} = True", tweak)]
+
+
+def op_expert_global_flag(fn, site):
+    """``if AUTOEP_EXPERT_MIX:`` (a module global, False at detection and apply) mixes the experts' rows; the
+    global is set True after apply (around each forward)."""
+    return _mixing_under(fn, site, EXPERT_MIX, prelude=f"{EXPERT_MIX} = False",
+                         around=lambda space: _set(space, EXPERT_MIX, True, item=True))
+
+
+SETTINGS = "class AutoepExpertSettings:\n    mix = False\n"
+
+
+def op_expert_class_flag(fn, site):
+    """``if AutoepExpertSettings.mix:`` (a plain settings class's attribute, False at detection and apply) mixes
+    the experts' rows; set True after apply (around each forward)."""
+    return _mixing_under(fn, site, "AutoepExpertSettings.mix", prelude=SETTINGS,
+                         around=lambda space: _set(space["AutoepExpertSettings"], "mix", True))
+
+
+def _flip_by_pre_hook(block: nn.Module) -> None:
+    """A forward pre-hook on the block, registered after apply (after autoep's own), setting ``autoep_mix`` on
+    every module that has it before each call."""
+    flagged = [m for m in block.modules() if "autoep_mix" in vars(m)]
+
+    def flip(module, args):
+        for m in flagged:
+            m.autoep_mix = True
+
+    block.register_forward_pre_hook(flip)
+
+
+def op_expert_flag_by_hook(fn, site):
+    """``if self.autoep_mix:`` (an instance flag, False at detection and apply) mixes the experts' rows; a user
+    pre-hook registered on the block after apply sets it True before each call."""
+
+    def tweak(obj):
+        obj.autoep_mix = False
+
+    return _mixing_under(fn, site, "self.autoep_mix", tweak=tweak, after_apply=_flip_by_pre_hook)
+
+
 LIVE_OPERATORS = {
     "private_attr": op_private_attr,
     "default_arg": op_default_arg,
@@ -194,4 +294,8 @@ LIVE_OPERATORS = {
     "closure_rebound": op_closure_rebound,
     "inplace_weights_after_loop": op_inplace_weights_after_loop,
     "drop_empty_output": op_drop_empty_output,
+    "expert_default_global": op_expert_default_global,  # issue 20: facts re-checked where they can change
+    "expert_global_flag": op_expert_global_flag,
+    "expert_class_flag": op_expert_class_flag,
+    "expert_flag_by_hook": op_expert_flag_by_hook,
 }

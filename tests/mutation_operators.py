@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import copy
 import functools
+import re
 from typing import Callable
 
 import torch
@@ -503,6 +504,20 @@ op_dropout_training = _expert_value_op("torch.nn.functional.dropout({x}, p=0.1, 
 op_batch_stats = _expert_value_op("torch.nn.functional.batch_norm({x}, None, None, training=True)")
 
 
+def _expert_return_op(template: str) -> Callable:
+    """``template`` on each value the experts' own code returns (one site per function: few mutants)."""
+
+    def op(fn, site):
+        return transform_value(template, names=re.compile(r"(?!)"))(fn, site) if _expert_side(site) else []
+
+    return op
+
+
+# Issue 20: the dim given by numpy's keyword, which torch accepts too (read as the last dim, these were accepted).
+op_cumsum_axis = _expert_return_op("{x}.cumsum(axis=0)")
+op_sort_axis = _expert_return_op("{x}.sort(axis=0).values")
+
+
 def _first_arg(fn: ast.FunctionDef) -> str | None:
     args = fn.args.args
     return args[1].arg if len(args) > 1 and args[0].arg == "self" else None
@@ -590,6 +605,8 @@ SOURCE_OPERATORS: dict[str, Callable] = {
     "rng_noise": op_rng_noise,
     "dropout_training": op_dropout_training,
     "batch_stats": op_batch_stats,
+    "cumsum_axis": op_cumsum_axis,
+    "sort_axis": op_sort_axis,
     "inplace_input": op_inplace_input,
     "buffer_write": op_buffer_write,
     **LIVE_OPERATORS,  # issue 17: splice fidelity and autograd around the exchange

@@ -23,15 +23,17 @@ import torch
 from mutation import Outcome, Run, detect, differences, forward_backward, inputs, param_grads, short_error
 from mutation_runtime import RUNTIME_OPERATORS
 
-from autoep.errors import LiveStateError
+from autoep.errors import FactChanged, LiveStateError
 from autoep.runtime.recipes.local_experts import expert_owners
 
 # Mutants whose failure shows only on several ranks (a rank without tokens skips a collective).
 # mix_rows: an expert's rows are another set on another rank (in one process the same rows, reordered).
 # drop_empty_output: only a rank without tokens drops the exchange's output; closure_rebound: a value copied
 # at apply is another slice's (each rank runs under its own seed).
+# The issue-20 operators: rows mixed by a dim given as ``axis=``, or under a default or a flag changed after apply.
 RANK_SENSITIVE = {"conditional_experts_call", "early_return_empty", "padding_index", "mix_rows", "drop_empty_output",
-                  "closure_rebound", "flag_and_tokens"}
+                  "closure_rebound", "flag_and_tokens", "cumsum_axis", "sort_axis", "expert_default_global",
+                  "expert_global_flag", "expert_class_flag", "expert_flag_by_hook"}
 SPLITS = ([1, 1], [2, 0])  # sequences per rank: even, then one rank without tokens
 HANG_S = 10  # a collective the peer never joins fails after this (the ep group's timeout)
 # A failed collective leaves the ep group out of step: the processes are replaced after it.
@@ -44,16 +46,17 @@ def _slices(x: torch.Tensor, split: list[int]) -> list[torch.Tensor]:
 
 
 def _ranks_round(block, structure, x, split, rank, group, mesh, flat=False, around=contextlib.nullcontext,
-                 tol=None) -> str | None:
+                 tol=None, after_apply=lambda block: block) -> str | None:
     """One split: reference grads summed over every slice (each rank computes all), EP on this rank's
-    slice; outputs and input grad per rank, dense grads summed, expert grads gathered. None = equal."""
+    slice; outputs and input grad per rank, dense grads summed, expert grads gathered. None = equal.
+    ``after_apply``: what the user does to the block after apply, done to the reference and the EP copy."""
     import torch.distributed as dist
 
-    ref = copy.deepcopy(block)
+    ref = after_apply(copy.deepcopy(block))
     with around():
         runs = [forward_backward(ref, s, seed=100 + r, flat=flat) for r, s in enumerate(_slices(x, split))]
     ref_run = Run(runs[rank].outputs, runs[rank].x_grad, param_grads(ref))  # grads accumulated over slices
-    ep = mutation.make_ep(block, structure, mesh)  # looked up at call time (tests replace it)
+    ep = after_apply(mutation.make_ep(block, structure, mesh))  # looked up at call time (tests replace it)
     with around():
         got = forward_backward(ep, _slices(x, split)[rank], seed=100 + rank, flat=flat)
     module_experts = expert_owners(ep)
@@ -85,7 +88,7 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
         for split in splits:
             for r, s in enumerate(_slices(x, split)):
                 with mutant.around():
-                    forward_backward(copy.deepcopy(block), s, seed=100 + r, flat=flat)
+                    forward_backward(mutant.after_apply(copy.deepcopy(block)), s, seed=100 + r, flat=flat)
     except Exception as exc:  # noqa: BLE001 - the same on every rank: every rank computes every slice
         return "invalid", "own forward on a slice: " + short_error(exc), False
     try:  # apply's run-time-state checks: local, the same on every rank (no collective)
@@ -101,8 +104,8 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
         refused = None
         try:
             why, raised = _ranks_round(block, structure, x, split, rank, group, mesh, flat, mutant.around,
-                                       LOW_PRECISION.get(mutant.operator)), False
-        except LiveStateError as exc:  # the fast path refuses, on every rank alike, before any exchange
+                                       LOW_PRECISION.get(mutant.operator), mutant.after_apply), False
+        except (LiveStateError, FactChanged) as exc:  # refused on every rank alike, before any exchange
             why, raised, refused = None, False, str(exc)
         except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails (or a peer hung)
             why, raised = "EP path raised " + short_error(exc), bool(COMMUNICATION_ERROR.search(str(exc)))

@@ -673,6 +673,30 @@ def rt_attr_property(block, role):
     return apply
 
 
+def rt_dropout_raised(block, role):
+    """Dropout at p=0 inside the experts (where they hold none, expert 1's first projection is followed by one)
+    raised to p=0.1 after apply (issue 20): the probability is a fact, p=0 included."""
+    if role not in ("expert", "experts"):
+        return None
+    prefix = experts_attr(block) + "."
+    idle = [n for n, m in block.named_modules() if n.startswith(prefix) and type(m) is nn.Dropout and m.p == 0]
+    if not idle and (role != "expert" or not _linears(_one(block, role))):
+        return None
+
+    def apply(b):
+        if not idle:
+            parent, name, lin = _linears(expert_list(b)[1])[0]
+            setattr(parent, name, nn.Sequential(lin, nn.Dropout(0.0)))
+
+    def raise_p(b):
+        for n, m in b.named_modules():
+            if n.startswith(prefix) and type(m) is nn.Dropout and m.p == 0:
+                m.p = 0.1
+
+    apply.after_apply = raise_p
+    return apply
+
+
 RUNTIME_OPERATORS: dict[str, Callable] = {
     "instance_forward": rt_instance_forward,
     "forward_hook": rt_forward_hook,
@@ -702,4 +726,5 @@ RUNTIME_OPERATORS: dict[str, Callable] = {
     "other_activation": rt_other_activation,
     "code_edited": rt_code_edited,  # issue 17: the source read is not the code that runs
     "attr_property": rt_attr_property,  # issue 17: a fact computed on each read
+    "dropout_raised": rt_dropout_raised,  # issue 20: a dropout probability raised after apply
 }

@@ -298,6 +298,11 @@ class Edit:
     prelude: str = ""
     tweak: Callable[[nn.Module], None] | None = None
     closure: dict | None = None  # closure variables the edited method reads, besides the original's
+    # Process-wide state active around each forward/backward, not at detection or apply (``Mutant.around``):
+    # given the edited module's globals (a flag its prelude defines, flipped after apply).
+    around: Callable[[dict], object] | None = None
+    # What the user does to the block after apply (``Mutant.after_apply``): run on the reference and the EP copy.
+    after_apply: Callable[[nn.Module], None] | None = None
 
 
 def each(fn: ast.FunctionDef, locate, mutate, prelude: str = "", tweak=None) -> list[Edit]:

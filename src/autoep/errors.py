@@ -40,6 +40,12 @@ class LiveStateError(RuntimeError):
     hooks) that autoep's expert fast path would not honour; the message names it and how to remove it."""
 
 
+class FactChanged(RuntimeError):
+    """At a call of an expert-parallel block, a value its proofs folded when the plan was applied (an attribute,
+    a module global, a class attribute, a dropout probability) is not that value any more; raised before the
+    block's expert work, naming the value, what it was, what it is and the fix."""
+
+
 class ConfigError(ValueError):
     """A config value (YAML, command line or Python) is wrong, or the run directory cannot take this run;
     found before any work and before anything is written. The message names the key, the value and the fix."""

@@ -36,8 +36,10 @@ def _refusal(block: nn.Module) -> str:
 
 
 def test_switch_at_p0_is_accepted():
+    """Its experts' dropout probability is folded (0 is a fact too: raised after apply, it would draw masks)."""
     s = detect_moe_structure(_switch(dropout_rate=0.0))
-    assert (s.expert_storage, s.expert_kind, s.experts_path, s.folded) == ("module_list", "row_local", "experts", ())
+    assert (s.expert_storage, s.expert_kind, s.experts_path, s.folded) == ("module_list", "row_local", "experts",
+                                                                          ("experts.*.dropout.p=0.0",))
 
 
 def test_switch_default_is_refused_for_its_expert_dropout():
@@ -50,7 +52,7 @@ def test_nllb_at_p0_is_accepted_with_the_token_dropout_folded():
     block = _nllb(moe_token_dropout=0.0)
     s = detect_moe_structure(block)
     assert (s.expert_storage, s.expert_kind, s.experts_path) == ("module_list", "row_local", "experts")
-    assert s.folded == ("experts.moe_token_dropout=0.0",)
+    assert s.folded == (*(f"experts.expert_{e}.dropout.p=0.0" for e in range(4)), "experts.moe_token_dropout=0.0")
     assert count_experts(block, s) == 4  # token_dropout is an entry of the container, not an expert
 
 

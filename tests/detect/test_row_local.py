@@ -219,10 +219,12 @@ def test_breaking_the_property_is_refused_naming_it_and_the_line(cls):
             row_local.prove_expert(cls(), "experts[0]")
 
 
-def test_dropout_in_eval_or_at_zero_is_accepted_and_the_mode_is_recorded():
-    assert detect_moe_structure(blocks.ExpertListMoE([Dropping(0.0) for _ in range(4)])).folded == ()
+def test_dropout_in_eval_or_at_zero_is_accepted_and_its_probability_and_mode_are_recorded():
+    assert detect_moe_structure(blocks.ExpertListMoE([Dropping(0.0) for _ in range(4)])).folded == \
+        ("experts_list.*.drop.p=0.0",)
     evaluating = blocks.ExpertListMoE([Dropping(0.1) for _ in range(4)]).eval()
-    assert "experts_list.*.drop.training=False" in detect_moe_structure(evaluating).folded
+    assert {"experts_list.*.drop.training=False", "experts_list.*.drop.p=0.1"} <= \
+        set(detect_moe_structure(evaluating).folded)
 
 
 def test_last_dim_norms_softmax_branches_and_unpassed_arguments_are_row_local():

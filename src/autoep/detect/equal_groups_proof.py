@@ -37,7 +37,7 @@ from autoep.detect.grouped_proof import GroupedProof, _check_params, _swiglu, sw
 from autoep.detect.loop_context import plain_method
 from autoep.detect.loop_values import Obj as _Obj
 from autoep.detect.loop_values import Sub as _Sub
-from autoep.detect.names import Scope
+from autoep.detect.names import Scope, attribute
 from autoep.detect.source import Refusal, function_tree
 
 
@@ -214,7 +214,7 @@ class _Interpreter:
             return self.self_attribute(node)
         base = self.eval(node.value)
         if isinstance(base, _Obj) and inspect.ismodule(base.value) and hasattr(base.value, node.attr):
-            return _Obj(getattr(base.value, node.attr))  # torch.bmm, nn.functional
+            return _Obj(attribute(base.value, node.attr))  # torch.bmm, nn.functional
         if isinstance(base, (_Weight, _Rows)) and node.attr == "shape":
             return _Shape(base)
         self.refuse(node)

@@ -57,7 +57,7 @@ from autoep.detect.loop_values import (
     ShapeItem,
     Weight,
 )
-from autoep.detect.names import Scope, instance_attr, mangled
+from autoep.detect.names import Scope, attribute, instance_attr, mangled
 from autoep.detect.source import Refusal
 
 # The torch functions a region may call, by identity with the genuine builtins (not a snapshot of
@@ -174,7 +174,7 @@ class Prover:
         if isinstance(base, Obj):
             if not hasattr(base.value, node.attr):
                 self.refuse(node, "does not exist")
-            return Obj(getattr(base.value, node.attr))
+            return Obj(attribute(base.value, node.attr))
         if isinstance(base, Opaque) and node.attr in ("dtype", "device", "shape"):
             return Attr(base, node.attr)
         if base == Index("tok") and node.attr == "shape":

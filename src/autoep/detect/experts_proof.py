@@ -22,7 +22,7 @@ from autoep.detect import elementwise, row_norm, training_branch
 from autoep.detect.expert_loop import Attr, Obj, Opaque, Prover, no_grad_block
 from autoep.detect.flat_experts import AccView, FlatLayout, FlatProver, flat_layout
 from autoep.detect.loop_context import plain_method
-from autoep.detect.names import Scope, instance_attr
+from autoep.detect.names import Scope, attribute, instance_attr
 from autoep.detect.source import Refusal, function_tree
 
 # ---------------------------------------------------------------------------------------------
@@ -480,7 +480,7 @@ class _RowLocal:
             if base in ("row", "input") and node.attr == "dtype":
                 return "dtype"
             if isinstance(base, Obj) and base.value is not None and hasattr(base.value, node.attr):
-                return Obj(getattr(base.value, node.attr))
+                return Obj(attribute(base.value, node.attr))
             self.refuse(node)
         if isinstance(node, ast.Subscript):
             return self._subscript(node)

@@ -36,7 +36,7 @@ import torch.nn as nn
 from autoep.detect import elementwise
 from autoep.detect.loop_context import plain_method
 from autoep.detect.loop_values import Obj, Sub
-from autoep.detect.names import Scope
+from autoep.detect.names import Scope, attribute
 from autoep.detect.source import Refusal, function_tree
 
 
@@ -251,7 +251,7 @@ class _Interpreter:
             return self.self_attribute(f, node)
         base = self.eval(f, node.value)
         if isinstance(base, Obj) and inspect.ismodule(base.value) and hasattr(base.value, node.attr):
-            return Obj(getattr(base.value, node.attr))  # a module-level name: torch.matmul, nn.functional
+            return Obj(attribute(base.value, node.attr))  # a module-level name: torch.matmul, nn.functional
         if isinstance(base, Rows) and node.attr in ("dtype", "device"):
             return Tag(node.attr, base.group)
         if isinstance(base, Rows) and node.attr == "shape":

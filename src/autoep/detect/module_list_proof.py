@@ -23,7 +23,7 @@ from autoep.detect import elementwise, regions, row_local, split_loop
 from autoep.detect.expert_loop import Prover, strip_casts
 from autoep.detect.genuine import genuine
 from autoep.detect.loop_context import plain_method, prelude, self_reads
-from autoep.detect.names import Scope
+from autoep.detect.names import Scope, instance_attr
 from autoep.detect.source import Refusal, cached_by_code, function_tree
 
 # ---------------------------------------------------------------------------------------------
@@ -109,8 +109,9 @@ def _check_dropout(expert: nn.Module, name: str, what: str) -> None:
     if type(d) is not nn.Dropout:
         raise Refusal(f"{what}.{name} is a {type(d).__name__}, not the nn.Dropout the proof can leave out")
     elementwise.runtime_clean(d, f"{what}.{name}")
-    if d.p != 0:
-        raise Refusal(f"{what}.{name} is dropout with p={d.p}: inside the experts it draws a mask per expert "
+    p = instance_attr(d, "p", f"{what}.{name}")  # a fact at p=0 too: raised after apply, it would draw masks
+    if p != 0:
+        raise Refusal(f"{what}.{name} is dropout with p={p}: inside the experts it draws a mask per expert "
                       "call, which EP cannot reproduce; exact only at p=0 (set it to 0, or opt out)")
 
 

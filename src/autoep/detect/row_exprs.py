@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from autoep.detect import elementwise
 from autoep.detect.loop_values import Obj, Row, Uniform
-from autoep.detect.names import Scope
+from autoep.detect.names import Scope, attribute
 from autoep.detect.source import Refusal
 
 INPUT, VIEW, ROWS, ROWS1 = Row(("x",)), Row(("view",)), Row(("rows",)), Row(("rows1",))
@@ -132,8 +132,7 @@ class Interpreter:
             self.refuse(self.tree, f"takes {len(params)} arguments, the call passes {len(args)}")
         for p, v in zip(params, args):
             self.env[p.arg] = SelfModule(v, self.path) if p is params[0] and self.owner is not None else v
-        defaults = dict(zip([p.arg for p in params][len(params) - len(a.defaults):], a.defaults))
-        defaults.update({k.arg: d for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+        defaults = self.defaults(params)
         extra = {}
         for name, v in kwargs.items():
             if name in {p.arg for p in params[len(args):]} or name in {k.arg for k in a.kwonlyargs}:
@@ -147,7 +146,7 @@ class Interpreter:
                 continue
             if p.arg not in defaults:
                 self.refuse(self.tree, f"needs `{p.arg}`, which the call does not pass")
-            self.env[p.arg] = self._default(defaults[p.arg])
+            self.env[p.arg] = Obj(defaults[p.arg])
         if a.vararg is not None:
             self.env[a.vararg.arg] = Obj(tuple(args[len(params):])) if not args[len(params):] else \
                 self.refuse(self.tree, "takes extra positional arguments")
@@ -156,12 +155,15 @@ class Interpreter:
                 self.refuse(self.tree, f"takes keyword arguments {sorted(extra)} through **{a.kwarg.arg}")
             self.env[a.kwarg.arg] = Obj({})
 
-    def _default(self, node: ast.AST):
-        """A default value, as the function object holds it (evaluated once, at definition)."""
-        value = self.eval(node)
-        if not isinstance(value, Obj):
-            self.refuse(node, "is a default the proof cannot evaluate")
-        return value
+    def defaults(self, params: list[ast.arg]) -> dict[str, object]:
+        """``{parameter: default}`` as the function object holds them (``__defaults__``, ``__kwdefaults__``:
+        evaluated once, where the function was defined, and what its calls run with), not its source's default
+        expressions evaluated again in today's globals (a global rebound since reads otherwise)."""
+        positional = getattr(self.fn, "__defaults__", None) or ()
+        if len(positional) != len(self.tree.args.defaults):
+            self.refuse(self.tree, "has defaults that are not the ones its source writes")
+        names = [p.arg for p in params][len(params) - len(positional):]
+        return dict(zip(names, positional)) | dict(getattr(self.fn, "__kwdefaults__", None) or {})
 
     # -- statements -----------------------------------------------------------------------------------
 
@@ -451,8 +453,7 @@ class Interpreter:
         if isinstance(base, Obj) and isinstance(base.value, (types.ModuleType, type)):
             if not hasattr(base.value, node.attr):
                 self.refuse(node, "does not exist")
-            value = getattr(base.value, node.attr)
-            return Obj(value)
+            return Obj(attribute(base.value, node.attr))
         if isinstance(base, Obj) and isinstance(base.value, torch.dtype) and node.attr in ("is_floating_point", "itemsize"):
             return Obj(getattr(base.value, node.attr))
         if isinstance(base, Uniform):
@@ -681,18 +682,23 @@ class Interpreter:
 
     def dim_op(self, node, name: str, args: list, kwargs: dict):
         """A reduction, scan, softmax or sort: row-local only along the last dim. A reduction without
-        ``keepdim=True`` gives one value per row (n,)."""
-        if name == "topk":
-            dim = args[1] if len(args) > 1 else kwargs.get("dim", Obj(-1))
-        else:
-            dim = args[0] if args else kwargs.get("dim")
+        ``keepdim=True`` gives one value per row (n,). The dim is read wherever torch reads it: positional (second
+        for ``topk`` and ``norm``), ``dim=`` or numpy's ``axis=``; a keyword the proof does not know is refused."""
+        unknown = set(kwargs) - _DIM_OP_KEYWORDS
+        if unknown:
+            self.refuse(node, f"passes {sorted(unknown)}, which the proof does not know for {name}")
+        at = 1 if name in ("topk", "norm") else 0
+        given = [v for v in (args[at] if len(args) > at else None, kwargs.get("dim"), kwargs.get("axis")) if v is not None]
+        if len(given) > 1:
+            self.refuse(node, "gives its dim more than once")
+        dim = given[0] if given else None
         if dim is None:
             if name in _DEFAULT_ALL:
                 self.refuse(node, f"reduces over every row: {MIXES}")
-            dim = Obj(-1)  # sort, argsort, softmax: the last dim by default
+            dim = Obj(-1)  # sort, argsort, softmax, topk: the last dim by default
         dims = set(dim.value) if isinstance(dim, Obj) and isinstance(dim.value, (tuple, list)) else \
             {dim.value} if isinstance(dim, Obj) else None
-        if dims is None or not dims <= {-1, 1}:
+        if dims is None or not all(type(d) is int for d in dims) or not dims <= {-1, 1}:  # ``std(True)``: no dim
             self.refuse(node, f"works along dim {_show_dim(dim)}: {MIXES}")
         if name in ("sort", "topk"):
             return (ROWS, ROWS)
@@ -830,6 +836,9 @@ class Shape:
 
 
 MISSING = object()
+# Keywords of the reductions, scans and sorts ``dim_op`` reads (``out=`` and anything else: refused).
+_DIM_OP_KEYWORDS = {"dim", "axis", "keepdim", "dtype", "descending", "stable", "largest", "sorted", "k", "p",
+                    "unbiased", "correction"}
 _KEEPDIM_SECOND = {"mean", "sum", "amax", "amin", "logsumexp", "max", "min", "argmax", "argmin", "any", "all", "prod"}
 _DIM_FNS = {torch.mean: "mean", torch.sum: "sum", torch.cumsum: "cumsum", torch.cumprod: "cumprod",
             torch.softmax: "softmax", F.softmax: "softmax", F.log_softmax: "log_softmax", torch.sort: "sort",

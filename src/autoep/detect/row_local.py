@@ -79,13 +79,14 @@ def prove_expert(expert: nn.Module, what: str) -> ExpertProof:
 
 def folded_drift(block: nn.Module, folded) -> list[str]:
     """Which recorded ``<experts_path>.<e or *>.<attr>=<repr>`` entries (``MoeStructure.folded``) no longer hold
-    on ``block``: a constant a proof folded changed after detection (empty when none did)."""
+    on ``block``: a constant a proof folded changed after detection (empty when none did). Entries ``*.<attr>``
+    and ``<e>.<attr>`` hold for the experts container itself as ``block``."""
     reasons = []
     for entry in folded:
         path, _, recorded = entry.partition("=")
-        container_path, star, attr = path.partition(".*.")
+        container_path, star, attr = ("", "*", path[2:]) if path.startswith("*.") else path.partition(".*.")
         if star:
-            container = _walk(block, container_path)
+            container = _walk(block, container_path) if container_path else block
             members = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container or ())
             targets = [(f"{container_path}.{e}.{attr}", m) for e, m in enumerate(members)]
             now = {fold_repr(_walk(m, attr)) for _, m in targets} if targets else {"<no experts>"}
@@ -178,6 +179,8 @@ class _Context:
                               f"{MIXES}")
             return ROWS
         if cls is nn.Dropout:
+            # Its probability is a fact at p=0 too: raised after apply, the model's own loop would draw masks.
+            self.fold(f"{path}.p" if path else "p", module.p)
             if module.p == 0:
                 return rows
             if module.training:

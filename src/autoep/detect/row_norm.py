@@ -32,7 +32,7 @@ from autoep.detect.expert_loop import local_names
 from autoep.detect.loop_context import plain_method
 from autoep.detect.loop_values import Method, Obj
 from autoep.detect.module_list_proof import global_hooks
-from autoep.detect.names import Scope
+from autoep.detect.names import Scope, attribute
 from autoep.detect.source import Refusal, function_tree
 
 TENSORS = ("row", "col", "vec")
@@ -131,7 +131,7 @@ class _Interpreter:
         if isinstance(base, Obj) and base.value is not None and not isinstance(base.value, (int, float, bool)):
             if not hasattr(base.value, node.attr):
                 self.refuse(node, "does not exist")
-            return Obj(getattr(base.value, node.attr))
+            return Obj(attribute(base.value, node.attr))
         self.refuse(node, "is not understood")
 
     def _self_attr(self, node: ast.Attribute):

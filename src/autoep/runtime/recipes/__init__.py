@@ -28,11 +28,11 @@ from typing import Callable, TypeVar
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from autoep.detect.names import instance_attr, recording
+from autoep.detect.names import AttrFact, facts_under, holds, instance_attr, recording
 from autoep.detect.row_local import folded_drift
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
-from autoep.errors import UnsupportedModuleStructure
+from autoep.errors import FactChanged, UnsupportedModuleStructure
 from autoep.runtime.apply import shard_expert_tensor
 from autoep.runtime.dispatch import join_exchanges, open_exchanges
 from autoep.runtime.reinit import install_sharded_apply
@@ -108,49 +108,77 @@ def _block_flags(block: nn.Module, facts: MoeStructure) -> None:
 
 @contextlib.contextmanager
 def watching_facts(block: nn.Module):
-    """Around a recipe's ``validate``: every plain number its proofs fold from ``block`` or its submodules
-    (``names.instance_attr``: a count, a top-k, a flag) is checked again before each call of the block; a
-    value changed since apply raises, naming it, instead of running a plan proven for the old one."""
-    with recording() as facts:
+    """Around a recipe's ``validate``: every value its proofs fold (``names.recording``: a plain number of
+    ``block`` or its submodules, a global, a module's or a class's attribute, a dropout probability) is checked
+    again before each call of ``block`` (``check_proven``: a forward pre-hook, and again where the recipe's
+    replaced code runs, after every user hook: ``checking_proven``, ``watching_under``); a value changed since
+    apply raises ``FactChanged``, naming it, instead of running a plan proven for the old one."""
+    with recording() as reads:
         yield
-    paths = {id(m): p for p, m in block.named_modules()}
-    block._autoep_facts = tuple((paths[id(m)], name, value) for m, name, value in facts.values() if id(m) in paths)
+    block._autoep_facts = facts_under(block, reads)
     if block._autoep_facts and not getattr(block, "_autoep_watching", False):
         block._autoep_watching = True
-        block.register_forward_pre_hook(_check_facts_hook)
-
-
-def _check_facts_hook(module: nn.Module, args) -> None:
-    for path, name, value in module._autoep_facts:
-        try:
-            owner = module.get_submodule(path)
-        except AttributeError:
-            continue  # a submodule the recipe replaced (ModuleList experts stacked): its own facts went with it
-        now = getattr(owner, name, None)
-        if type(now) is not type(value) or now != value:
-            where = f"{path}.{name}" if path else name
-            raise RuntimeError(f"{type(module).__name__}.{where} is {now!r}, but the expert-parallel plan was proven "
-                               f"with {where}={value!r} when it was applied; set it back, or apply the plan to a "
-                               f"model built with the new value")
+        block.register_forward_pre_hook(_check_proven_hook)
 
 
 def watching_folded(block: nn.Module, folded) -> None:
     """Before each call of ``block``: every constant the expert proofs folded (``MoeStructure.folded``, e.g. an
-    expert's ``dropout.training=False`` proven in eval, NLLB's ``moe_token_dropout=0.0``) still holds. A change
-    raises, naming it, instead of running a plan proven for the old value (``model.train()`` after a plan made
-    in eval would turn on a dropout the proof found idle, drawing other numbers than the model's own loop)."""
+    expert's ``dropout.training=False`` proven in eval, its ``dropout.p=0.0``, NLLB's ``moe_token_dropout=0.0``)
+    still holds. A change raises ``FactChanged``, naming it, instead of running a plan proven for the old value
+    (``model.train()`` after a plan made in eval would turn on a dropout the proof found idle, drawing other
+    numbers than the model's own loop)."""
     block._autoep_folded = tuple(folded)
-    if block._autoep_folded and not getattr(block, "_autoep_watching_folded", False):
-        block._autoep_watching_folded = True
-        block.register_forward_pre_hook(_check_folded_hook)
+    if block._autoep_folded and not getattr(block, "_autoep_watching", False):
+        block._autoep_watching = True
+        block.register_forward_pre_hook(_check_proven_hook)
 
 
-def _check_folded_hook(module: nn.Module, args) -> None:
-    drift = folded_drift(module, module._autoep_folded)
+def watching_under(block: nn.Module, path: str) -> None:
+    """At each call of the experts at ``path`` whose forward a recipe replaced (``bind_experts_forward``), after
+    every user hook: what ``watching_facts`` and ``watching_folded`` watch on ``block`` that lies under them, and
+    the globals and class attributes. (A user's pre-hook registered after apply runs after the block's check.)"""
+    experts, prefix = block.get_submodule(path), path + "."
+    facts = []
+    for fact in getattr(block, "_autoep_facts", ()):
+        if not isinstance(fact, AttrFact):
+            facts.append(fact)
+        elif fact.path == path or fact.path.startswith(prefix):
+            facts.append(AttrFact(fact.path[len(prefix):], fact.name, fact.value))
+    experts._autoep_facts = tuple(facts)
+    experts._autoep_folded = tuple(e[len(prefix):] for e in getattr(block, "_autoep_folded", ()) if e.startswith(prefix))
+
+
+def check_proven(module: nn.Module) -> None:
+    """Raise ``FactChanged`` where a value the proofs of ``module`` (a block, or experts whose forward a recipe
+    replaced) folded at apply has changed: ``watching_facts``' facts and ``watching_folded``'s constants."""
+    for fact in getattr(module, "_autoep_facts", ()):
+        if not holds(fact, module):
+            raise FactChanged(f"{fact.label(module)} is {fact.now(module)!r}, but the expert-parallel plan was proven "
+                              f"with {fact.spelled()}={fact.value!r} when it was applied; set it back, or apply the plan "
+                              "to a model built with the new value")
+    drift = folded_drift(module, getattr(module, "_autoep_folded", ()))
     if drift:
-        raise RuntimeError(f"{type(module).__name__}: {drift[0]}; the expert-parallel plan was proven for the old "
-                           "value (an expert's dropout in eval is the identity, while training it draws random numbers "
-                           "the exchange cannot reproduce): set it back, or apply the plan to the model in its new state")
+        raise FactChanged(f"{type(module).__name__}: {drift[0]}; the expert-parallel plan was proven for the old "
+                          "value (e.g. an expert's dropout at p=0 or in eval is the identity, otherwise it draws random "
+                          "numbers the exchange cannot reproduce): set it back, or apply the plan to the model in its "
+                          "new state")
+
+
+def _check_proven_hook(module: nn.Module, args) -> None:
+    check_proven(module)
+
+
+def checking_proven(region: Callable) -> Callable:
+    """``region(block, *args)`` (a spliced expert region's exchange) after ``check_proven(block)``: the check
+    where the block's own code reaches its expert work, after every forward pre-hook (a user's registered after
+    apply may have changed a value the block pre-hook saw unchanged). A partial of module-level functions: it
+    pickles and copies as the region does."""
+    return functools.partial(_checked_region, region)
+
+
+def _checked_region(region: Callable, block: nn.Module, *args):
+    check_proven(block)
+    return region(block, *args)
 
 
 def join_backward_exchanges(block: nn.Module, ep_mesh) -> None:
@@ -194,6 +222,7 @@ def _live(forward: Callable) -> Callable:
             raise RuntimeError(f"{type(self).__name__}.forward was replaced, or its __code__ swapped, after "
                                f"apply_plan; the expert-parallel experts compute the forward proven at apply "
                                f"time. Apply the plan again to a fresh model built with the new code")
+        check_proven(self)  # the values the experts' proof folded, after every hook of the block and the experts
         return forward(self, *args, **kwargs)
 
     return checked

@@ -45,6 +45,7 @@ from autoep.runtime.recipes import (
     proven_experts,
     shard_weights_at,
     watching_facts,
+    watching_under,
 )
 
 
@@ -70,6 +71,7 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
     experts = module.experts
     with watching_facts(module):
         roles = validate(module, structure=facts)
+    watching_under(module, "experts")  # and at the experts' replaced call, after every hook
     join_backward_exchanges(module, ep_mesh)
     guard_checkpointing(module, ep_mesh)
     own_forward = experts_forward(type(experts))

@@ -41,6 +41,7 @@ from autoep.runtime.recipes import (
     join_backward_exchanges,
     watching_facts,
     watching_folded,
+    watching_under,
 )
 from autoep.runtime.recipes.local_experts import GROUP, local_expert_fn, place_experts, spec_of
 
@@ -66,6 +67,7 @@ def ep_container_experts(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
                   swiglu=None, act="", fast_path=fast_path, name=type(module).__name__)
     join_backward_exchanges(module, ep_mesh)
     watching_folded(module, as_structure(structure).folded)  # e.g. an expert's dropout proven idle in eval
+    watching_under(module, as_structure(structure).experts_path)  # and at the container's call, after hooks
     spec = _EpContainer(inspect.signature(experts_forward(type(container))), loop.roles,
                         _LAYOUT_DIMS[loop.layout] if loop.mask else None)
     bind_experts_forward(container, spec, _ep_forward)

@@ -35,6 +35,7 @@ from autoep.runtime.recipes import (
     local_tensor,
     proven_experts,
     watching_facts,
+    watching_under,
 )
 from autoep.runtime.recipes.grouped import _local_swiglu, shard_grouped_weights
 
@@ -53,6 +54,7 @@ def ep_equal_group_experts(module: nn.Module, *, ep_mesh=None, structure: dict |
     ``autoep.runtime.recipes``)."""
     with watching_facts(module):
         proof = validate(module, structure=structure)
+    watching_under(module, "experts")  # and at the experts' replaced call, after every hook
     experts = module.experts
     own_forward = type(experts).forward
     shard_grouped_weights(experts, proof.grouped, ep_mesh, name=type(module).__name__)

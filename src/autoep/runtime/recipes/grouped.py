@@ -37,6 +37,7 @@ from autoep.runtime.recipes import (
     proven_experts,
     shard_weights_at,
     watching_facts,
+    watching_under,
 )
 
 
@@ -55,6 +56,7 @@ def ep_grouped_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
     ``autoep.runtime.recipes``)."""
     with watching_facts(module):
         proof = validate(module, structure=structure)
+    watching_under(module, "experts")  # and at the experts' replaced call, after every hook
     experts = module.experts
     own_forward = type(experts).forward
     shard_grouped_weights(experts, proof, ep_mesh, name=type(module).__name__)

@@ -35,6 +35,7 @@ from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.dispatch import ep_experts_forward, ep_grouped_forward
 from autoep.runtime.recipes import (
+    checking_proven,
     container_loop,
     ep_group_of,
     experts_of,
@@ -259,7 +260,7 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     watching_folded(module, structure.get("folded", ()))  # e.g. an expert's dropout proven idle in eval
     for method in dict.fromkeys(plan.method for plan in plans):
         mine = [plan for plan in plans if plan.method == method]
-        spliced = compile_spliced(mine, [_region_fn(plan, ep_group) for plan in mine])
+        spliced = compile_spliced(mine, [checking_proven(_region_fn(plan, ep_group)) for plan in mine])
         if mine[0].no_grad:
             spliced = torch.no_grad()(spliced)  # the method's own (only) decorator, proven by the detector
         # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run.

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autoep.errors import PlanError
 from autoep.runtime import live_state
@@ -109,6 +110,7 @@ def shard_experts(block: nn.Module, mesh, *, name: str = "block") -> None:
         if isinstance(param, DTensor):
             continue  # already sharded (apply_plan run twice on shared modules)
         setattr(experts, pname, shard_expert_tensor(param, mesh, name=f"{name}.experts.{pname}"))
+        slice_full_on_load(experts)
 
 
 def shard_expert_tensor(full: torch.Tensor, mesh, *, name: str = "expert param") -> nn.Parameter:
@@ -127,6 +129,34 @@ def shard_expert_tensor(full: torch.Tensor, mesh, *, name: str = "expert param")
     placements = [Shard(0) if d == "ep" else Replicate() for d in mesh.mesh_dim_names]
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
     return nn.Parameter(dt, requires_grad=full.requires_grad)
+
+
+def slice_full_on_load(module: nn.Module) -> None:
+    """``load_state_dict`` into ``module`` (or a model holding it) takes the model's own single-process
+    checkpoint: a plain tensor of an expert DTensor parameter's global shape is cut to this rank's shard
+    (locally: every rank holds the full tensor); a DTensor (the EP model's own ``state_dict()``) is loaded as
+    it is. With ``assign=True`` the parameter becomes a DTensor of the shard (a copy, not a view of the full
+    tensor). Any other shape is left to torch's size check, which names the key and both shapes."""
+    if not getattr(module, "_autoep_slices_full", False):
+        module._autoep_slices_full = True
+        module.register_load_state_dict_pre_hook(_full_to_shard)
+
+
+def _full_to_shard(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_) -> None:
+    for name, param in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        if tuple(value.shape) != tuple(param.shape):
+            continue
+        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        local = value.detach()[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+        if local_metadata.get("assign_to_params_buffers", False):
+            local = local.to(value.device if param.is_meta else param.to_local().device, copy=True)
+        else:
+            local = local.to(param.to_local().device)
+        state_dict[prefix + name] = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                                       shape=param.shape, stride=param.stride())
 
 
 def _plain(cfg):

@@ -34,6 +34,7 @@ from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure, own_loop_facts
 from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.dispatch import ep_experts_forward
+from autoep.runtime.shared import AppliedSpec
 from autoep.runtime.recipes import (
     as_structure,
     bind_experts_forward,
@@ -48,7 +49,7 @@ _LAYOUT_DIMS = {"EKT": (2, 1, 0), "ETK": (2, 0, 1)}
 
 
 @dataclass(frozen=True)
-class _EpContainer:
+class _EpContainer(AppliedSpec):
     """What the replaced container forward needs, fixed at apply time."""
 
     signature: inspect.Signature  # of the container's own forward: the replacement binds its arguments by it

@@ -28,6 +28,7 @@ from autoep.detect.equal_groups_proof import EqualGroupsProof, equal_groups_proo
 from autoep.detect.structure import MoeStructure
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_grouped_forward
+from autoep.runtime.shared import AppliedSpec
 from autoep.runtime.recipes import (
     bind_experts_forward,
     ep_group_of,
@@ -40,7 +41,7 @@ from autoep.runtime.recipes.grouped import _local_swiglu, shard_grouped_weights
 
 
 @dataclass(frozen=True)
-class _EpEqualGroups:
+class _EpEqualGroups(AppliedSpec):
     """What the replaced experts forward needs, fixed at apply time (weights by path, never by object)."""
 
     equal: EqualGroupsProof

@@ -29,6 +29,7 @@ from autoep.detect.structure import MoeStructure
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_linear, grouped_swiglu
+from autoep.runtime.shared import AppliedSpec
 from autoep.runtime.recipes import (
     bind_experts_forward,
     ep_group_of,
@@ -41,7 +42,7 @@ from autoep.runtime.recipes import (
 
 
 @dataclass(frozen=True)
-class _EpGrouped:
+class _EpGrouped(AppliedSpec):
     """What the replaced experts forward needs, fixed at apply time (weights by path, never by object:
     a deep copy of the block must run its own weights)."""
 

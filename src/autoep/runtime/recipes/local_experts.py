@@ -37,7 +37,6 @@ Shape legend: S rows grouped by local expert, D hidden, F expert intermediate si
 
 from __future__ import annotations
 
-import types
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from torch.utils.hooks import RemovableHandle
 
 from autoep.errors import PlanError, UnsupportedModuleStructure
 from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
+from autoep.runtime.shared import InstanceMethod, Shared
 
 SPEC = "_autoep_experts"  # the block attribute holding its ``LocalExperts``
 GROUP = "_autoep_ep_group"  # the block attribute holding its ep process group
@@ -147,10 +147,23 @@ def place_experts(block: nn.Module, *, path: str, num_experts: int, identity_exp
                         fast_path=fast_path)
     _check_unshared(block, spec, name)
     setattr(block, SPEC, spec)
-    setattr(block, GROUP, _Shared(None if ep_mesh is None else ep_mesh.get_group()))
+    setattr(block, GROUP, Shared(None if ep_mesh is None else ep_mesh.get_group()))
     setattr(block, STACKED, _Stacked())
     _release(block, spec)
+    block.register_load_state_dict_pre_hook(_keep_stand_ins)
     return spec
+
+
+def _keep_stand_ins(block: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """``load_state_dict`` skips the experts another rank owns: their entries (a single-process checkpoint's
+    tensors, another rank's) are replaced by this rank's stand-ins, and absent ones are not reported missing
+    (``assign=True`` keeps the stand-ins). Within ``remote_experts_hidden`` they have no entries at all."""
+    spec = spec_of(block)
+    experts = expert_modules(container_of(block, spec))
+    for e in range(spec.num_experts):
+        if not spec.is_local(e):
+            base = prefix + _join(spec.path, spec.keys[e])
+            state_dict.update((f"{base}.{k}", t) for k, t in experts[e].state_dict(keep_vars=True).items())
 
 
 def _check_unshared(block: nn.Module, spec: LocalExperts, name: str) -> None:
@@ -185,7 +198,7 @@ def _release(block: nn.Module, spec: LocalExperts) -> None:
     for e, expert in enumerate(expert_modules(container_of(block, spec))[: spec.num_experts]):
         if not spec.is_local(e):
             _stand_in_apply(expert, lambda t: t)
-            expert._apply = types.MethodType(_stand_in_apply, expert)
+            expert._apply = InstanceMethod(expert, _stand_in_apply)
 
 
 def _stand_in_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
@@ -402,16 +415,6 @@ def _broadcast(values: list[Tensor], owner: int, group) -> None:
         dist.broadcast(flat, src=src, group=group)  # NOTE: collective; one per owner rank and dtype
         for i, v in zip(idx, _unflatten_dense_tensors(flat, [values[i] for i in idx])):
             values[i].copy_(v)
-
-
-class _Shared:
-    """A value a deep copy of the block shares instead of copying (a process group cannot be copied)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __deepcopy__(self, memo):
-        return self
 
 
 def _ep_group(block: nn.Module, spec: LocalExperts):

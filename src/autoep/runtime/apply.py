@@ -38,6 +38,7 @@ from autoep.runtime import live_state
 from autoep.targets import RECIPES, check_not_moved, factory_spec
 
 ALLOWED_PREFIXES = (RECIPES + ".",)
+UNSHARDED = "_autoep_unsharded_experts"  # a module's expert parameters left whole (``mark_unsharded``)
 
 
 def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets: Iterable[str] = ()) -> nn.Module:
@@ -104,7 +105,10 @@ def import_target(target: str, allowed: Iterable[str], *, key: str = "_target_")
 def shard_experts(block: nn.Module, mesh, *, name: str = "block") -> None:
     """Turn every parameter registered directly on ``block.experts`` into a ``Shard(0)`` DTensor over ``ep``."""
     experts = getattr(block, "experts", None)
-    if mesh is None or experts is None:
+    if experts is None:
+        return
+    if mesh is None:
+        mark_unsharded(experts, [pname for pname, _ in experts.named_parameters(recurse=False)])
         return
     for pname, param in list(experts.named_parameters(recurse=False)):
         if isinstance(param, DTensor):
@@ -129,6 +133,19 @@ def shard_expert_tensor(full: torch.Tensor, mesh, *, name: str = "expert param")
     placements = [Shard(0) if d == "ep" else Replicate() for d in mesh.mesh_dim_names]
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
     return nn.Parameter(dt, requires_grad=full.requires_grad)
+
+
+def mark_unsharded(module: nn.Module, names) -> None:
+    """Record that ``module``'s parameters ``names`` are expert parameters left whole (no mesh: one process).
+    ``unsharded_expert_names`` reads them, so optimizer param groups have one layout at every ep size and a
+    checkpoint of any ``(edp, ep)`` loads into one process."""
+    setattr(module, UNSHARDED, tuple(dict.fromkeys((*getattr(module, UNSHARDED, ()), *names))))
+
+
+def unsharded_expert_names(model: nn.Module) -> set[str]:
+    """Names (as ``model.named_parameters`` gives them) of the expert parameters ``apply_plan`` left whole."""
+    return {f"{mname}.{p}" if mname else p for mname, m in model.named_modules()
+            for p in getattr(m, UNSHARDED, ()) if m._parameters.get(p) is not None}
 
 
 def slice_full_on_load(module: nn.Module) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
+from autoep.runtime.apply import unsharded_expert_names
 from autoep.runtime.dense import is_expert
 from autoep.runtime.recipes import local_tensor
 from autoep.runtime.recipes.local_experts import local_expert_names
@@ -34,11 +35,11 @@ CONVENTIONS = ("mean", "sum")
 
 
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(dense, expert) trainable parameters; experts are the DTensors ``apply_plan`` sharded on ``ep`` and this
-    rank's own module experts (plain tensors, ``autoep.runtime.recipes.local_experts``; the other ranks' are
-    frozen ``meta`` stand-ins, left out). Dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under
+    """(dense, expert) trainable parameters; experts are the DTensors ``apply_plan`` sharded on ``ep`` (in one
+    process, without a mesh, the same parameters left whole), and this rank's own module experts (plain tensors,
+    ``autoep.runtime.recipes.local_experts``; the other ranks' are frozen ``meta`` stand-ins, left out). Dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under
     ``trainer.dense_sharding=fsdp2``."""
-    own = local_expert_names(model)
+    own = local_expert_names(model) | unsharded_expert_names(model)  # one process: experts left whole
     dense, expert = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:

@@ -32,7 +32,7 @@ from autoep.detect.row_local import folded_drift
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
-from autoep.runtime.apply import shard_expert_tensor, slice_full_on_load
+from autoep.runtime.apply import mark_unsharded, shard_expert_tensor, slice_full_on_load
 from autoep.runtime.dispatch import join_exchanges, open_exchanges
 from autoep.runtime.shared import InstanceMethod
 
@@ -221,11 +221,12 @@ def shard_weights_at(experts: nn.Module, paths, ep_mesh, *, name: str) -> None:
     """Make each expert weight named by a path under ``experts`` (``fc1.weight``, ``mlp.w1``) a ``Shard(0)``
     DTensor over ``ep_mesh`` where it lives (local slice, no communication); those already sharded (registered
     directly on the experts: ``apply_plan`` did them) are left as they are."""
-    if ep_mesh is None:
-        return
     for path in dict.fromkeys(paths):
         owner_path, _, attr = path.rpartition(".")
         owner = experts.get_submodule(owner_path)
+        if ep_mesh is None:
+            mark_unsharded(owner, [attr])
+            continue
         param = owner._parameters[attr]
         if not isinstance(param, DTensor):
             setattr(owner, attr, shard_expert_tensor(param, ep_mesh, name=f"{name}.experts.{path}"))

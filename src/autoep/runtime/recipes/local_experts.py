@@ -51,6 +51,7 @@ from torch.utils.hooks import RemovableHandle
 from autoep.errors import PlanError, UnsupportedModuleStructure
 from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
 from autoep.runtime.shared import InstanceMethod, Shared
+from autoep.runtime.stand_in import RemoteExpert, RemoteExpertTensor, stand_in
 
 SPEC = "_autoep_experts"  # the block attribute holding its ``LocalExperts``
 GROUP = "_autoep_ep_group"  # the block attribute holding its ep process group
@@ -193,10 +194,11 @@ def _join(*parts: str) -> str:
 
 
 def _release(block: nn.Module, spec: LocalExperts) -> None:
-    """Every remote expert's parameters and buffers become ``meta`` stand-ins (``requires_grad=False``) that
-    module conversions keep on ``meta``."""
+    """Every remote expert's parameters and buffers become ``meta`` stand-ins (``requires_grad=False``,
+    ``autoep.runtime.stand_in``) that module conversions keep on ``meta``."""
     for e, expert in enumerate(expert_modules(container_of(block, spec))[: spec.num_experts]):
         if not spec.is_local(e):
+            expert._autoep_remote = RemoteExpert(type(block).__name__, e, spec.owner(e), spec.ep_rank)
             _stand_in_apply(expert, lambda t: t)
             expert._apply = InstanceMethod(expert, _stand_in_apply)
 
@@ -204,26 +206,30 @@ def _release(block: nn.Module, spec: LocalExperts) -> None:
 def _stand_in_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
     """``nn.Module._apply`` for an expert another rank owns: its tensors stay ``meta`` stand-ins, in the dtype
     ``fn`` would give (``.to(device)`` or ``to_empty`` allocate nothing; ``.bfloat16()`` changes the dtype)."""
+    remote = getattr(self, "_autoep_remote", None)
     for m in self.modules():
         for name, p in m._parameters.items():
             if p is not None:
-                meta = _meta_like(p, fn)
-                if meta is not p or p.requires_grad:
-                    m._parameters[name] = nn.Parameter(meta, requires_grad=False)
+                dtype = _dtype_after(p, fn)
+                if not _is_stand_in(p, dtype) or p.requires_grad:
+                    m._parameters[name] = stand_in(p, dtype, remote, parameter=True)
         for name, b in m._buffers.items():
             if b is not None:
-                m._buffers[name] = _meta_like(b, fn)
+                dtype = _dtype_after(b, fn)
+                if not _is_stand_in(b, dtype):
+                    m._buffers[name] = stand_in(b, dtype, remote, parameter=False)
     return self
 
 
-def _meta_like(t: Tensor, fn) -> Tensor:
+def _dtype_after(t: Tensor, fn) -> torch.dtype:
     try:
-        dtype = fn(torch.empty(0, dtype=t.dtype)).dtype  # the conversion on an empty probe: its dtype only
+        return fn(torch.empty(0, dtype=t.dtype)).dtype  # the conversion on an empty probe: its dtype only
     except Exception:  # noqa: BLE001 - a conversion that cannot run on a probe keeps the dtype
-        dtype = t.dtype
-    if t.is_meta and dtype == t.dtype:
-        return t
-    return torch.empty(t.shape, dtype=dtype, device="meta")
+        return t.dtype
+
+
+def _is_stand_in(t: Tensor, dtype: torch.dtype) -> bool:
+    return isinstance(t, RemoteExpertTensor) and t.dtype == dtype
 
 
 def release_remote_experts(model: nn.Module) -> None:

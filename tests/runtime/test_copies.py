@@ -16,17 +16,19 @@ tokens), and values are compared, the model's own forward being the reference:
 from __future__ import annotations
 
 import copy
-import io
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import guarded, run_cases
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn
 
 from autoep import ExpertParallel
+from autoep.errors import CheckpointError
 from autoep.runtime import state
+from autoep.runtime.recipes.local_experts import owned_state_dict
 
 PLAN = [{"match": "model.layers.*.mlp", "local_compute_fn": "auto"}]
 WORLD, LR, STEPS = 2, 0.5, 3
@@ -87,22 +89,24 @@ def assert_same(got: dict, want: dict) -> None:
 
 
 # -- 2 ranks --------------------------------------------------------------------------------------------------
-def copies_case(rank, world, kind):
-    """deepcopy and torch.save/torch.load of the EP model: the copy's logits are the model's own."""
+def copies_case(rank, world, kind, tmp):
+    """deepcopy and torch.save/torch.load of the EP model: the copy's logits are the model's own. A rank's pickle
+    holds that rank's experts: loaded by another rank (or a process without its group) it is a CheckpointError."""
     model = MODELS[kind]()
     ref = copy.deepcopy(model)
     ExpertParallel(model, {"ep_size": world, "plan": PLAN})
     ids = tokens(rank)
     want = logits(ref, ids)
     twin = copy.deepcopy(model)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    torch.save(model, Path(tmp) / f"{kind}-rank{rank}.pt")
+    loaded = torch.load(Path(tmp) / f"{kind}-rank{rank}.pt", weights_only=False)
     for other in (twin, loaded):
         torch.testing.assert_close(logits(other, ids), want)
         loss_of(other, ids).backward()  # the copy's exchange has a backward on every rank too
     torch.testing.assert_close(logits(model, ids), want)  # the original is untouched by its copies
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=rf"saved by global rank {1 - rank}; this process is global rank {rank}"):
+        torch.load(Path(tmp) / f"{kind}-rank{1 - rank}.pt", weights_only=False)
 
 
 def ema_case(rank, world, kind, foreach=False):
@@ -149,10 +153,11 @@ def loads_case(rank, world, kind):
     assert_same(gathered(model), full)
     torch.testing.assert_close(logits(model, ids), want)
     sharded = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    fresh = MODELS[kind]()
-    ExpertParallel(fresh, {"ep_size": world, "plan": PLAN})
-    fresh.load_state_dict(sharded)
-    torch.testing.assert_close(logits(fresh, ids), want)
+    for form in (sharded, owned_state_dict(model)):  # owned: without the other rank's experts, none missing
+        fresh = MODELS[kind]()
+        ExpertParallel(fresh, {"ep_size": world, "plan": PLAN})
+        fresh.load_state_dict({k: v.detach().clone() for k, v in form.items()})
+        torch.testing.assert_close(logits(fresh, ids), want)
     assigned = MODELS[kind]()
     ExpertParallel(assigned, {"ep_size": world, "plan": PLAN})
     assigned.load_state_dict(full, assign=True)
@@ -184,7 +189,7 @@ def expert_copy_case(rank, world):
 def two_rank_cases(rank, world, tmp):
     results = {}
     for kind in MODELS:
-        guarded(results, f"copies_{kind}", copies_case, rank, world, kind)
+        guarded(results, f"copies_{kind}", copies_case, rank, world, kind, tmp)
     for kind in ("batched", "module_list"):
         guarded(results, f"ema_{kind}", ema_case, rank, world, kind)
     guarded(results, "ema_foreach_batched", ema_case, rank, world, "batched", True)
@@ -267,6 +272,15 @@ FOREACH_MIXED = ("torch's foreach kernels (AveragedModel's multi_avg_fn, as an o
 def test_two_ranks(case, checkpoints):
     errors = checkpoints[1][case]
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("kind", ["batched", "module_list"])
+def test_a_pickled_rank_needs_its_process_group(kind, checkpoints):
+    tmp, results = checkpoints
+    assert not results[f"copies_{kind}"], "\n".join(results[f"copies_{kind}"])
+    with pytest.raises(CheckpointError, match=r"saved by global rank 0, but torch.distributed is not initialized "
+                                              r"here; torch.load an EP model in the rank that saved it"):
+        torch.load(tmp / f"{kind}-rank0.pt", weights_only=False)
 
 
 @pytest.mark.parametrize("kind", ["batched", "module_list"])

@@ -111,14 +111,6 @@ class InstanceMethod:
     def __call__(self, *args, **kwargs):
         return self.fn(self.module, *args, **kwargs)
 
-    @property
-    def __func__(self):  # as a bound method shows it
-        return self.fn
-
-    @property
-    def __self__(self):
-        return self.module
-
     def __deepcopy__(self, memo):
         return type(self)(copy.deepcopy(self.module, memo), self.fn, self.rebuild)
 

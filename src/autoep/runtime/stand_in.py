@@ -45,6 +45,15 @@ class RemoteExpertTensor(Tensor):
             memo[id(self)] = stand_in(self, self.dtype, self.remote, parameter=isinstance(self, torch.nn.Parameter))
         return memo[id(self)]
 
+    def __reduce_ex__(self, proto):
+        # Pickled as what it is without values, a plain meta tensor (a frozen Parameter where it is one): a
+        # state_dict holding stand-ins loads anywhere, weights_only=True included, without autoep's class.
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = torch.empty(self.shape, dtype=self.dtype, device="meta")
+        if isinstance(self, torch.nn.Parameter):
+            plain = torch.nn.Parameter(plain, requires_grad=False)
+        return plain.__reduce_ex__(proto)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

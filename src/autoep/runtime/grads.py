@@ -36,8 +36,9 @@ CONVENTIONS = ("mean", "sum")
 
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(dense, expert) trainable parameters; experts are the DTensors ``apply_plan`` sharded on ``ep`` (in one
-    process, without a mesh, the same parameters left whole), and this rank's own module experts (plain tensors,
-    ``autoep.runtime.recipes.local_experts``; the other ranks' are frozen ``meta`` stand-ins, left out). Dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under
+    process, without a mesh, the same parameters left whole: the groups have one layout at every ep size) and
+    this rank's own module experts (plain tensors, ``autoep.runtime.recipes.local_experts``; the other ranks' are
+    frozen ``meta`` stand-ins, left out). Dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under
     ``trainer.dense_sharding=fsdp2``."""
     own = local_expert_names(model) | unsharded_expert_names(model)  # one process: experts left whole
     dense, expert = [], []

@@ -36,7 +36,6 @@ from autoep.errors import PlanError
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_split_glu, grouped_swiglu
-from autoep.runtime.shared import AppliedSpec
 from autoep.runtime.recipes import (
     as_structure,
     bind_experts_forward,
@@ -47,6 +46,7 @@ from autoep.runtime.recipes import (
     shard_weights_at,
     watching_facts,
 )
+from autoep.runtime.shared import AppliedSpec
 
 
 @dataclass(frozen=True)

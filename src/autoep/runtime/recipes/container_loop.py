@@ -34,7 +34,6 @@ from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure, own_loop_facts
 from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.dispatch import ep_experts_forward
-from autoep.runtime.shared import AppliedSpec
 from autoep.runtime.recipes import (
     as_structure,
     bind_experts_forward,
@@ -44,6 +43,7 @@ from autoep.runtime.recipes import (
     watching_folded,
 )
 from autoep.runtime.recipes.local_experts import GROUP, local_expert_fn, place_experts, spec_of
+from autoep.runtime.shared import AppliedSpec
 
 _LAYOUT_DIMS = {"EKT": (2, 1, 0), "ETK": (2, 0, 1)}
 

@@ -28,7 +28,6 @@ from autoep.detect.equal_groups_proof import EqualGroupsProof, equal_groups_proo
 from autoep.detect.structure import MoeStructure
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_grouped_forward
-from autoep.runtime.shared import AppliedSpec
 from autoep.runtime.recipes import (
     bind_experts_forward,
     ep_group_of,
@@ -38,6 +37,7 @@ from autoep.runtime.recipes import (
     watching_facts,
 )
 from autoep.runtime.recipes.grouped import _local_swiglu, shard_grouped_weights
+from autoep.runtime.shared import AppliedSpec
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ from autoep.detect.structure import MoeStructure
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_linear, grouped_swiglu
-from autoep.runtime.shared import AppliedSpec
 from autoep.runtime.recipes import (
     bind_experts_forward,
     ep_group_of,
@@ -39,6 +38,7 @@ from autoep.runtime.recipes import (
     shard_weights_at,
     watching_facts,
 )
+from autoep.runtime.shared import AppliedSpec
 
 
 @dataclass(frozen=True)

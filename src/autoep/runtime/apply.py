@@ -15,7 +15,8 @@ Parameters after ``apply_plan``:
 Materialising after ``apply_plan`` (the trainer's job): a model built on ``meta`` gets meta DTensor
 shards of the local shape. Allocate with ``model.to_empty(device=...)``, then fill each expert
 DTensor's local shard from the full checkpoint tensor with
-``p.to_local().copy_(full.chunk(ep_size, 0)[ep_rank])`` (or DCP, which understands DTensors), and
+``p.to_local().copy_(full.chunk(ep_size, 0)[ep_rank])`` (or DCP, which understands DTensors, or
+``model.load_state_dict(full_state)``, which cuts each expert tensor: ``slice_full_on_load``), and
 re-run ``model.init_weights``-style init on plain params only. A model whose weights are already
 materialised (tests) is sliced locally here: no communication.
 

@@ -10,7 +10,9 @@ contiguous experts ``[r*L, (r+1)*L)`` (L = E // ep_size), as the exchange sends 
   - every other expert's parameters and buffers become ``meta`` stand-ins with ``requires_grad=False``
     (never allocated, never trained here). ``model.to(device)``, ``.cuda()``, ``.to_empty(...)``, ``.bfloat16()``
     keep them on ``meta`` (the expert's ``_apply`` is replaced on the instance) while taking the dtype the
-    conversion gives, so a gather still receives the owner's dtype.
+    conversion gives, so a gather still receives the owner's dtype. Reading one into a tensor with values
+    raises naming the expert and its owner (``autoep.runtime.stand_in``); ``model.load_state_dict`` keeps
+    them (a single-process checkpoint's tensors for them are skipped, their keys are never missing).
 
 The ownership query (used by checkpoints, export and trainer integrations)::
 

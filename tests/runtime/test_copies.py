@@ -140,7 +140,7 @@ def ema_case(rank, world, kind, foreach=False):
     torch.testing.assert_close(logits(ema.module, tokens(rank)), logits(ref_ema.module, tokens(rank)))
 
 
-def loads_case(rank, world, kind):
+def loads_case(rank, world, kind, ep_size=None):
     """load_state_dict of the single-process checkpoint (full experts), of the EP model's own state_dict()
     (sharded), and with assign=True: each rank holds its slice, the logits are the model's own."""
     model = MODELS[kind]()
@@ -149,7 +149,7 @@ def loads_case(rank, world, kind):
         for p in trained.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
     full = {k: v.detach().clone() for k, v in trained.state_dict().items()}
-    ExpertParallel(model, {"ep_size": world, "plan": PLAN})
+    ExpertParallel(model, {"ep_size": ep_size or world, "plan": PLAN})
     ids = tokens(rank)
     want = logits(trained, ids)
     assert not torch.allclose(logits(model, ids), want)  # the load below has something to change
@@ -160,11 +160,11 @@ def loads_case(rank, world, kind):
     sharded = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for form in (sharded, owned_state_dict(model)):  # owned: without the other rank's experts, none missing
         fresh = MODELS[kind]()
-        ExpertParallel(fresh, {"ep_size": world, "plan": PLAN})
+        ExpertParallel(fresh, {"ep_size": ep_size or world, "plan": PLAN})
         fresh.load_state_dict({k: v.detach().clone() for k, v in form.items()})
         torch.testing.assert_close(logits(fresh, ids), want)
     assigned = MODELS[kind]()
-    ExpertParallel(assigned, {"ep_size": world, "plan": PLAN})
+    ExpertParallel(assigned, {"ep_size": ep_size or world, "plan": PLAN})
     assigned.load_state_dict(full, assign=True)
     assert_same(gathered(assigned), full)
     torch.testing.assert_close(logits(assigned, ids), want)
@@ -207,6 +207,15 @@ def two_rank_cases(rank, world, tmp):
     return results
 
 
+def four_rank_cases(rank, world, tmp):
+    """(edp, ep) = (2, 2): a full checkpoint cut over a 2-D mesh, and the one-process checkpoint resumed there."""
+    results = {}
+    for kind in ("batched", "module_list"):
+        guarded(results, f"edp2_loads_{kind}", loads_case, rank, world, kind, 2)
+        guarded(results, f"edp2_resume_from_one_{kind}", resume_case, rank, world, kind, tmp, 1, 2)
+    return results
+
+
 # -- checkpoints across worlds ----------------------------------------------------------------------------------
 def train_and_save(rank, world, kind, tmp):
     """2 SGD-with-momentum steps at ep_size=world, then a DCP directory and a full-state file (with the gathered
@@ -231,14 +240,15 @@ def momentum(ep, opt) -> dict:
     return {k: v["momentum_buffer"] for k, v in ep.optimizer_state_dict(opt)["state"].items()}
 
 
-def resume_case(rank, world, kind, tmp, saved_world):
-    """Load the checkpoint of ``saved_world`` ranks at ep_size=world, both forms; compare with what it holds."""
+def resume_case(rank, world, kind, tmp, saved_world, ep_size=None):
+    """Load the checkpoint of ``saved_world`` ranks at ``ep_size`` (default: the world), both forms (DCP and full
+    state); model and momentum equal what it holds."""
     where = Path(tmp) / f"{kind}-{saved_world}"
     want = torch.load(where / "full.pt", weights_only=False)
     want_momentum = {k: v["momentum_buffer"] for k, v in want["optim"]["state"].items()}
     for form in ("dcp", "full"):
         model = MODELS[kind]()
-        ep = ExpertParallel(model, {"ep_size": world, "plan": PLAN})
+        ep = ExpertParallel(model, {"ep_size": ep_size or world, "plan": PLAN})
         opt = torch.optim.SGD(ep.param_groups(lr=LR, momentum=0.9))
         if form == "dcp":
             ep.load(where / "dcp", opt)
@@ -277,6 +287,19 @@ FOREACH_MIXED = ("torch's foreach kernels (AveragedModel's multi_avg_fn, as an o
 def test_two_ranks(case, checkpoints):
     errors = checkpoints[1][case]
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [f"edp2_{what}_{kind}" for what in ("loads", "resume_from_one")
+                                  for kind in ("batched", "module_list")])
+def test_four_ranks(case, checkpoints):
+    if not _RESULTS4:
+        _RESULTS4.update(run_cases(4, "test_copies:four_rank_cases", str(checkpoints[0])))
+    errors = _RESULTS4[case]
+    assert not errors, "\n".join(errors)
+
+
+_RESULTS4: dict = {}
 
 
 @pytest.mark.parametrize("kind", ["batched", "module_list"])

@@ -388,7 +388,11 @@ def test_one_process_logs_the_plan_and_records_it(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="autoep"):
         ep = ExpertParallel(model, {"ep_size": 1, "plan": PLAN}, run_dir=tmp_path)
     assert "model.layers.0.mlp" in caplog.text and "experts/rank" in caplog.text
-    assert ep.mesh is None and ep.expert_parameters() == []  # one process: nothing sharded, all dense
+    # One process: nothing sharded, but the experts are still the expert group (param groups of one layout at
+    # every ep size, so a multi-rank checkpoint's optimizer state loads here).
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    assert ep.mesh is None and experts and [id(p) for p in ep.expert_parameters()] == [id(p) for p in experts]
+    assert not any(hasattr(p, "to_local") for p in experts)
     plan = load_plan(tmp_path / "resolved.yaml")
     assert OmegaConf.to_container(plan) == OmegaConf.to_container(ep.resolved)
     raw = (tmp_path / "resolved.yaml").read_text()

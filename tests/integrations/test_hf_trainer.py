@@ -39,9 +39,10 @@ def torchrun(out: Path, *args: str, nproc: int = 2) -> dict:
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "edp2xep2"])
 def fp32(request, tmp_path_factory):
     """2 ranks: (edp, ep) = (1, 2); 4 ranks: (2, 2), expert gradients also summed over edp."""
-    result = torchrun(tmp_path_factory.mktemp("hf"), nproc=request.param)
+    out = tmp_path_factory.mktemp("hf")
+    result = torchrun(out, nproc=request.param)
     assert result["world"] == request.param
-    return result
+    return {**result, "dir": out}
 
 
 def assert_weights_close(got: dict, want: dict, **tol) -> None:
@@ -87,6 +88,23 @@ def test_resume_ends_where_the_uninterrupted_run_ends(fp32):
     resumed, ep = fp32["resumed"], fp32["ep"]
     torch.testing.assert_close(torch.tensor(resumed["loss"][3:]), torch.tensor(ep["loss"][3:]))
     assert_weights_close(resumed["weights"], ep["weights"])
+
+
+def test_one_process_resumes_the_multi_rank_checkpoint(fp32):
+    """``python train.py`` with parallel.ep_size=1 resumes the 2- (4-) rank run's checkpoint-3, the global batch as
+    one per-device batch, and ends where that run ends: every expert and its momentum came back in one process
+    (the optimizer and lr scheduler hold the param groups the multi-rank run saved)."""
+    from hf_worker import PARALLEL, SAVE_EVERY, TRAINING, arguments, dataset, history, tiny_moe
+
+    from autoep.integrations.hf import ExpertParallelTrainer
+
+    out, per_device = fp32["dir"], TRAINING["per_device_train_batch_size"] * fp32["world"]
+    trainer = ExpertParallelTrainer(model=tiny_moe(), args=arguments(str(out / "one"), per_device_train_batch_size=
+                                                                     per_device), train_dataset=dataset(),
+                                    parallel={**PARALLEL, "ep_size": 1})
+    trainer.train(resume_from_checkpoint=str(out / "ep" / f"checkpoint-{SAVE_EVERY}"))
+    torch.testing.assert_close(torch.tensor(history(trainer)["loss"]), torch.tensor(fp32["ep"]["loss"]))
+    assert_weights_close(dict(trainer.model.state_dict()), fp32["ep"]["weights"])
 
 
 def test_bf16_equals_the_run_without_ep(tmp_path):

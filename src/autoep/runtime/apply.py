@@ -15,7 +15,8 @@ Parameters after ``apply_plan``:
 Materialising after ``apply_plan`` (the trainer's job): a model built on ``meta`` gets meta DTensor
 shards of the local shape. Allocate with ``model.to_empty(device=...)``, then fill each expert
 DTensor's local shard from the full checkpoint tensor with
-``p.to_local().copy_(full.chunk(ep_size, 0)[ep_rank])`` (or DCP, which understands DTensors), and
+``p.to_local().copy_(full.chunk(ep_size, 0)[ep_rank])`` (or DCP, which understands DTensors, or
+``model.load_state_dict(full_state)``, which cuts each expert tensor: ``slice_full_on_load``), and
 re-run ``model.init_weights``-style init on plain params only. A model whose weights are already
 materialised (tests) is sliced locally here: no communication.
 
@@ -35,12 +36,14 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autoep.errors import PlanError
 from autoep.runtime import after_apply, live_state
 from autoep.targets import RECIPES, check_not_moved, factory_spec
 
 ALLOWED_PREFIXES = (RECIPES + ".",)
+UNSHARDED = "_autoep_unsharded_experts"  # a module's expert parameters left whole (``mark_unsharded``)
 
 
 def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets: Iterable[str] = ()) -> nn.Module:
@@ -112,12 +115,16 @@ def import_target(target: str, allowed: Iterable[str], *, key: str = "_target_")
 def shard_experts(block: nn.Module, mesh, *, name: str = "block") -> None:
     """Turn every parameter registered directly on ``block.experts`` into a ``Shard(0)`` DTensor over ``ep``."""
     experts = getattr(block, "experts", None)
-    if mesh is None or experts is None:
+    if experts is None:
+        return
+    if mesh is None:
+        mark_unsharded(experts, [pname for pname, _ in experts.named_parameters(recurse=False)])
         return
     for pname, param in list(experts.named_parameters(recurse=False)):
         if isinstance(param, DTensor):
             continue  # already sharded (apply_plan run twice on shared modules)
         setattr(experts, pname, shard_expert_tensor(param, mesh, name=f"{name}.experts.{pname}"))
+        slice_full_on_load(experts)
 
 
 def shard_expert_tensor(full: torch.Tensor, mesh, *, name: str = "expert param") -> nn.Parameter:
@@ -136,6 +143,47 @@ def shard_expert_tensor(full: torch.Tensor, mesh, *, name: str = "expert param")
     placements = [Shard(0) if d == "ep" else Replicate() for d in mesh.mesh_dim_names]
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
     return nn.Parameter(dt, requires_grad=full.requires_grad)
+
+
+def mark_unsharded(module: nn.Module, names) -> None:
+    """Record that ``module``'s parameters ``names`` are expert parameters left whole (no mesh: one process).
+    ``unsharded_expert_names`` reads them, so optimizer param groups have one layout at every ep size and a
+    checkpoint of any ``(edp, ep)`` loads into one process."""
+    setattr(module, UNSHARDED, tuple(dict.fromkeys((*getattr(module, UNSHARDED, ()), *names))))
+
+
+def unsharded_expert_names(model: nn.Module) -> set[str]:
+    """Names (as ``model.named_parameters`` gives them) of the expert parameters ``apply_plan`` left whole."""
+    return {f"{mname}.{p}" if mname else p for mname, m in model.named_modules()
+            for p in getattr(m, UNSHARDED, ()) if m._parameters.get(p) is not None}
+
+
+def slice_full_on_load(module: nn.Module) -> None:
+    """``load_state_dict`` into ``module`` (or a model holding it) takes the model's own single-process
+    checkpoint: a plain tensor of an expert DTensor parameter's global shape is cut to this rank's shard
+    (locally: every rank holds the full tensor); a DTensor (the EP model's own ``state_dict()``) is loaded as
+    it is. With ``assign=True`` the parameter becomes a DTensor of the shard (a copy, not a view of the full
+    tensor). Any other shape is left to torch's size check, which names the key and both shapes."""
+    if not getattr(module, "_autoep_slices_full", False):
+        module._autoep_slices_full = True
+        module.register_load_state_dict_pre_hook(_full_to_shard)
+
+
+def _full_to_shard(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_) -> None:
+    for name, param in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        if tuple(value.shape) != tuple(param.shape):
+            continue
+        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        local = value.detach()[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+        if local_metadata.get("assign_to_params_buffers", False):
+            local = local.to(value.device if param.is_meta else param.to_local().device, copy=True)
+        else:
+            local = local.to(param.to_local().device)
+        state_dict[prefix + name] = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                                       shape=param.shape, stride=param.stride())
 
 
 def _plain(cfg):

@@ -26,6 +26,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
+from autoep.runtime.apply import unsharded_expert_names
 from autoep.runtime.dense import is_expert
 from autoep.runtime.recipes import local_tensor
 from autoep.runtime.recipes.local_experts import expert_owners
@@ -38,14 +39,16 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     rank's own module experts (plain tensors, ``autoep.runtime.recipes.local_experts``; the other ranks' are
     ``meta`` stand-ins, left out whatever their ``requires_grad``: ``model.requires_grad_(True)`` reaches them
     too, and they never compute). Dense ones are plain tensors, or DTensors on FSDP2's ``dp`` mesh under
-    ``trainer.dense_sharding=fsdp2``."""
+    ``trainer.dense_sharding=fsdp2``. In one process, without a mesh, the
+    experts ``apply_plan`` left whole count as experts too: the groups have one layout at every ep size."""
     owners = expert_owners(model)
+    unsharded = unsharded_expert_names(model)  # one process: experts left whole (one group layout at every ep size)
     dense, expert = [], []
     for name, p in model.named_parameters():
         place = owners.get(name)
         if not p.requires_grad or (place is not None and not place.local):
             continue
-        (expert if is_expert(p) or place is not None else dense).append(p)
+        (expert if is_expert(p) or place is not None or name in unsharded else dense).append(p)
     return dense, expert
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import types
+import marshal
 from typing import Callable, TypeVar
 
 from torch import Tensor, nn
@@ -33,9 +33,10 @@ from autoep.detect.row_local import folded_drift
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import FactChanged, UnsupportedModuleStructure
-from autoep.runtime.apply import shard_expert_tensor
+from autoep.runtime.apply import mark_unsharded, shard_expert_tensor, slice_full_on_load
 from autoep.runtime.dispatch import join_exchanges, open_exchanges
 from autoep.runtime.reinit import install_sharded_apply
+from autoep.runtime.shared import InstanceMethod
 
 Proof = TypeVar("Proof")
 
@@ -204,10 +205,13 @@ def _join_exchanges_hook(module: nn.Module, args, output):
 def bind_experts_forward(experts: nn.Module, spec, forward: Callable) -> None:
     """Replace ``experts.forward`` (on the instance) by ``forward``, which reads what it needs from
     ``experts._autoep_ep = spec`` (fixed at apply time). Each call first checks that the experts' class
-    still runs the forward code that was proven: one swapped or replaced after apply raises."""
+    still runs the forward code that was proven: one swapped or replaced after apply raises. ``forward`` is a
+    module-level function: a deep copy or a pickle of the experts binds it to the copy
+    (``autoep.runtime.shared``)."""
     experts._autoep_ep = spec
-    experts._autoep_proven_code = _forward_code(type(experts))
-    experts.forward = types.MethodType(_live(forward), experts)
+    experts._autoep_proven_code = ProvenCode(_forward_code(type(experts)))
+    experts._autoep_forward = forward
+    experts.forward = InstanceMethod(experts, _checked_forward)
     install_sharded_apply(experts)  # ``model.apply(fn)`` draws for the full expert tensors, as on the model
 
 
@@ -215,28 +219,47 @@ def _forward_code(cls: type):
     return getattr(inspect.unwrap(cls.forward), "__code__", None)
 
 
-def _live(forward: Callable) -> Callable:
-    @functools.wraps(forward)
-    def checked(self, *args, **kwargs):
-        if _forward_code(type(self)) is not self._autoep_proven_code:
-            raise RuntimeError(f"{type(self).__name__}.forward was replaced, or its __code__ swapped, after "
-                               f"apply_plan; the expert-parallel experts compute the forward proven at apply "
-                               f"time. Apply the plan again to a fresh model built with the new code")
-        check_proven(self)  # the values the experts' proof folded, after every hook of the block and the experts
-        return forward(self, *args, **kwargs)
+class ProvenCode:
+    """The code of a forward proven at apply. A pickle holds it marshalled (a code object does not pickle), so
+    a loaded model checks its class's code against the same instructions, names and constants."""
 
-    return checked
+    def __init__(self, code):
+        self.code = code
+
+    def matches(self, code) -> bool:
+        return code is self.code or code == self.code
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return _unmarshalled, (marshal.dumps(self.code) if self.code is not None else None,)
+
+
+def _unmarshalled(data) -> ProvenCode:
+    return ProvenCode(marshal.loads(data) if data is not None else None)
+
+
+def _checked_forward(self: nn.Module, *args, **kwargs):
+    if not self._autoep_proven_code.matches(_forward_code(type(self))):
+        raise RuntimeError(f"{type(self).__name__}.forward was replaced, or its __code__ swapped, after "
+                           f"apply_plan; the expert-parallel experts compute the forward proven at apply "
+                           f"time. Apply the plan again to a fresh model built with the new code")
+    check_proven(self)  # the values the experts' proof folded, after every hook of the block and the experts
+    return self._autoep_forward(self, *args, **kwargs)
 
 
 def shard_weights_at(experts: nn.Module, paths, ep_mesh, *, name: str) -> None:
     """Make each expert weight named by a path under ``experts`` (``fc1.weight``, ``mlp.w1``) a ``Shard(0)``
     DTensor over ``ep_mesh`` where it lives (local slice, no communication); those already sharded (registered
     directly on the experts: ``apply_plan`` did them) are left as they are."""
-    if ep_mesh is None:
-        return
     for path in dict.fromkeys(paths):
         owner_path, _, attr = path.rpartition(".")
         owner = experts.get_submodule(owner_path)
+        if ep_mesh is None:
+            mark_unsharded(owner, [attr])
+            continue
         param = owner._parameters[attr]
         if not isinstance(param, DTensor):
             setattr(owner, attr, shard_expert_tensor(param, ep_mesh, name=f"{name}.experts.{path}"))
+            slice_full_on_load(owner)

@@ -47,17 +47,19 @@ from autoep.runtime.recipes import (
     watching_facts,
     watching_under,
 )
+from autoep.runtime.shared import AppliedSpec
 
 
 @dataclass(frozen=True)
-class _EpExperts:
-    """What the replaced experts forward needs, fixed at apply time."""
+class _EpExperts(AppliedSpec):
+    """What the replaced experts forward needs, fixed at apply time (plain values: a deep copy of the experts
+    computes with its own modules, e.g. its own activation)."""
 
     num_experts: int
     ep_group: object
     transposed: bool
     bias: bool
-    apply_gate: Callable[[Tensor], Tensor]
+    activation: str  # MoeStructure.activation: which gate ``_gate_of`` applies ("" flattened experts)
     signature: inspect.Signature  # of the experts' own forward: the replacement binds its arguments by it
     roles: BatchedRoles
     plain: bool  # up -> act -> down experts (``up_proj``), no gate half
@@ -79,7 +81,7 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
         shard_flat_experts(experts, roles.flat, ep_mesh, name=type(module).__name__)
         bind_experts_forward(experts, _EpExperts(
             num_experts=roles.flat.num_experts, ep_group=ep_group_of(ep_mesh), transposed=False, bias=False,
-            apply_gate=None, signature=inspect.signature(own_forward), roles=roles, plain=False, fp32=False),
+            activation="", signature=inspect.signature(own_forward), roles=roles, plain=False, fp32=False),
             _ep_forward)
         return
     plain = facts.activation == "plain"
@@ -88,7 +90,7 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
         ep_group=ep_group_of(ep_mesh),
         transposed=facts.expert_transposed,
         bias=facts.expert_bias,
-        apply_gate=_gate_of(experts, facts, roles),
+        activation=_checked_activation(experts, facts.activation, roles),
         signature=inspect.signature(own_forward),
         roles=roles,
         plain=plain,
@@ -118,20 +120,25 @@ def shard_flat_experts(experts: nn.Module, flat: FlatLayout, ep_mesh, *, name: s
     shard_weights_at(experts, (flat.gate, flat.up, flat.down), ep_mesh, name=name)
 
 
-def _gate_of(experts: nn.Module, facts: MoeStructure, roles: BatchedRoles) -> Callable[[Tensor], Tensor]:
+def _checked_activation(experts: nn.Module, activation: str, roles: BatchedRoles) -> str:
+    _gate_of(experts, activation, roles)  # raises at apply where the proven gate cannot be applied
+    return activation
+
+
+def _gate_of(experts: nn.Module, activation: str, roles: BatchedRoles) -> Callable[[Tensor], Tensor]:
     """The gate the proven forward computes: its own ``_apply_gate`` only where it calls it, the element-wise
     expression its loop writes inline (``inline_gate``: computed operation by operation as written), else
     ``act_fn(gate) * up`` on the concatenated halves, as it writes it."""
-    if facts.activation == "inline_gate":
+    if activation == "inline_gate":
         if roles.gate is None:
             raise PlanError(f"{type(experts).__name__}: structure.activation=inline_gate, but its forward's gate "
                             "was not proven inline; re-detect the structure")
         expr, path = roles.gate
         act = experts.get_submodule(path) if path else None
         return lambda h: eval_gate(expr, h, act)
-    if facts.activation in ("own_gate", "clamped_glu"):
+    if activation in ("own_gate", "clamped_glu"):
         return experts._apply_gate
-    if facts.activation == "plain":
+    if activation == "plain":
         return experts.act_fn
     return glu_gate(experts.act_fn)
 
@@ -164,7 +171,7 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
             gate_up_bias=cast(local_tensor(self.gate_up_proj_bias)) if spec.bias else None,
             down_bias=cast(local_tensor(self.down_proj_bias)) if spec.bias else None,
             transposed=spec.transposed,
-            apply_gate=spec.apply_gate,
+            apply_gate=_gate_of(self, spec.activation, spec.roles),
         )
         # The experts' own post-expert norm (a dense module, proven row-local): on this rank's rows of all
         # its local experts at once, as their loop applies it to each expert's rows.

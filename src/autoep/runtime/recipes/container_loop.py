@@ -44,12 +44,13 @@ from autoep.runtime.recipes import (
     watching_under,
 )
 from autoep.runtime.recipes.local_experts import GROUP, local_expert_fn, place_experts, spec_of
+from autoep.runtime.shared import AppliedSpec
 
 _LAYOUT_DIMS = {"EKT": (2, 1, 0), "ETK": (2, 0, 1)}
 
 
 @dataclass(frozen=True)
-class _EpContainer:
+class _EpContainer(AppliedSpec):
     """What the replaced container forward needs, fixed at apply time."""
 
     signature: inspect.Signature  # of the container's own forward: the replacement binds its arguments by it

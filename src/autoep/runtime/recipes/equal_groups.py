@@ -38,10 +38,11 @@ from autoep.runtime.recipes import (
     watching_under,
 )
 from autoep.runtime.recipes.grouped import _local_swiglu, shard_grouped_weights
+from autoep.runtime.shared import AppliedSpec
 
 
 @dataclass(frozen=True)
-class _EpEqualGroups:
+class _EpEqualGroups(AppliedSpec):
     """What the replaced experts forward needs, fixed at apply time (weights by path, never by object)."""
 
     equal: EqualGroupsProof

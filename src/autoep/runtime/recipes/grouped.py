@@ -39,10 +39,11 @@ from autoep.runtime.recipes import (
     watching_facts,
     watching_under,
 )
+from autoep.runtime.shared import AppliedSpec
 
 
 @dataclass(frozen=True)
-class _EpGrouped:
+class _EpGrouped(AppliedSpec):
     """What the replaced experts forward needs, fixed at apply time (weights by path, never by object:
     a deep copy of the block must run its own weights)."""
 

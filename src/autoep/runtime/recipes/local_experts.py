@@ -12,7 +12,9 @@ contiguous experts ``[r*L, (r+1)*L)`` (L = E // ep_size), as the exchange sends 
     keep them on ``meta`` (the expert's ``_apply`` is replaced on the instance) while taking the dtype the
     conversion gives, so a gather still receives the owner's dtype. ``model.apply(fn)`` (and a stand-in module's
     ``reset_parameters()``) allocates a remote expert for the call, so an init draws for it as on the model
-    (``autoep.runtime.reinit``).
+    (``autoep.runtime.reinit``). Reading one into a tensor with values
+    raises naming the expert and its owner (``autoep.runtime.stand_in``); ``model.load_state_dict`` keeps
+    them (a single-process checkpoint's tensors for them are skipped, their keys are never missing).
 
 The ownership query (used by checkpoints, export and trainer integrations)::
 
@@ -40,7 +42,6 @@ Shape legend: S rows grouped by local expert, D hidden, F expert intermediate si
 from __future__ import annotations
 
 import functools
-import types
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ from autoep.detect.source import Refusal
 from autoep.errors import LiveStateError, PlanError, UnsupportedModuleStructure
 from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
 from autoep.runtime.reinit import allocated
+from autoep.runtime.shared import InstanceMethod, Shared
+from autoep.runtime.stand_in import RemoteExpert, RemoteExpertTensor, stand_in
 
 SPEC = "_autoep_experts"  # the block attribute holding its ``LocalExperts``
 GROUP = "_autoep_ep_group"  # the block attribute holding its ep process group
@@ -154,12 +157,25 @@ def place_experts(block: nn.Module, *, path: str, num_experts: int, identity_exp
                         fast_path=fast_path)
     _check_unshared(block, spec, name)
     setattr(block, SPEC, spec)
-    setattr(block, GROUP, _Shared(None if ep_mesh is None else ep_mesh.get_group()))
+    setattr(block, GROUP, Shared(None if ep_mesh is None else ep_mesh.get_group()))
     setattr(block, STACKED, _Stacked())
     _release(block, spec)
     # ``model.apply(fn)`` recurses through ``container.apply``: remote experts drawn as on the model (reinit).
     container.apply = functools.partial(_experts_apply, container, spec)
+    block.register_load_state_dict_pre_hook(_keep_stand_ins)
     return spec
+
+
+def _keep_stand_ins(block: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """``load_state_dict`` skips the experts another rank owns: their entries (a single-process checkpoint's
+    tensors, another rank's) are replaced by this rank's stand-ins, and absent ones are not reported missing
+    (``assign=True`` keeps the stand-ins). Within ``remote_experts_hidden`` they have no entries at all."""
+    spec = spec_of(block)
+    experts = expert_modules(container_of(block, spec))
+    for e in range(spec.num_experts):
+        if not spec.is_local(e):
+            base = prefix + _join(spec.path, spec.keys[e])
+            state_dict.update((f"{base}.{k}", t) for k, t in experts[e].state_dict(keep_vars=True).items())
 
 
 def _check_unshared(block: nn.Module, spec: LocalExperts, name: str) -> None:
@@ -189,13 +205,16 @@ def _join(*parts: str) -> str:
 
 
 def _release(block: nn.Module, spec: LocalExperts) -> None:
-    """Every remote expert's parameters and buffers become ``meta`` stand-ins (``requires_grad=False``) that
-    module conversions keep on ``meta``."""
+    """Every remote expert's parameters and buffers become ``meta`` stand-ins (``requires_grad=False``,
+    ``autoep.runtime.stand_in``) that module conversions keep on ``meta``."""
     container = container_of(block, spec)
     for e, expert in enumerate(expert_modules(container)[: spec.num_experts]):
         if not spec.is_local(e):
+            remote = RemoteExpert(type(block).__name__, e, spec.owner(e), spec.ep_rank)
+            for m in expert.modules():  # every module of it: a submodule's own conversion makes stand-ins too
+                m._autoep_remote = remote
             _stand_in_apply(expert, _unchanged)
-            expert._apply = types.MethodType(_stand_in_apply, expert)
+            expert._apply = InstanceMethod(expert, _stand_in_apply)
             for m in expert.modules():  # ``m.reset_parameters()`` called directly draws as on the model too
                 if callable(getattr(type(m), "reset_parameters", None)):
                     m.reset_parameters = functools.partial(_stand_in_reset, m, container)
@@ -204,15 +223,18 @@ def _release(block: nn.Module, spec: LocalExperts) -> None:
 def _stand_in_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
     """``nn.Module._apply`` for an expert another rank owns: its tensors stay ``meta`` stand-ins, in the dtype
     ``fn`` would give (``.to(device)`` or ``to_empty`` allocate nothing; ``.bfloat16()`` changes the dtype)."""
+    remote = getattr(self, "_autoep_remote", None)
     for m in self.modules():
         for name, p in m._parameters.items():
             if p is not None:
-                meta = _meta_like(p, fn)
-                if meta is not p or p.requires_grad:
-                    m._parameters[name] = nn.Parameter(meta, requires_grad=False)
+                dtype = _dtype_after(p, fn)
+                if not _is_stand_in(p, dtype) or p.requires_grad:
+                    m._parameters[name] = stand_in(p, dtype, remote, parameter=True)
         for name, b in m._buffers.items():
             if b is not None:
-                m._buffers[name] = _meta_like(b, fn)
+                dtype = _dtype_after(b, fn)
+                if not _is_stand_in(b, dtype):
+                    m._buffers[name] = stand_in(b, dtype, remote, parameter=False)
     return self
 
 
@@ -254,14 +276,15 @@ def _unchanged(t: Tensor) -> Tensor:
     return t
 
 
-def _meta_like(t: Tensor, fn) -> Tensor:
+def _dtype_after(t: Tensor, fn) -> torch.dtype:
     try:
-        dtype = fn(torch.empty(0, dtype=t.dtype)).dtype  # the conversion on an empty probe: its dtype only
+        return fn(torch.empty(0, dtype=t.dtype)).dtype  # the conversion on an empty probe: its dtype only
     except Exception:  # noqa: BLE001 - a conversion that cannot run on a probe keeps the dtype
-        dtype = t.dtype
-    if t.is_meta and dtype == t.dtype:
-        return t
-    return torch.empty(t.shape, dtype=dtype, device="meta")
+        return t.dtype
+
+
+def _is_stand_in(t: Tensor, dtype: torch.dtype) -> bool:
+    return isinstance(t, RemoteExpertTensor) and t.dtype == dtype
 
 
 def release_remote_experts(model: nn.Module) -> None:
@@ -453,16 +476,6 @@ def _broadcast(values: list[Tensor], owner: int, group) -> None:
         dist.broadcast(flat, src=src, group=group)  # NOTE: collective; one per owner rank and dtype
         for i, v in zip(idx, _unflatten_dense_tensors(flat, [values[i] for i in idx])):
             values[i].copy_(v)
-
-
-class _Shared:
-    """A value a deep copy of the block shares instead of copying (a process group cannot be copied)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def __deepcopy__(self, memo):
-        return self
 
 
 def _ep_group(block: nn.Module, spec: LocalExperts):

@@ -21,7 +21,6 @@ S (token, expert) rows grouped by local expert.
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 import torch.nn as nn
@@ -44,6 +43,7 @@ from autoep.runtime.recipes import (
     watching_folded,
 )
 from autoep.runtime.recipes.local_experts import _ACTIVATIONS, local_expert_fn, place_experts, spec_of
+from autoep.runtime.shared import InstanceMethod
 
 # ---------------------------------------------------------------------------------------------
 # The spliced expert loop and the factory
@@ -259,12 +259,18 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     join_backward_exchanges(module, ep_mesh)
     watching_folded(module, structure.get("folded", ()))  # e.g. an expert's dropout proven idle in eval
     for method in dict.fromkeys(plan.method for plan in plans):
-        mine = [plan for plan in plans if plan.method == method]
-        spliced = compile_spliced(mine, [checking_proven(_region_fn(plan, ep_group)) for plan in mine])
-        if mine[0].no_grad:
-            spliced = torch.no_grad()(spliced)  # the method's own (only) decorator, proven by the detector
-        # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run.
-        setattr(module, method, types.MethodType(spliced, module))
+        mine = tuple(plan for plan in plans if plan.method == method)
+        # An instance attribute shadows the class method; nn.Module.__call__ (and its hooks) still run. A pickle
+        # of the block compiles the method again from the same plans where it is loaded.
+        setattr(module, method, InstanceMethod(module, _spliced(mine, ep_group), rebuild=(_spliced, (mine, ep_group))))
+
+
+def _spliced(plans: tuple, ep_group):
+    """The block's method holding ``plans``' regions, recompiled with each region replaced by its exchange."""
+    spliced = compile_spliced(list(plans), [checking_proven(_region_fn(plan, ep_group)) for plan in plans])
+    if plans[0].no_grad:
+        spliced = torch.no_grad()(spliced)  # the method's own (only) decorator, proven by the detector
+    return spliced
 
 
 def _swiglu(module: nn.Module, structure: dict) -> tuple[str, str, str] | None:

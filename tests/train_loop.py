@@ -8,10 +8,10 @@ momentum 0.9, or AdamW with weight decay 0.1) for ``STEPS`` steps. After every s
 every parameter's gradient (``None`` where the model's is ``None``, zeros where it is zero; expert shards and
 module experts on their owners) and every weight must be the model's (fp32, ``assert_close`` defaults).
 
-Routing is forced (``force_routing``): the router row of expert ``E - 1`` reads only feature 0, which every
-token holds at +1, with weight -8 (no rank's token picks it: an idle expert in every step); the row of expert 0
-reads only feature 1, which only rank 0's tokens hold at +1 (others -1), with weight +8 (tokens from one rank
-only). Whether the routing happened is measured, not assumed (``Routing``: the (token, expert) pairs of every
+Routing is forced (``force_routing``): the router row of expert ``E - 1`` reads only feature 0 with weight -8;
+every token holds it at -1 in step 0 (expert E-1 takes every token) and at +1 afterwards (no rank's token picks
+it: an idle expert whose momentum and Adam state the model leaves alone). The row of expert 0 reads only feature
+1 with weight +8, which only rank 0's tokens hold at +1 (others -1): tokens from one rank only. Whether the routing happened is measured, not assumed (``Routing``: the (token, expert) pairs of every
 exchange, counted per expert and rank).
 
     from train_loop import check_target; check_target("hf/qwen3_moe", rank, world_size, mesh, "sgd")
@@ -37,9 +37,12 @@ from autoep.runtime import dispatch, grads
 from autoep.runtime.recipes.local_experts import expert_owners
 
 STEPS = 5
+# Small steps, so five of them move no routing decision onto a near-tie (where rounding would pick the expert);
+# AdamW's eps well above rounding noise, so a gradient that is zero up to rounding moves nothing (Adam divides
+# noise by its own size: lr * sign(noise) at the default 1e-8).
 OPTIMIZERS = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, eps=1e-4),
 }
 SPLITS = {1: [2], 2: [1, 1], 4: [1, 0, 2, 1]}  # sequences per rank; on 4 ranks one rank has none
 FULL_SPLITS = {1: [2], 2: [1, 1], 4: [1, 1, 1, 1]}  # targets whose own forward cannot run an empty batch
@@ -76,9 +79,10 @@ def force_routing(block: nn.Module, num_experts: int) -> bool:
 
 
 def step_inputs(block: nn.Module, split: list[int], step: int) -> torch.Tensor:
-    """(sum(split), SEQ, D) inputs of one step: feature 0 is +1 everywhere, feature 1 +1 on rank 0's sequences."""
+    """(sum(split), SEQ, D) inputs of one step: feature 0 is -1 in step 0 and +1 after it, everywhere; feature 1
+    +1 on rank 0's sequences, -1 on the others'."""
     x = inputs(block, batch=sum(split)) * 0.5 + 0.1 * step
-    x[..., 0] = 1.0
+    x[..., 0] = 1.0 if step else -1.0
     x[..., 1] = -1.0
     x[: split[0], :, 1] = 1.0
     return x
@@ -184,19 +188,49 @@ class Report:
     forced: bool = False
 
 
-def train_both(target, rank: int, world_size: int, mesh, optimizer: str, steps: int = STEPS) -> Report:
+class Calls:
+    """Which module experts ran their forward (a pre-hook on each: it also turns the grouped fast path off, so
+    the experts' own forwards run)."""
+
+    def __init__(self, block: nn.Module, structure):
+        self.ran: set[int] = set()
+        container = block.get_submodule(structure.experts_path)
+        self.experts = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+        for e, expert in enumerate(self.experts):
+            expert.register_forward_pre_hook(lambda module, args, e=e: self.ran.add(e))
+
+    def gathered(self, world_size: int) -> set[int]:
+        """The experts run on any rank (a collective on several ranks)."""
+        ran = torch.zeros(len(self.experts), dtype=torch.long)
+        ran[list(self.ran)] = 1
+        if world_size > 1:
+            dist.all_reduce(ran)  # NOTE: collective (the measurement)
+        return set(ran.nonzero().flatten().tolist())
+
+
+def train_both(target, rank: int, world_size: int, mesh, optimizer: str, steps: int = STEPS,
+               hooks: bool = False) -> Report:
     """Train the model and its EP copy side by side (module docstring); collectives stay in step on every rank
-    (each rank computes everything before it compares)."""
+    (each rank computes everything before it compares). ``hooks``: module experts carry a forward pre-hook on both
+    sides, and the experts EP runs in a step must be those the model runs (on any rank's slice)."""
     block = target.build()
     structure = detect_moe_structure(block)
     report = Report(forced=force_routing(block, count_experts(block, structure)))
     split = (SPLITS if target.empty_rank else FULL_SPLITS)[world_size]
+    watch = hooks and structure.expert_storage == "module_list"
     ep = make_ep(block, structure, mesh)
     model = copy.deepcopy(block)
+    # Hooks added after apply, as a user adds them: on the EP side every expert module is still there (another
+    # rank's as a stand-in, never called here).
+    calls_model, calls_ep = (Calls(model, structure), Calls(ep, structure)) if watch else (None, None)
     opt_model = OPTIMIZERS[optimizer]([p for p in model.parameters() if p.requires_grad])
     dense, expert = grads.split_params(ep)
     opt_ep = OPTIMIZERS[optimizer](dense + expert)
     world = dist.group.WORLD if world_size > 1 else None
+    if world is not None:
+        # NOTE: collective. Building a target may import a transformers model for many seconds on one rank; the
+        # ep group's short timeout (``rank_parity.HANG_S``) is for hangs in the exchange, not for imports.
+        dist.barrier()
     for step in range(steps):
         x = step_inputs(block, split, step)
         losses = [_run(model, s, 1000 * step + r, target.flat) for r, s in enumerate(_slices(x, split))]
@@ -214,6 +248,12 @@ def train_both(target, rank: int, world_size: int, mesh, optimizer: str, steps: 
             report.idle_seen |= idle
             report.solo_seen |= solo
         diffs = _close("loss", loss, losses[rank]) + compare(model, ep, rank, world_size, "grad")
+        if watch:
+            ran_ep = calls_ep.gathered(world_size)
+            if ran_ep != calls_model.ran:
+                diffs.append(f"experts run: model {sorted(calls_model.ran)}, EP {sorted(ran_ep)}")
+            calls_model.ran.clear()
+            calls_ep.ran.clear()
         opt_model.step()
         opt_ep.step()
         opt_model.zero_grad(set_to_none=True)
@@ -232,17 +272,17 @@ def target_named(name: str):
 # ---------------------------------------------------------------------------------------------
 
 
-def worker(rank: int, world_size: int, names: list[str], optimizers: list[str]) -> dict:
-    """For ``run_cases``: ``{"<target> <optimizer>": None | what differed}``, plus the routing seen as
-    ``"<target> <optimizer> routing"`` entries (None: both an idle and a one-rank expert were seen)."""
+def worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]]) -> dict:
+    """For ``run_cases``: per case ``(target, optimizer, hooks)``, ``{"<target> <optimizer>[ hooks]": None | what
+    differed}`` and ``{"... routing": None | which forced routing never happened}``."""
     from rank_parity import ep_mesh
 
     mesh = ep_mesh(world_size)
     results = {}
-    for name, opt in itertools.product(names, optimizers):
-        key = f"{name} {opt}"
+    for name, opt, hooks in cases:
+        key = f"{name} {opt}{' hooks' if hooks else ''}"
         try:
-            report = train_both(target_named(name), rank, world_size, mesh, opt)
+            report = train_both(target_named(name), rank, world_size, mesh, opt, hooks=hooks)
         except Exception as exc:  # noqa: BLE001 - recorded per case; the group may be out of step after it
             results[key] = f"{type(exc).__name__}: {str(exc)[:300]}"
             results[f"{key} routing"] = None
@@ -263,9 +303,10 @@ def main(argv=None) -> int:
     from distributed import run_cases
 
     names = args.targets or [t.name for t in targets()]
+    cases = [(n, o, False) for n, o in itertools.product(names, args.optimizers)]
     failed = 0
     for world_size in args.ranks:
-        merged = run_cases(world_size, "train_loop:worker", names, args.optimizers)
+        merged = run_cases(world_size, "train_loop:worker", cases)
         runs = [k for k in merged if not k.endswith(" routing")]
         bad = [k for k in runs if merged[k]]
         unforced = [k for k in merged if k.endswith(" routing") and merged[k]]

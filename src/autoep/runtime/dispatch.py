@@ -39,7 +39,8 @@ class Idle:
     experts, each with parameters of its own (an idle expert's are left alone), else 3-D parameters shared by
     every expert (their gradient is ``None`` only where no expert ran on any rank). ``visited_E``: the experts
     the loop visits at all (bool (E,); default all: a selected-rows loop visits the ids its block listed).
-    ``touch``: module experts: local expert index -> the parameters a touch gives zero gradients.
+    ``params``: module experts: local expert index -> its parameters (a touch gives them zero gradients; where
+    one is trainable, a rank whose experts all stay idle still gives the exchange's backward a path).
 
     With ``per_expert``, the exchange calls ``expert_fn(x_SD, tokens_per_local_expert, status_L)`` (``status_L``: a
     host list, per local expert the highest status any rank's loop gave it) only where some local expert is
@@ -48,7 +49,7 @@ class Idle:
     mode: str = "call"
     per_expert: bool = False
     visited_E: Tensor | None = None
-    touch: Callable[[int], list[Tensor]] | None = None
+    params: Callable[[int], list[Tensor]] | None = None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -155,7 +156,7 @@ def ep_experts_forward(
         runs = CALL in status_L
         y_sorted_SD = _local(x_sorted_SD, tokens_per_expert_E, status_L, runs, idle, expert_fn)
         if y_sorted_SD is None:
-            y_sorted_SD = _touched(_idle_rows(x_sorted_SD, D, hidden_TD.dtype), status_L, idle)
+            y_sorted_SD = _touched(_idle_rows(x_sorted_SD, D, hidden_TD.dtype, idle, L), status_L, idle)
     else:
         y_sorted_SD, routed = _exchange_and_compute(hidden_TD, perm_S, K, tokens_per_expert_E, status_E, W, L,
                                                     ep_group, expert_fn, idle)
@@ -279,20 +280,28 @@ def _local(x_SD: Tensor, tokens_per_local_expert: Tensor, status_L: list[int], r
     return _touched(expert_fn(x_SD, tokens_per_local_expert, status_L), status_L, idle)
 
 
-def _idle_rows(x_SD: Tensor, width: int, dtype: torch.dtype) -> Tensor:
-    """The output of experts that did not run on the (zero) rows ``x_SD``: empty, ``width`` wide, and a
-    differentiable function of ``x_SD``, so the backward of the exchange that brought them still runs here."""
+def _idle_rows(x_SD: Tensor, width: int, dtype: torch.dtype, idle: Idle, num_local: int) -> Tensor:
+    """The output of the ``num_local`` experts that did not run on the (zero) rows ``x_SD``: empty, ``width``
+    wide, a differentiable function of ``x_SD`` (so the backward of the exchange that brought them runs here),
+    and requiring a gradient wherever the experts' own output would (a trainable local expert): the backward of
+    the exchange that takes it home runs here too, as on the ranks whose experts ran (their output needs a
+    gradient for their weights, even where the rows they got need none)."""
     if x_SD.shape[-1] == 0:
-        return x_SD.new_zeros((x_SD.shape[0], width), dtype=dtype)
-    return x_SD[:, :1].to(dtype).expand(x_SD.shape[0], width)
+        rows = x_SD.new_zeros((x_SD.shape[0], width), dtype=dtype)
+    else:
+        rows = x_SD[:, :1].to(dtype).expand(x_SD.shape[0], width)
+    if rows.requires_grad or not torch.is_grad_enabled() or idle.params is None:
+        return rows
+    trainable = any(p.requires_grad for e in range(num_local) for p in idle.params(e))
+    return rows.detach().requires_grad_() if trainable else rows
 
 
 def _touched(y_SD: Tensor, status_L: list[int], idle: Idle) -> Tensor:
     """``y_SD`` unchanged, with zero gradients for the parameters of the local experts the loop touches without
     calling them (each joined as an empty slice: no value changes, not even of a nan weight)."""
-    if idle.touch is None or TOUCH not in status_L:
+    if idle.params is None or TOUCH not in status_L:
         return y_SD
-    params = [p for e, s in enumerate(status_L) if s == TOUCH for p in idle.touch(e) if p.requires_grad]
+    params = [p for e, s in enumerate(status_L) if s == TOUCH for p in idle.params(e) if p.requires_grad]
     empty = [p.reshape(-1)[:0].to(y_SD.dtype).reshape(0, 1).expand(0, y_SD.shape[1]) for p in params]
     return torch.cat([y_SD, *empty]) if empty else y_SD
 
@@ -348,7 +357,7 @@ def _exchange_and_compute(
         width, code = shape.tolist()
         dtype = _DTYPES[code - 1]
     if y_grouped_SD is None:
-        y_grouped_SD = _touched(_idle_rows(x_grouped_SD, width, dtype), status_L, idle)
+        y_grouped_SD = _touched(_idle_rows(x_grouped_SD, width, dtype, idle, L), status_L, idle)
     y_recv_SD = torch.empty_like(y_grouped_SD).index_copy(0, regroup_S, y_grouped_SD)
 
     # Reverse exchange: results go home in the order they were sent.

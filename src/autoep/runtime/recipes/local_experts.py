@@ -455,10 +455,10 @@ def local_expert_fn(block: nn.Module):
 
 def local_idle(block: nn.Module, mode: str, visited_E: Tensor | None = None) -> Idle:
     """The exchange's ``Idle`` for ``block``'s module experts: its loop's ``mode`` for an expert without rows, each
-    expert's parameters its own (a touch reaches a local expert's parameters)."""
+    expert's parameters its own."""
     spec = spec_of(block)
     experts = expert_modules(container_of(block, spec))[spec.first: spec.first + spec.num_local]
-    return Idle(mode, per_expert=True, visited_E=visited_E, touch=lambda e: list(experts[e].parameters()))
+    return Idle(mode, per_expert=True, visited_E=visited_E, params=lambda e: list(experts[e].parameters()))
 
 
 def own_forward(experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert: Tensor,

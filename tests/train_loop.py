@@ -6,7 +6,8 @@ the detector and table choose, as ``apply_plan`` runs it; each rank its own slic
 ``autoep.runtime.grads.finish_grads`` with ``grad_convention="sum"``) train with the same optimizer (SGD with
 momentum 0.9, or AdamW with weight decay 0.1) for ``STEPS`` steps. After every step the loss of each rank's slice,
 every parameter's gradient (``None`` where the model's is ``None``, zeros where it is zero; expert shards and
-module experts on their owners) and every weight must be the model's (fp32, ``assert_close`` defaults).
+module experts on their owners) and every weight must be the model's (fp32, ``assert_close`` defaults); then
+EP's weights are set to the model's (``resync``: rounding does not compound; optimizer state is never synced).
 
 Routing is forced (``force_routing``): the router row of expert ``E - 1`` reads only feature 0 with weight -8;
 every token holds it at -1 in step 0 (expert E-1 takes every token) and at +1 afterwards (no rank's token picks
@@ -174,8 +175,22 @@ def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> list[str]:
     except AssertionError:
         if got.shape != want.shape:
             return [f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"]
-        return [f"{what}: max abs diff {(got.double() - want.double()).abs().max().item():.3g}"]
+        return [f"{what}: max abs diff {(got.double() - want.double()).abs().max().item():.3g} (largest value "
+                f"{want.abs().max().item():.3g})"]
     return []
+
+
+@torch.no_grad()
+def resync(model: nn.Module, ep: nn.Module, rank: int, world_size: int) -> None:
+    """Set EP's weights (this rank's part) to the model's. Compared before, within fp32 rounding: set equal, so
+    the next step starts from the same weights and rounding cannot compound over steps into another routing
+    decision (a chaotic amplifier no EP error is needed for). Optimizer state is never synced: a momentum or Adam
+    state the model does not have still shows in the next step's weights."""
+    owners, ref = expert_owners(ep), dict(model.named_parameters())
+    for name, p in ep.named_parameters():
+        if name in owners and not owners[name].local:
+            continue
+        (p.to_local() if hasattr(p, "to_local") else p).copy_(_local(ref[name], p, rank, world_size))
 
 
 @dataclass
@@ -260,6 +275,7 @@ def train_both(target, rank: int, world_size: int, mesh, optimizer: str, steps: 
         opt_ep.zero_grad(set_to_none=True)
         diffs += compare(model, ep, rank, world_size, "weight")
         report.diffs += [f"step {step}: {d}" for d in diffs]
+        resync(model, ep, rank, world_size)
     return report
 
 

@@ -33,12 +33,12 @@ CASES_2 = [
     ("v4/titan_grouped", "adamw", False),  # grouped experts(x_sorted, counts)
     ("hf/llama4", "sgd", False),  # Llama-4 equal groups
 ]
+# 4 ranks, 4 experts: rank 3 owns only the idle expert, so it runs no expert yet gets results back (its empty
+# share takes the others' output width and dtype), and one rank has no tokens at all.
 CASES_4 = [
     ("hf/qwen3_moe", "adamw", False),
     ("v4/mixtral", "sgd", True),
-    ("v4/fairseq_local_experts", "adamw", False),
     ("hf/switch_transformers", "adamw", False),
-    ("v4/llama4_equal_groups", "sgd", False),
 ]
 
 

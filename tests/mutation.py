@@ -598,7 +598,7 @@ def forward_backward(block: nn.Module, x: torch.Tensor, seed: int, flat: bool = 
 def param_grads(block: nn.Module) -> dict:
     """Every parameter's grad by its name in the model's own layout (tied names listed each): stacked
     ModuleList experts written back per expert, DTensor grads gathered (a collective on several ranks)."""
-    from autoep.runtime.recipes.local_experts import gather_experts, spec_of
+    from autoep.runtime.recipes.local_experts import GROUP, gather_experts, spec_of
 
     grads = {}
     for name, p in block.named_parameters(remove_duplicate=False):
@@ -611,6 +611,11 @@ def param_grads(block: nn.Module) -> dict:
     for prefix, holder in block.named_modules():
         if spec_of(holder) is not None:
             has_grad = any(p.grad is not None for p in holder.get_submodule(spec_of(holder).path).parameters())
+            if spec_of(holder).ep_size > 1:  # a rank whose experts all stayed idle has none: any rank's counts
+                flag = torch.tensor([float(has_grad)])
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
+                                             group=getattr(holder, GROUP).value)  # NOTE: collective over ep
+                has_grad = bool(flag.item())
             per_expert = gather_experts(holder, grad=True)  # NOTE: collective over ep
             per_expert = {".".join(p for p in (prefix, n) if p): g for n, g in per_expert.items()}
             grads |= {n: g if has_grad else None for n, g in per_expert.items() if n in grads}

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import guarded, run_cases
 
-from autoep.runtime.dispatch import ep_experts_forward
+from autoep.runtime.dispatch import CALL, Idle, ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_swiglu
 
 E, K = 8, 2
@@ -90,6 +90,59 @@ def _gather(t, world_size):
     return torch.cat(parts)
 
 
+def _check_idle_module_experts(rank, world_size):
+    """Module experts whose loop skips idle ones: every token of every rank goes to expert 0 (rank 0's), so the
+    other ranks run no expert yet get results back (their empty share takes rank 0's width and dtype). Values
+    and input grads equal the loop's; only expert 0 runs and has a grad, every other expert's stays None."""
+    D, T = 6, 3
+    torch.manual_seed(0)
+    experts = [torch.nn.Linear(D, 2 * D, bias=False) for _ in range(E)]  # the same on every rank; output 2D wide
+    x = torch.randn(world_size * T, D)
+    L, called = E // world_size, []
+    local = experts[rank * L:(rank + 1) * L]
+
+    def expert_fn(x_SD, counts, status):
+        called.extend(rank * L + e for e, s in enumerate(status) if s == CALL)
+        chunks = torch.split(x_SD, counts.tolist())
+        return torch.cat([local[e](c) for e, (c, s) in enumerate(zip(chunks, status)) if s == CALL])
+
+    x_r = x[rank * T:(rank + 1) * T].clone().requires_grad_()
+    idx = torch.zeros(T, 1, dtype=torch.long)
+    idle = Idle("skip", per_expert=True, params=lambda e: list(local[e].parameters()))
+    out = ep_experts_forward(x_r, idx, torch.ones(T, 1), num_experts=E, ep_group=dist.group.WORLD,
+                             expert_fn=expert_fn, out_dtype="experts", idle=idle)
+    out.sum().backward()
+    x_ref = x[rank * T:(rank + 1) * T].clone().requires_grad_()
+    experts[0](x_ref).sum().backward()
+    torch.testing.assert_close(out, experts[0](x_ref).detach())
+    torch.testing.assert_close(x_r.grad, x_ref.grad)
+    assert called == ([0] if rank == 0 else [])
+    assert [p.weight.grad is not None for p in local] == [rank == 0 and e == 0 for e in range(L)]
+
+
+def _check_idle_batched_experts(rank, world_size):
+    """3-D experts whose loop skips idle ones: with only padding ids on every rank no expert runs and every rank's
+    shard keeps ``grad is None``; with one routed pair anywhere every rank's shard gets a gradient (zeros where no
+    row came), as the model's whole tensor does."""
+    L, D = E // world_size, 4
+    shard = torch.randn(L, D, D, requires_grad=True)
+
+    def expert_fn(x_SD, counts):
+        return torch.cat([c @ shard[e] for e, c in enumerate(torch.split(x_SD, counts.tolist()))])
+
+    for routed, has_grad in ((False, False), (True, True)):
+        shard.grad = None
+        idx = torch.full((2, 1), E)  # padding
+        if routed and rank == 0:
+            idx[0, 0] = E - 1  # the last rank's expert
+        out = ep_experts_forward(torch.randn(2, D, requires_grad=True), idx, torch.ones(2, 1), num_experts=E,
+                                 ep_group=dist.group.WORLD, expert_fn=expert_fn, idle=Idle("skip"))
+        out.sum().backward()
+        assert (shard.grad is not None) == has_grad, (routed, rank)
+        if has_grad:
+            assert bool(shard.grad.any()) == (rank == world_size - 1)
+
+
 SPLITS = {2: [(7, 3), (1, 9), (0, 6)], 4: [(5, 0, 3, 1), (2, 2, 2, 2)]}
 
 
@@ -99,6 +152,8 @@ def dispatch_cases(rank, world_size):
         for D in (16, 6):  # 16: grouped_mm path; 6: unaligned rows take the exact loop
             guarded(results, f"tokens={tokens},D={D}", _check, rank, world_size, list(tokens), D)
     guarded(results, "owner_only", _check, rank, world_size, list(SPLITS[world_size][0]), 16, 0)
+    guarded(results, "idle_module_experts", _check_idle_module_experts, rank, world_size)
+    guarded(results, "idle_batched_experts", _check_idle_batched_experts, rank, world_size)
     return results
 
 

@@ -261,6 +261,7 @@ class Prover:
         if isinstance(base, Param):
             e = self.eval(sl)
             if isinstance(e, ExpertId) and not e.row:
+                self.facts.expert_ran = True
                 return ("param", base.name)
             self.refuse(node, "does not index the expert weights by the loop's expert id")
         if isinstance(base, Obj) and isinstance(base.value, (nn.ModuleList, nn.ModuleDict)):
@@ -375,6 +376,7 @@ class Prover:
             v = self.eval(arg)
             if not (isinstance(v, Row) and v.expr == ("x",)):
                 self.refuse(node, "does not call the expert on its own rows x[tok]")
+            self.facts.expert_ran = True
             return Row(("expert", v.expr))
         if not isinstance(target, Obj):
             self.refuse(node)
@@ -599,6 +601,7 @@ class Prover:
         if isinstance(it, Hit) and isinstance(target, ast.Name):
             self._bind_ids(it.mask, loop)
             self.env[target.id] = ExpertId(row=not it.scalar)
+            self.facts.idle = "skip"  # only the experts hit are visited
         elif it == ("range",) and isinstance(target, ast.Name):
             self.env[target.id] = ExpertId(row=False)
         elif it == ("enumerate",) and isinstance(target, ast.Tuple) and len(target.elts) == 2 \
@@ -640,11 +643,17 @@ class Prover:
         if not isinstance(cond, Cond) or (stmt.orelse and cond.kind != "nonempty"):
             self.refuse(stmt, "is a condition the proof does not know")
         if cond.kind in ("empty", "padding") and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Continue):
+            if cond.kind == "empty" and not self.facts.expert_ran:
+                self.facts.idle = "skip"  # an expert without rows is never called
             return
         if cond.kind == "nonempty":
+            ran = self.facts.expert_ran
             self.body(stmt.body)
-            if stmt.orelse and not self._touch(stmt.orelse):
+            touch = self._touch(stmt.orelse) if stmt.orelse else None
+            if stmt.orelse and not touch:
                 self.refuse(stmt.orelse[0], "runs for an expert without tokens, which the proof does not know")
+            if not ran:
+                self.facts.idle = touch or "skip"
             return
         self.refuse(stmt, "skips an expert that has tokens")
 
@@ -676,26 +685,28 @@ class Prover:
                 self.facts.folded[name] = value
         self.body(stmt.body if taken else stmt.orelse)
 
-    def _touch(self, stmts: list[ast.stmt]) -> bool:
+    def _touch(self, stmts: list[ast.stmt]) -> str:
         """minimind's ``elif self.training: acc[0, 0] += 0 * sum(p.sum() for p in expert.parameters())`` for
-        an expert without tokens: it adds zero (finite weights) and gives that expert zero gradients, as the
-        exchange does; so it is left out."""
+        an expert without tokens: it adds zero (finite weights) and gives that expert zero gradients without
+        calling it, as the exchange does (``idle`` "touch"); so it is left out. Returns "touch", "touch_training"
+        (under ``if self.training:``) or "" where ``stmts`` is not that."""
+        kind = "touch"
         if len(stmts) == 1 and isinstance(stmts[0], ast.If) and not stmts[0].orelse:
             test = stmts[0].test
             if isinstance(test, ast.Attribute) and test.attr == "training" and isinstance(self.eval(test.value), SelfRef):
-                stmts = stmts[0].body
+                stmts, kind = stmts[0].body, "touch_training"
         if len(stmts) != 1 or not isinstance(stmts[0], ast.AugAssign) or not isinstance(stmts[0].op, ast.Add):
-            return False
+            return ""
         target, value = stmts[0].target, stmts[0].value
         if not (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
                 and all(isinstance(i, ast.Constant) and i.value == 0 for i in getattr(target.slice, "elts", [target.slice]))):
-            return False
+            return ""
         acc = self.eval(target.value)
         if acc is not self.facts.acc or not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult)
                                              and isinstance(value.left, ast.Constant) and value.left.value == 0
                                              and not isinstance(value.left.value, bool)):
-            return False
-        return self._sum_of_expert_params(value.right)
+            return ""
+        return kind if self._sum_of_expert_params(value.right) else ""
 
     def _sum_of_expert_params(self, node: ast.AST) -> bool:
         """``sum(p.sum() for p in <the loop's expert>.parameters())``."""

@@ -80,6 +80,9 @@ class BatchedRoles:
     # a gate written inline: (its expression over ("h",), the path of the activation module it applies or "")
     # (training_branch.eval_gate)
     gate: tuple | None = None
+    # what its loop does with an expert without rows (``LoopFacts.idle``): "skip" (it iterates the experts hit)
+    # or "call" (on zero rows)
+    idle: str = "call"
 
 
 def batched_experts_facts(experts: nn.Module) -> dict:
@@ -216,7 +219,7 @@ def _prove_batched_forward(p: Prover, tree: ast.FunctionDef, unused_ok: bool = F
         return BatchedRoles(by_value[id(x)], by_value[id(f.idx)], by_value[id(f.w)], out_dtype, acc_dtype,
                             rows=rows_of.cols if rows_of is not None else 0,
                             unpacked=p.unpacked[1] if getattr(p, "unpacked", None) else 0,
-                            view_out=view_out.mode if view_out is not None else "")
+                            view_out=view_out.mode if view_out is not None else "", idle=f.idle)
     except KeyError:
         raise Refusal(f"{p.where} reads its tokens, ids or weights from something other than its arguments") from None
 

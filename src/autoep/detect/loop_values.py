@@ -187,3 +187,8 @@ class LoopFacts:
     mask_layout: str = ""  # a dispatch mask's axis order as the loop permutes it (``Mask.layout``)
     # ``{attr: value}``: the owner's constant attributes an ``if`` of the region was folded on (its branch taken)
     folded: dict = field(default_factory=dict)
+    # What the loop does with an expert that has no rows (``MoeStructure.idle_experts``): "call" it on zero rows
+    # (``range(E)`` without a guard), "skip" it (iterates the experts hit, or ``if <no rows>: continue`` before
+    # the expert runs), "touch" it without calling it (zero gradients), "touch_training" (only ``if self.training``)
+    idle: str = "call"
+    expert_ran: bool = False  # the loop body has run the expert (or read its weights) by the current statement

@@ -283,6 +283,10 @@ class SplicePlan:
     path: tuple = ()
     no_grad: bool = False  # the method is decorated ``@torch.no_grad()``; its spliced twin is too
     select_dims: int = 0  # selected: the full slices before the id in ``mask[:, :, id]`` (the id's axis)
+    # What the region does with an expert without rows (``MoeStructure.idle_experts``): "call" it on zero rows,
+    # "skip" it, "touch" it (zero gradients, not called), "touch_training" (touch only while training); a
+    # selected loop calls the experts its ``order`` lists ("call" for those, read at run time).
+    idle: str = "call"
 
 
 def _block_trees(block: nn.Module) -> dict:
@@ -423,7 +427,7 @@ def _plan(block, method_tree, method: str, path: tuple, index: int, loop: ast.Fo
         region = split_loop.split_region(fn, stmts, block, index, attr)
         _nothing_used_after(fn, tree, stmts[region.first:region.last + 1], keep=region.out)
         return SplicePlan(method, fn, region.first, region.last, (region.rows, region.counts), region.out,
-                          kind="split", empty_1d=region.empty_1d, **common)
+                          kind="split", empty_1d=region.empty_1d, idle=region.idle, **common)
     if split_loop.is_selected_loop(loop):
         args, k = split_loop.selected_loop(fn, block, loop, attr)
         _nothing_used_after(fn, tree, [loop])
@@ -451,7 +455,7 @@ def _plan(block, method_tree, method: str, path: tuple, index: int, loop: ast.Fo
             raise Refusal(f"{p.where}: the loop's {role} is not held by a name at the loop")
         names[role] = holders[0]
     args = tuple(names[r] for r in ("acc", "x", "idx", "w"))
-    return SplicePlan(method, fn, index, index, args, add_at_rows=p.facts.add_at_rows, **common)
+    return SplicePlan(method, fn, index, index, args, add_at_rows=p.facts.add_at_rows, idle=p.facts.idle, **common)
 
 
 def _no_random_modules(block: nn.Module, fn, loop: ast.For) -> None:

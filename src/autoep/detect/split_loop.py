@@ -50,6 +50,7 @@ class SplitRegion:
     rows: str
     counts: str
     empty_1d: bool
+    idle: str = "call"  # an expert with a zero count: "call" it on no rows, or "skip" it (``if n == 0: continue``)
 
 
 def is_split_loop(loop: ast.For, attr: str = "experts") -> bool:
@@ -68,7 +69,7 @@ def split_region(fn, stmts: list[ast.stmt], block: nn.Module, loop_index: int, a
     if loop_index + 1 >= len(stmts):
         raise Refusal(f"{proof.where}: nothing concatenates the expert outputs after the loop")
     out, empty_1d = proof.concat(stmts[loop_index + 1])
-    return SplitRegion(first, loop_index + 1, out, proof.rows, proof.counts, empty_1d)
+    return SplitRegion(first, loop_index + 1, out, proof.rows, proof.counts, empty_1d, proof.idle)
 
 
 def _is_self_attr(node: ast.AST, attr: str) -> bool:
@@ -82,6 +83,7 @@ class _SplitProof:
         self.list_name = self.start_name = self.rows = self.counts = None
         self.env: dict[str, object] = {}
         self.appends = 0
+        self.idle, self.ran = "call", False  # ``_skip`` before the expert ran: a zero count skips it
 
     def refuse(self, node: ast.AST, why: str = "is not understood"):
         text = ast.unparse(node).splitlines()[0][:90]
@@ -179,6 +181,8 @@ class _SplitProof:
             self.refuse(stmt, "is a condition the proof does not know (only `if n == 0: continue`)")
         if self.appends or self.env.get(self.start_name) != _START:
             self.refuse(stmt, "skips after the expert's output was appended or its offset moved")
+        if not self.ran:
+            self.idle = "skip"
 
     def _append(self, call: ast.Call) -> None:
         f = call.func
@@ -207,6 +211,7 @@ class _SplitProof:
             return self._subscript(node, self.eval(node.value))
         if isinstance(node, ast.Call) and not node.keywords and len(node.args) == 1:
             if self.eval(node.func) == _EXPERT and self.eval(node.args[0]) == ("seg", self.rows):
+                self.ran = True
                 return _OUT
         self.refuse(node)
 

@@ -26,7 +26,8 @@ from autoep.detect import (
 from autoep.detect.source import Refusal
 from autoep.errors import UnsupportedModuleStructure
 
-DETECTOR_VERSION = "4"  # 3: expert_projs is a list of names (was one comma-joined string); 4: experts_path, expert_kind
+# 3: expert_projs is a list of names (was one comma-joined string); 4: experts_path, expert_kind; 5: idle_experts
+DETECTOR_VERSION = "5"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")
@@ -84,6 +85,12 @@ class MoeStructure:
     # with), ``<experts_path>.<e or *>.<attr>=<repr>``; the block's flags its experts call runs under
     # (``if self.<flag>:``, folded True), ``<flag>=True``; a change after detection is drift (``folded_drift``).
     folded: tuple[str, ...] = ()
+    # What the expert region does with an expert that no row reaches, one entry per region (module_list blocks
+    # may have several, e.g. a training and an inference loop; one for the others): "call" (runs it on zero
+    # rows: zero gradients), "skip" (never calls it: its parameters keep ``grad is None``), "touch" (zero
+    # gradients without a call), "touch_training" (touch only while training), "selected" (calls the experts
+    # an id list the block computes names). The runtime follows it exactly (``autoep.runtime.dispatch.Idle``).
+    idle_experts: tuple[str, ...] = ()
 
     def __post_init__(self):
         # A resolved config gives the names back as a list (YAML has no tuples): held as a tuple, so two
@@ -91,7 +98,7 @@ class MoeStructure:
         if isinstance(self.expert_projs, str):
             raise ValueError(f"expert_projs={self.expert_projs!r} is one comma-joined string, as detector version 2 "
                              f"wrote it; it is a list of names now: regenerate the resolved config with autoep-plan")
-        for name in ("expert_projs", "folded"):
+        for name in ("expert_projs", "folded", "idle_experts"):
             if not isinstance(getattr(self, name), tuple):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
 
@@ -165,18 +172,20 @@ def _structure(module: nn.Module) -> MoeStructure:
     elif looped is not None or type(experts) is nn.ModuleList:
         storage = "module_list"
         facts = module_list_proof.module_list_facts(experts, path)
-        module_list_proof.module_list_plan(module, path)  # the expert regions autoep splices out
+        plans = module_list_proof.module_list_plan(module, path)  # the expert regions autoep splices out
+        facts["idle_experts"] = tuple("selected" if plan.kind == "selected" else plan.idle for plan in plans)
     elif isinstance(experts, nn.Module) and grouped_proof.takes_groups(experts):
-        storage = "grouped"
-        facts = grouped_proof.grouped_experts_facts(experts)
+        storage = "grouped"  # its per-group loops run every expert (3-D weights: zero gradients where idle)
+        facts = dict(grouped_proof.grouped_experts_facts(experts), idle_experts=("call",))
         guards = routing_proof.experts_call(module, path)
     elif isinstance(experts, nn.Module) and equal_groups_proof.takes_rows(experts):
-        storage = "equal_groups"  # experts(rows) on E equal groups of rows (Llama-4)
-        facts = equal_groups_proof.equal_groups_facts(experts)
+        storage = "equal_groups"  # experts(rows) on E equal groups of rows (Llama-4), every expert on its group
+        facts = dict(equal_groups_proof.equal_groups_facts(experts), idle_experts=("call",))
         guards = routing_proof.experts_call(module, path)
     elif isinstance(experts, nn.Module):
         storage = "batched_parameters"
-        facts = experts_proof.batched_experts_facts(experts)
+        facts, roles = experts_proof.batched_proof(experts)
+        facts = dict(facts, idle_experts=(roles.idle,))
         guards = routing_proof.experts_call(module, path)
     else:
         raise Refusal("no experts: no ModuleList/ModuleDict its forward loops over by expert id, no child holding "
@@ -207,7 +216,8 @@ def own_loop_facts(experts: nn.Module, path: str) -> dict:
         experts_folded = tuple(f"{path}.{keys[e]}.{entry[len(path) + 3:]}" if entry.startswith(f"{path}.*.") else entry
                                for entry in experts_folded for e in range(loop.num_experts))
         experts_folded = tuple(dict.fromkeys(experts_folded))
-    return facts | {"folded": experts_folded + tuple(f"{path}.{attr}={value}" for attr, value in loop.folded)}
+    return facts | {"folded": experts_folded + tuple(f"{path}.{attr}={value}" for attr, value in loop.folded),
+                    "idle_experts": (loop.roles.idle,)}
 
 
 def _live_state(module: nn.Module, structure: MoeStructure) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,35 @@ from torch import Tensor
 
 from autoep.runtime import live_state
 
-ExpertFn = Callable[[Tensor, Tensor], Tensor]
+ExpertFn = Callable[..., Tensor]
+
+# What the model's loop does with an expert it has no row for (``MoeStructure.idle_experts``), as a status per
+# expert and call: the loop skips it (its parameters keep ``grad is None``), touches it without calling it
+# (minimind's ``0 * sum(p.sum() ...)``: zero gradients), or calls it, on zero rows (zero gradients).
+SKIP, TOUCH, CALL = 0, 1, 2
+IDLE_MODES = {"skip": SKIP, "touch": TOUCH, "call": CALL}
+
+
+@dataclass(frozen=True)
+class Idle:
+    """How the model's own loop treats experts without rows, so the experts' gradients have its semantics: a
+    parameter it leaves at ``None`` stays ``None``, one it zeroes gets zeros, an expert it does not call is not called.
+
+    ``mode``: what the loop does with a visited expert that has no rows (``IDLE_MODES``). ``per_expert``: module
+    experts, each with parameters of its own (an idle expert's are left alone), else 3-D parameters shared by
+    every expert (their gradient is ``None`` only where no expert ran on any rank). ``visited_E``: the experts
+    the loop visits at all (bool (E,); default all: a selected-rows loop visits the ids its block listed).
+    ``params``: module experts: local expert index -> its parameters (a touch gives them zero gradients; where
+    one is trainable, a rank whose experts all stay idle still gives the exchange's backward a path).
+
+    With ``per_expert``, the exchange calls ``expert_fn(x_SD, tokens_per_local_expert, status_L)`` (``status_L``: a
+    host list, per local expert the highest status any rank's loop gave it) only where some local expert is
+    ``CALL``ed, and otherwise gives this rank's share of the exchange as an empty differentiable output."""
+
+    mode: str = "call"
+    per_expert: bool = False
+    visited_E: Tensor | None = None
+    params: Callable[[int], list[Tensor]] | None = None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -74,6 +103,7 @@ def ep_experts_forward(
     expert_fn: ExpertFn,
     out_dtype: torch.dtype | str | None = None,
     acc_dtype: torch.dtype | None = None,
+    idle: Idle | None = None,
 ) -> Tensor:
     """Compute ``sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(hidden[t])`` with experts
     spread over ``ep_group``; pairs whose id is outside [0, num_experts) (padding) add nothing, as in
@@ -87,8 +117,10 @@ def ep_experts_forward(
     top-k order; with a narrower ``acc_dtype`` (the model's loop accumulates in bf16, say) the weighted
     outputs are rounded and summed in it in expert order, as that loop does. Returns (T, D) in
     ``out_dtype`` (default ``hidden_TD``'s dtype; ``"experts"``: the experts' outputs' own). ``ep_group`` None or of
-    size 1: no exchange. Autograd flows through both exchanges; a rank with zero rows still joins every
-    exchange.
+    size 1: no exchange. ``idle`` (default: every expert called, even on zero rows) says which experts the
+    model's loop calls, touches or skips, and so which ``expert_fn`` calls and which gradients (``Idle``).
+    Autograd flows through both exchanges; a rank with zero rows, or whose experts all stay idle, still joins
+    every exchange and its backward.
     """
     if hidden_TD.dim() != 2 or top_k_index_TK.dim() != 2 or top_k_weights_TK.shape != top_k_index_TK.shape:
         raise ValueError(
@@ -102,6 +134,7 @@ def ep_experts_forward(
     if num_experts % W:
         raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={W}; pick an ep_size dividing it")
     L = num_experts // W
+    idle = idle or Idle()
 
     expert_ids_S = top_k_index_TK.reshape(-1)
     # Padding ids sort after every expert (sentinel E) and are neither sent nor computed.
@@ -114,14 +147,19 @@ def ep_experts_forward(
     # Stable sort: pairs of one expert keep token order, so every rank sees a deterministic layout.
     sorted_ids_S, perm_S = torch.sort(expert_ids_S, stable=True)
     tokens_per_expert_E = torch.bincount(sorted_ids_S, minlength=num_experts + 1)[:num_experts]
+    status_E = _status(tokens_per_expert_E, idle)
 
     if W == 1:
-        # NOTE: .item() syncs the host once per layer for the number of non-padding pairs.
-        routed = int(tokens_per_expert_E.sum().item())
+        # NOTE: .tolist() syncs the host once per layer for the number of non-padding pairs and the statuses.
+        routed, *status_L = torch.cat([tokens_per_expert_E.sum().view(1), status_E]).tolist()
         x_sorted_SD = hidden_TD.index_select(0, perm_S[:routed] // K)
-        y_sorted_SD = expert_fn(x_sorted_SD, tokens_per_expert_E)
+        runs = CALL in status_L
+        y_sorted_SD = _local(x_sorted_SD, tokens_per_expert_E, status_L, runs, idle, expert_fn)
+        if y_sorted_SD is None:
+            y_sorted_SD = _touched(_idle_rows(x_sorted_SD, D, hidden_TD.dtype, idle, L), status_L, idle)
     else:
-        y_sorted_SD, routed = _exchange_and_compute(hidden_TD, perm_S, K, tokens_per_expert_E, W, L, ep_group, expert_fn)
+        y_sorted_SD, routed = _exchange_and_compute(hidden_TD, perm_S, K, tokens_per_expert_E, status_E, W, L,
+                                                    ep_group, expert_fn, idle)
 
     # Undo the sort: row s of y_SD is pair s = t*K + k again; padding pairs stay zero (layout change).
     # The experts' output width (D, or another where the experts project elsewhere: VitPose's part features).
@@ -225,20 +263,81 @@ def _combine_like_the_loop(y_TKD: Tensor, top_k_weights_TK: Tensor, top_k_index_
     return acc_TD
 
 
+def _status(tokens_per_expert_E: Tensor, idle: Idle) -> Tensor:
+    """Per expert, what this rank's loop does with it: ``CALL`` where it has rows, else the loop's idle mode where
+    the loop visits it, ``SKIP`` where it does not."""
+    status_E = torch.full_like(tokens_per_expert_E, IDLE_MODES[idle.mode])
+    if idle.visited_E is not None:
+        status_E = torch.where(idle.visited_E.to(status_E.device), status_E, torch.full_like(status_E, SKIP))
+    return torch.where(tokens_per_expert_E > 0, torch.full_like(status_E, CALL), status_E)
+
+
+def _local(x_SD: Tensor, tokens_per_local_expert: Tensor, status_L: list[int], runs: bool, idle: Idle,
+           expert_fn: ExpertFn) -> Tensor | None:
+    """This rank's experts on the rows they received, or None where none of them runs (``Idle``), touched where
+    the loop touches an idle one."""
+    if not runs:
+        return None
+    if not idle.per_expert:
+        return expert_fn(x_SD, tokens_per_local_expert)
+    return _touched(expert_fn(x_SD, tokens_per_local_expert, status_L), status_L, idle)
+
+
+def _idle_rows(x_SD: Tensor, width: int, dtype: torch.dtype, idle: Idle, num_local: int) -> Tensor:
+    """The output of the ``num_local`` experts that did not run on the (zero) rows ``x_SD``: empty, ``width``
+    wide, a differentiable function of ``x_SD`` (so the backward of the exchange that brought them runs here),
+    and requiring a gradient wherever the experts' own output would (a trainable local expert): the backward of
+    the exchange that takes it home runs here too, as on the ranks whose experts ran (their output needs a
+    gradient for their weights, even where the rows they got need none)."""
+    if x_SD.shape[-1] == 0:
+        rows = x_SD.new_zeros((x_SD.shape[0], width), dtype=dtype)
+    else:
+        rows = x_SD[:, :1].to(dtype).expand(x_SD.shape[0], width)
+    if rows.requires_grad or not torch.is_grad_enabled() or idle.params is None:
+        return rows
+    trainable = any(p.requires_grad for e in range(num_local) for p in idle.params(e))
+    return rows.detach().requires_grad_() if trainable else rows
+
+
+def _touched(y_SD: Tensor, status_L: list[int], idle: Idle) -> Tensor:
+    """``y_SD`` unchanged, with zero gradients for the parameters of the local experts the loop touches without
+    calling them (each joined as an empty slice: no value changes, not even of a nan weight)."""
+    if idle.params is None or TOUCH not in status_L:
+        return y_SD
+    params = [p for e, s in enumerate(status_L) if s == TOUCH for p in idle.params(e) if p.requires_grad]
+    empty = [p.reshape(-1)[:0].to(y_SD.dtype).reshape(0, 1).expand(0, y_SD.shape[1]) for p in params]
+    return torch.cat([y_SD, *empty]) if empty else y_SD
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _exchange_and_compute(
-    hidden_TD: Tensor, perm_S: Tensor, K: int, tokens_per_expert_E: Tensor, W: int, L: int, ep_group, expert_fn: ExpertFn
+    hidden_TD: Tensor, perm_S: Tensor, K: int, tokens_per_expert_E: Tensor, status_E: Tensor, W: int, L: int, ep_group,
+    expert_fn: ExpertFn, idle: Idle
 ) -> tuple[Tensor, int]:
     """Send sorted pairs to their owners, run ``expert_fn`` grouped by local expert, send results back;
     return the results in sorted order and how many pairs were routed (padding pairs excluded)."""
-    # NOTE: collective. Each rank learns how many rows every peer sends to each of its local experts:
-    # row r of recv_counts_WL is what rank r sends to this rank's experts.
-    recv_counts_WL = torch.empty_like(tokens_per_expert_E)
-    dist.all_to_all_single(recv_counts_WL, tokens_per_expert_E.contiguous(), group=ep_group)
-    recv_counts_WL = recv_counts_WL.view(W, L)
-    send_counts_W = tokens_per_expert_E.view(W, L).sum(dim=1)
-    # NOTE: .tolist() syncs the host once per layer for the split sizes of both exchanges.
-    counts = torch.cat([send_counts_W, recv_counts_WL.sum(dim=1)]).tolist()
-    send_splits, recv_splits = counts[:W], counts[W:]
+    E, rank = W * L, dist.get_rank(ep_group)
+    # NOTE: collective. Every rank learns every rank's rows and status per expert (W x 2E integers): its own
+    # experts' rows and statuses, and which ranks run no expert at all (their share needs the output width).
+    mine_2E = torch.cat([tokens_per_expert_E, status_E])
+    gathered = [torch.empty_like(mine_2E) for _ in range(W)]
+    dist.all_gather(gathered, mine_2E.contiguous(), group=ep_group)
+    counts_WE, status_WE = torch.stack(gathered).split(E, dim=1)
+    recv_counts_WL = counts_WE[:, rank * L:(rank + 1) * L]
+    status_L = status_WE[:, rank * L:(rank + 1) * L].amax(dim=0)
+    if idle.per_expert:
+        runs_W = status_WE.view(W, W, L).amax(dim=(0, 2)) == CALL  # rank q runs an expert of its own
+    else:
+        runs_W = (status_WE == CALL).any().expand(W)  # 3-D experts: all ranks run theirs, or none does
+    # A rank running nothing that gets results back must build its (empty) share in the others' width and dtype.
+    needs_width = (~runs_W & (counts_WE.sum(dim=1) > 0)).any()
+    # NOTE: .tolist() syncs the host once per layer for the split sizes of both exchanges and the statuses.
+    host = torch.cat([counts_WE[rank].view(W, L).sum(dim=1), recv_counts_WL.sum(dim=1), status_L, runs_W.long(),
+                      needs_width.view(1).long()]).tolist()
+    send_splits, recv_splits, status_L = host[:W], host[W:2 * W], host[2 * W:2 * W + L]
+    runs, needs_width = bool(host[2 * W + L + rank]), bool(host[-1])
     routed = sum(send_splits)
     x_sorted_SD = hidden_TD.index_select(0, perm_S[:routed] // K)
 
@@ -249,7 +348,19 @@ def _exchange_and_compute(
     local_ids_S = torch.arange(L, device=x_recv_SD.device).repeat(W)
     row_expert_S = torch.repeat_interleave(local_ids_S, recv_counts_WL.reshape(-1).to(x_recv_SD.device))
     regroup_S = torch.sort(row_expert_S, stable=True).indices
-    y_grouped_SD = expert_fn(x_recv_SD.index_select(0, regroup_S), recv_counts_WL.sum(dim=0))
+    x_grouped_SD = x_recv_SD.index_select(0, regroup_S)
+    y_grouped_SD = _local(x_grouped_SD, recv_counts_WL.sum(dim=0), status_L, runs, idle, expert_fn)
+    width, dtype = hidden_TD.shape[-1], hidden_TD.dtype
+    if needs_width:
+        # NOTE: collective, only in a step where some rank runs no expert but gets results back: the width and
+        # dtype of the experts' outputs, from the ranks that ran them (one host sync).
+        mine = [y_grouped_SD.shape[-1], _DTYPES.index(y_grouped_SD.dtype) + 1] if y_grouped_SD is not None else [0, 0]
+        shape = torch.tensor(mine, dtype=torch.long, device=x_recv_SD.device)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=ep_group)
+        width, code = shape.tolist()
+        dtype = _DTYPES[code - 1]
+    if y_grouped_SD is None:
+        y_grouped_SD = _touched(_idle_rows(x_grouped_SD, width, dtype, idle, L), status_L, idle)
     y_recv_SD = torch.empty_like(y_grouped_SD).index_copy(0, regroup_S, y_grouped_SD)
 
     # Reverse exchange: results go home in the order they were sent.
@@ -257,7 +368,7 @@ def _exchange_and_compute(
 
 
 def ep_grouped_forward(
-    rows_SD: Tensor, counts_E: Tensor, *, num_experts: int, ep_group, expert_fn: ExpertFn
+    rows_SD: Tensor, counts_E: Tensor, *, num_experts: int, ep_group, expert_fn: ExpertFn, idle: Idle | None = None
 ) -> Tensor:
     """Rows already grouped by expert (``counts_E[e]`` contiguous rows for expert e, in expert order) ->
     each row through its own expert, same order: ``sum(counts_E)`` rows in the dtype the experts computed them in
@@ -269,4 +380,4 @@ def ep_grouped_forward(
     ids_S = torch.repeat_interleave(torch.arange(num_experts, device=rows_SD.device), counts_E.to(rows_SD.device))
     ones_S1 = torch.ones((ids_S.shape[0], 1), dtype=torch.float32, device=rows_SD.device)
     return ep_experts_forward(rows_SD[: ids_S.shape[0]], ids_S.unsqueeze(1), ones_S1, num_experts=num_experts,
-                              ep_group=ep_group, expert_fn=expert_fn, out_dtype="experts")
+                              ep_group=ep_group, expert_fn=expert_fn, out_dtype="experts", idle=idle)

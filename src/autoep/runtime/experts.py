@@ -113,7 +113,8 @@ def _loop_linear(x_SD: Tensor, tokens_per_expert: Tensor, w_LIO: Tensor) -> Tens
     # NOTE: .tolist() syncs the host once for the group sizes (exact fallback path only).
     chunks = torch.split(x_SD, tokens_per_expert.tolist())
     outs = [chunk @ w_LIO[e] for e, chunk in enumerate(chunks)]
-    # An expert with no rows still contributes an (empty) product, so its weight gets a zero gradient.
+    # An expert with no rows still contributes an (empty) product, so its weight gets a zero gradient (3-D
+    # weights: the model's gradient of the whole tensor is zero there too, where any expert ran).
     return torch.cat(outs) if outs else x_SD.new_empty((0, w_LIO.shape[-1]))
 
 
@@ -169,8 +170,8 @@ class _StackedParameters(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, stacked: Tensor, indices: tuple, read_in_backward: bool, *params: Tensor) -> Tensor:
-        ctx.indices = indices
+    def forward(ctx, stacked: Tensor, indices: tuple, read_in_backward: bool, idle: tuple, *params: Tensor) -> Tensor:
+        ctx.indices, ctx.idle = indices, idle or (False,) * len(params)
         if read_in_backward:
             ctx.save_for_backward(*params)
         return stacked.view_as(stacked)
@@ -178,17 +179,21 @@ class _StackedParameters(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         ctx.saved_tensors  # torch's version check: raises if a parameter was edited in place since the forward
-        needs = ctx.needs_input_grad[3:]
-        return (None, None, None, *(grad[i] if need else None for i, need in zip(ctx.indices, needs)))
+        needs = ctx.needs_input_grad[4:]
+        # An idle parameter gets no gradient at all (None, not zeros): its ``.grad`` stays as the model leaves it.
+        return (None, None, None, None, *(grad[i] if need and not idle else None
+                                          for i, need, idle in zip(ctx.indices, needs, ctx.idle)))
 
 
-def stacked_parameters(stacked: Tensor, indices: tuple, params: list[Tensor], *, read_in_backward: bool = True) -> Tensor:
+def stacked_parameters(stacked: Tensor, indices: tuple, params: list[Tensor], *, read_in_backward: bool = True,
+                       idle: tuple[bool, ...] = ()) -> Tensor:
     """``stacked`` as a differentiable function of ``params``, where ``params[j]`` is (shares memory with)
     ``stacked[indices[j]]``: the zero-copy ``torch.stack`` of parameters that already live stacked. The caller
-    guarantees the aliasing; gradients are ``grad[indices[j]]`` (views of one buffer). ``read_in_backward``: the
-    backward reads the weights' values (the gradient of what they multiply is needed), so an in-place edit of one
-    since the forward raises, as where the parameters themselves were saved (``F.linear``)."""
-    return _StackedParameters.apply(stacked, tuple(indices), read_in_backward, *params)
+    guarantees the aliasing; gradients are ``grad[indices[j]]`` (views of one buffer), none at all for ``params[j]``
+    where ``idle[j]`` (an expert the model's loop skips: its parameters keep ``grad is None``). ``read_in_backward``:
+    the backward reads the weights' values (the gradient of what they multiply is needed), so an in-place edit of
+    one since the forward raises, as where the parameters themselves were saved (``F.linear``)."""
+    return _StackedParameters.apply(stacked, tuple(indices), read_in_backward, tuple(idle), *params)
 
 
 def glu_gate(act_fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:

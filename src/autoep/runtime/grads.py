@@ -63,16 +63,22 @@ def reduce_grads(dense: list[nn.Parameter], expert: list[nn.Parameter], world_gr
     for params, group in ((dense, world_group), (expert, edp_group)):
         if not params or group is None or dist.get_world_size(group) == 1:
             continue
+        had = [p.grad is not None for p in params]
         grads = []
         for p in params:
             if p.grad is None:  # a parameter no token reached still joins the collective, with zeros
                 p.grad = torch.zeros_like(p)
             grads.append(local_tensor(p.grad))
-        flat = _flatten_dense_tensors(grads)
+        # One more entry per parameter counts the ranks that had a gradient: a parameter none had keeps
+        # ``grad is None``, as in the model (an optimizer then leaves it alone: no momentum, no weight decay).
+        flat = _flatten_dense_tensors([*grads, torch.tensor(had, dtype=grads[0].dtype, device=grads[0].device)])
         # NOTE: collective. One all-reduce per parameter kind and step; every rank calls both in order.
         dist.all_reduce(flat, group=group)
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        counts = flat[-len(params):].tolist()  # NOTE: syncs the host once per parameter kind and step
+        for p, g, reduced, n in zip(params, grads, _unflatten_dense_tensors(flat, grads), counts):
             g.copy_(reduced)
+            if n == 0:
+                p.grad = None
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ from autoep.detect.structure import MoeStructure
 from autoep.detect.training_branch import check_branch, eval_gate
 from autoep.errors import PlanError
 from autoep.runtime.checkpointing import guard_checkpointing
-from autoep.runtime.dispatch import ep_experts_forward
+from autoep.runtime.dispatch import Idle, ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_split_glu, grouped_swiglu
 from autoep.runtime.recipes import (
     as_structure,
@@ -191,6 +191,7 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
         ep_group=spec.ep_group,
         expert_fn=expert_fn,
         **dtypes,  # a bf16 accumulator is summed as the loop sums it
+        idle=Idle(spec.roles.idle),  # a loop over the experts hit leaves 3-D weights no rank ran without a grad
     )
     out_TD = _like_the_accumulator(out_TD, hidden_TD)
     if roles.view_out == "lead":
@@ -244,7 +245,7 @@ def _ep_flat_forward(self: nn.Module, spec: _EpExperts, hidden_states: Tensor, t
                                  up_LFD.transpose(-2, -1), down_LFD, act_fn=act)
 
     out_TD = ep_experts_forward(hidden_TD, top_k_index, top_k_weights, num_experts=spec.num_experts,
-                                ep_group=spec.ep_group, expert_fn=expert_fn, **dtypes)
+                                ep_group=spec.ep_group, expert_fn=expert_fn, idle=Idle(spec.roles.idle), **dtypes)
     out_TD = _like_the_accumulator(out_TD, hidden_TD)
     if roles.view_out == "lead":
         return out_TD.view(hidden_states.shape[0], -1, D)

@@ -43,7 +43,7 @@ from autoep.runtime.recipes import (
     watching_folded,
     watching_under,
 )
-from autoep.runtime.recipes.local_experts import GROUP, local_expert_fn, place_experts, spec_of
+from autoep.runtime.recipes.local_experts import GROUP, local_expert_fn, local_idle, place_experts, spec_of
 from autoep.runtime.shared import AppliedSpec
 
 _LAYOUT_DIMS = {"EKT": (2, 1, 0), "ETK": (2, 0, 1)}
@@ -134,6 +134,7 @@ def _ep_forward(self: nn.Module, *args, **kwargs) -> Tensor:
         expert_fn=local_expert_fn(self),
         out_dtype=dtype_of[spec.roles.out_dtype],
         acc_dtype=dtype_of[spec.roles.acc_dtype],  # a narrower accumulator is summed as the loop sums it
+        idle=local_idle(self, spec.roles.idle),  # e.g. Switch's loop over the experts hit skips the others
     )
 
 

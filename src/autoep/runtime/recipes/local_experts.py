@@ -57,6 +57,7 @@ from torch.utils.hooks import RemovableHandle
 from autoep.detect import elementwise
 from autoep.detect.source import Refusal
 from autoep.errors import LiveStateError, PlanError, UnsupportedModuleStructure
+from autoep.runtime.dispatch import CALL, Idle
 from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
 from autoep.runtime.reinit import allocated
 from autoep.runtime.shared import InstanceMethod, Shared
@@ -497,7 +498,8 @@ def register_counts_hook(block: nn.Module, hook) -> RemovableHandle:
 
 
 def local_expert_fn(block: nn.Module):
-    """``expert_fn(x_SD, tokens_per_local_expert) -> y_SD`` for the exchange: this rank's experts on their rows.
+    """``expert_fn(x_SD, tokens_per_local_expert, status_L=None) -> y_SD`` for the exchange: this rank's experts
+    on their rows; with ``status_L`` (``autoep.runtime.dispatch.Idle``) only the experts it marks ``CALL`` run.
     Called before the exchange: raises ``LiveStateError`` (on every rank alike) where an expert carries state
     drawn or updated per call that EP cannot keep as the model does (``_check_drawn_state``)."""
     spec = spec_of(block)
@@ -506,12 +508,15 @@ def local_expert_fn(block: nn.Module):
     experts = every[spec.first: spec.first + spec.num_local]
     stacked = getattr(block, STACKED, None)
 
-    def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
+    def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor, status_L: list[int] | None = None) -> Tensor:
         for hook in list(block.__dict__.get(COUNT_HOOKS, {}).values()):
             hook(spec.first, tokens_per_local_expert)
+        called = [True] * len(experts) if status_L is None else [s == CALL for s in status_L]
         if fast_path_ok(spec, experts, x_SD):
-            return _grouped(spec, experts, x_SD, tokens_per_local_expert, stacked)
-        return own_forward(experts, x_SD, tokens_per_local_expert)
+            y_SD = _grouped(spec, experts, x_SD, tokens_per_local_expert, stacked, called)
+            if y_SD is not None:
+                return y_SD
+        return own_forward(experts, x_SD, tokens_per_local_expert, called)
 
     return expert_fn
 
@@ -542,12 +547,23 @@ def _holds_buffers(m: nn.Module) -> bool:
     return any(True for _ in m.buffers())
 
 
-def own_forward(experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
-    """Each local expert's own module on its contiguous rows, in order. Every local expert runs, on zero rows
-    too, so each gets a (zero) gradient and a rank without rows stays in the backward exchange."""
+def local_idle(block: nn.Module, mode: str, visited_E: Tensor | None = None) -> Idle:
+    """The exchange's ``Idle`` for ``block``'s module experts: its loop's ``mode`` for an expert without rows, each
+    expert's parameters its own."""
+    spec = spec_of(block)
+    experts = expert_modules(container_of(block, spec))[spec.first: spec.first + spec.num_local]
+    return Idle(mode, per_expert=True, visited_E=visited_E, params=lambda e: list(experts[e].parameters()))
+
+
+def own_forward(experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert: Tensor,
+                called: list[bool] | None = None) -> Tensor:
+    """Each local expert's own module on its contiguous rows, in order: those ``called`` (default all), on zero
+    rows too where the model's loop calls an expert without rows; the others (no rows) are not called, so their
+    parameters keep the gradient the model leaves them (None)."""
     # NOTE: .tolist() syncs the host once per layer for the group sizes.
     chunks = torch.split(x_SD, tokens_per_local_expert.tolist())
-    return torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)])
+    called = called or [True] * len(experts)
+    return torch.cat([expert(chunk) for expert, chunk, call in zip(experts, chunks, called) if call])
 
 
 def fast_path_ok(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor) -> bool:
@@ -595,12 +611,16 @@ def _global_hooks() -> bool:
 
 
 def _grouped(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor, tokens_per_local_expert: Tensor,
-             stacked: _Stacked | None = None) -> Tensor:
+             stacked: _Stacked | None = None, called: list[bool] | None = None) -> Tensor | None:
     """The grouped GEMM on the local experts' own weights (``fast_path_ok`` holds): read in place from their
-    stacked home where they live there (or can be moved there), stacked per forward (a copy) otherwise."""
-    gate_up_L2FD, down_LDF = _stacked_weights(spec, experts, stacked, x_SD)
-    return grouped_swiglu(x_SD, tokens_per_local_expert, gate_up_L2FD, down_LDF,
-                          apply_gate=glu_gate(_activation(spec, experts)))
+    stacked home where they live there (or can be moved there), stacked per forward (a copy) otherwise. The
+    experts not ``called`` (no rows) get no gradient from the home; where their weights would be copied (a copy
+    gives every expert a zero gradient) None is returned and their own forwards run instead."""
+    idle = tuple(not c for c in called) if called is not None and not all(called) else ()
+    weights = _stacked_weights(spec, experts, stacked, x_SD, idle)
+    if weights is None:
+        return None
+    return grouped_swiglu(x_SD, tokens_per_local_expert, *weights, apply_gate=glu_gate(_activation(spec, experts)))
 
 
 def _activation(spec: LocalExperts, experts: list[nn.Module]):
@@ -623,14 +643,17 @@ def _activation(spec: LocalExperts, experts: list[nn.Module]):
 
 
 def _stacked_weights(spec: LocalExperts, experts: list[nn.Module], stacked: _Stacked | None,
-                     x_SD: Tensor) -> tuple[Tensor, Tensor]:
-    """(gate_up (L, 2F, D), down (L, D, F)) as differentiable functions of the local experts' own parameters."""
+                     x_SD: Tensor, idle: tuple[bool, ...] = ()) -> tuple[Tensor, Tensor] | None:
+    """(gate_up (L, 2F, D), down (L, D, F)) as differentiable functions of the local experts' own parameters
+    (none for the ``idle`` ones; None where only a copy could give them and some expert is idle)."""
     gate, up, down = spec.swiglu
     gates = [getattr(x, gate).weight for x in experts]
     ups = [getattr(x, up).weight for x in experts]
     downs = [getattr(x, down).weight for x in experts]
     if stacked is not None and stacked.holds(gates, ups, downs):
-        return stacked.weights(gates, ups, downs, x_SD)
+        return stacked.weights(gates, ups, downs, x_SD, idle)
+    if any(idle):
+        return None
     # Layout change per forward: the weights stacked (a differentiable copy; gradients land on the parameters).
     return torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)]), torch.stack(downs)
 
@@ -659,14 +682,16 @@ class _Stacked:
         return self._intact(gates, ups, downs) or self._rehome(gates, ups, downs)
 
     def weights(self, gates: list[Tensor], ups: list[Tensor], downs: list[Tensor],
-                x_SD: Tensor) -> tuple[Tensor, Tensor]:
-        """The two homes as differentiable functions of the parameters (no copy). A backward reads the gate/up
-        weights where ``x`` needs a gradient, the down weights where their input does (as ``F.linear`` saves)."""
+                x_SD: Tensor, idle: tuple[bool, ...] = ()) -> tuple[Tensor, Tensor]:
+        """The two homes as differentiable functions of the parameters (no copy), no gradient for the experts
+        marked ``idle``. A backward reads the gate/up weights where ``x`` needs a gradient, the down weights where
+        their input does (as ``F.linear`` saves)."""
         gate_ups = [w for pair in zip(gates, ups) for w in pair]
         grad_in = torch.is_grad_enabled() and x_SD.requires_grad
         grad_h = torch.is_grad_enabled() and (x_SD.requires_grad or any(w.requires_grad for w in gate_ups))
-        return (stacked_parameters(self.gate_up, self.index[0], gate_ups, read_in_backward=grad_in),
-                stacked_parameters(self.down, self.index[1], downs, read_in_backward=grad_h))
+        idle_gate_ups = tuple(i for i in idle for _ in range(2))
+        return (stacked_parameters(self.gate_up, self.index[0], gate_ups, read_in_backward=grad_in, idle=idle_gate_ups),
+                stacked_parameters(self.down, self.index[1], downs, read_in_backward=grad_h, idle=idle))
 
     def _intact(self, gates, ups, downs) -> bool:
         # Same address, shape, dtype and row-major layout as its slice: the parameter reads exactly that slice

@@ -42,7 +42,7 @@ from autoep.runtime.recipes import (
     watching_facts,
     watching_folded,
 )
-from autoep.runtime.recipes.local_experts import _ACTIVATIONS, local_expert_fn, place_experts, spec_of
+from autoep.runtime.recipes.local_experts import _ACTIVATIONS, local_expert_fn, local_idle, place_experts, spec_of
 from autoep.runtime.shared import InstanceMethod
 
 # ---------------------------------------------------------------------------------------------
@@ -51,9 +51,10 @@ from autoep.runtime.shared import InstanceMethod
 
 
 def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK: Tensor, top_k_weights_TK: Tensor,
-                   *, ep_group, add_at_rows: bool = False) -> None:
+                   *, ep_group, add_at_rows: bool = False, idle: str = "call") -> None:
     """What the block's own expert loop did: ``acc[t] += sum_k w[t, k] * expert_{idx[t, k]}(x[t])`` for
-    every id in [0, E) (others, e.g. padding, add nothing), with the experts spread over ``ep_group``."""
+    every id in [0, E) (others, e.g. padding, add nothing), with the experts spread over ``ep_group``; an expert
+    without rows is treated as the loop treats it (``idle``: call, skip, touch, or touch only while training)."""
     _check_no_alias(module, acc, x_TD, top_k_index_TK, top_k_weights_TK)
     if add_at_rows:
         _check_each_expert_once(module, top_k_index_TK)
@@ -67,6 +68,7 @@ def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK:
         expert_fn=local_expert_fn(module),
         out_dtype=torch.float32 if acc.dtype == torch.float32 else acc.dtype,
         acc_dtype=acc.dtype,  # a narrower accumulator is summed as the loop sums it (expert order, rounding)
+        idle=local_idle(module, _idle_mode(module, idle)),
     )
     if spec.identity_experts:
         out_TD = out_TD + _identity_experts(module, acc, x_TD, top_k_index_TK, top_k_weights_TK)
@@ -74,15 +76,27 @@ def ep_expert_loop(module: nn.Module, acc: Tensor, x_TD: Tensor, top_k_index_TK:
     acc.index_add_(0, rows_T, out_TD.to(acc.dtype))
 
 
-def ep_split_loop(module: nn.Module, rows_SD: Tensor, counts, *, ep_group, empty_1d: bool = False) -> Tensor:
+def _idle_mode(module: nn.Module, idle: str) -> str:
+    """``touch_training``: the loop touches an expert without rows only under ``if self.training:``."""
+    return ("touch" if module.training else "skip") if idle == "touch_training" else idle
+
+
+def ep_split_loop(module: nn.Module, rows_SD: Tensor, counts, *, ep_group, empty_1d: bool = False,
+                  idle: str = "call") -> Tensor:
     """What the block's argsort/split loop and concatenation did (``autoep.detect.split_loop``): the ``counts[e]``
     contiguous rows of expert e, in expert order, each through its expert, concatenated, with the experts
     spread over ``ep_group``. Python's slicing is kept: slices past the last row are cut short, and rows
     past the last slice are not in the result."""
     E = spec_of(module).num_experts
-    counts_E = _slice_counts(module, torch.as_tensor(counts).to(device=rows_SD.device, dtype=torch.long),
-                             rows_SD.shape[0], E)
-    out_SD = ep_grouped_forward(rows_SD, counts_E, num_experts=E, ep_group=ep_group, expert_fn=local_expert_fn(module))
+    counts_C = torch.as_tensor(counts).to(device=rows_SD.device, dtype=torch.long)
+    counts_E = _slice_counts(module, counts_C, rows_SD.shape[0], E)
+    # The loop calls expert e for each count it iterates (``if n == 0: continue`` skips a zero count), on the
+    # rows its slice holds, which may be none.
+    visited_E = torch.arange(E, device=rows_SD.device) < counts_C.shape[0]
+    if idle == "skip":
+        visited_E = visited_E & (torch.cat([counts_C[:E], counts_C.new_zeros(max(E - counts_C.shape[0], 0))]) != 0)
+    out_SD = ep_grouped_forward(rows_SD, counts_E, num_experts=E, ep_group=ep_group, expert_fn=local_expert_fn(module),
+                                idle=local_idle(module, "call", visited_E))
     if empty_1d and out_SD.shape[0] == 0:
         # The block's own ``rows.new_empty(0)``, as a view of the exchange's output: a rank without rows
         # must stay in the autograd graph, or it would skip the exchange's backward and hang its peers.
@@ -107,7 +121,8 @@ def ep_masked_loop(module: nn.Module, y_SD: Tensor, x_SD: Tensor, ids_S: Tensor,
     send_S1 = torch.where(routed_S, ids_long_S, torch.full_like(ids_long_S, E)).unsqueeze(1)  # E: padding
     ones_S1 = torch.ones((ids_S.shape[0], 1), dtype=torch.float32, device=x_SD.device)
     out_SD = ep_experts_forward(x_SD, send_S1, ones_S1, num_experts=E, ep_group=ep_group,
-                                expert_fn=local_expert_fn(module), out_dtype=x_SD.dtype)
+                                expert_fn=local_expert_fn(module), out_dtype=x_SD.dtype,
+                                idle=local_idle(module, "call"))  # the loop calls every expert
     # y * 1.0 in fp32 and back is exact: out_SD holds each routed row's own expert output.
     y_SD[routed_S] = out_SD[routed_S]
     if spec.identity_experts:
@@ -139,7 +154,8 @@ def ep_masked_sum_loop(module: nn.Module, acc: Tensor, x: Tensor, ids: Tensor, *
     # y * 1.0 in fp32 and back to the experts' own dtype is exact (the loop's term ``y * mask`` keeps y's dtype,
     # and ``acc + term`` promotes as below); a row of no expert gets zeros, as the loop's masked terms are.
     out_SP = ep_experts_forward(x_SD, send_S1, ones_S1, num_experts=E, ep_group=ep_group,
-                                expert_fn=local_expert_fn(module), out_dtype="experts")
+                                expert_fn=local_expert_fn(module), out_dtype="experts",
+                                idle=local_idle(module, "call"))  # the loop calls every expert, on every row
     return acc + out_SP.reshape(*x.shape[:-1], out_SP.shape[-1])
 
 
@@ -172,8 +188,12 @@ def ep_selected_loop(module: nn.Module, y: Tensor, x: Tensor, mask: Tensor, orde
     x_SD = x[routed_N]
     ids_S1 = winner_N[routed_N].unsqueeze(1)
     ones_S1 = torch.ones(ids_S1.shape, dtype=torch.float32, device=x.device)
+    # The loop calls the experts ``order`` lists (on the rows their mask selects, which may be none).
+    visited_E = torch.zeros(E, dtype=torch.bool, device=mask.device)
+    visited_E[order_L] = True
     out_SD = ep_experts_forward(x_SD, ids_S1, ones_S1, num_experts=E, ep_group=ep_group,
-                                expert_fn=local_expert_fn(module), out_dtype="experts")
+                                expert_fn=local_expert_fn(module), out_dtype="experts",
+                                idle=local_idle(module, "call", visited_E))
     y[routed_N] = out_SD  # y * 1.0 in fp32 and back is exact; a dtype other than y's fails here as in the loop
 
 
@@ -293,14 +313,14 @@ def _swiglu(module: nn.Module, structure: dict) -> tuple[str, str, str] | None:
 def _region_fn(plan, ep_group):
     """The exchange that replaces one proven region (``SplicePlan.kind``)."""
     if plan.kind == "split":
-        return functools.partial(ep_split_loop, ep_group=ep_group, empty_1d=plan.empty_1d)
+        return functools.partial(ep_split_loop, ep_group=ep_group, empty_1d=plan.empty_1d, idle=plan.idle)
     if plan.kind == "masked":
         return functools.partial(ep_masked_loop, ep_group=ep_group)
     if plan.kind == "selected":
         return functools.partial(ep_selected_loop, ep_group=ep_group, dims=plan.select_dims)
     if plan.kind == "masked_sum":
         return functools.partial(ep_masked_sum_loop, ep_group=ep_group)
-    return functools.partial(ep_expert_loop, ep_group=ep_group, add_at_rows=plan.add_at_rows)
+    return functools.partial(ep_expert_loop, ep_group=ep_group, add_at_rows=plan.add_at_rows, idle=plan.idle)
 
 
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_):

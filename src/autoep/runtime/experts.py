@@ -170,8 +170,8 @@ class _StackedParameters(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, stacked: Tensor, indices: tuple, read_in_backward: bool, idle: tuple, *params: Tensor) -> Tensor:
-        ctx.indices, ctx.idle = indices, idle or (False,) * len(params)
+    def forward(ctx, stacked: Tensor, indices: tuple, read_in_backward: bool, *params: Tensor) -> Tensor:
+        ctx.indices = indices
         if read_in_backward:
             ctx.save_for_backward(*params)
         return stacked.view_as(stacked)
@@ -179,10 +179,8 @@ class _StackedParameters(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         ctx.saved_tensors  # torch's version check: raises if a parameter was edited in place since the forward
-        needs = ctx.needs_input_grad[4:]
-        # An idle parameter gets no gradient at all (None, not zeros): its ``.grad`` stays as the model leaves it.
-        return (None, None, None, None, *(grad[i] if need and not idle else None
-                                          for i, need, idle in zip(ctx.indices, needs, ctx.idle)))
+        needs = ctx.needs_input_grad[3:]
+        return (None, None, None, *(grad[i] if need else None for i, need in zip(ctx.indices, needs)))
 
 
 def stacked_parameters(stacked: Tensor, indices: tuple, params: list[Tensor], *, read_in_backward: bool = True,
@@ -190,10 +188,12 @@ def stacked_parameters(stacked: Tensor, indices: tuple, params: list[Tensor], *,
     """``stacked`` as a differentiable function of ``params``, where ``params[j]`` is (shares memory with)
     ``stacked[indices[j]]``: the zero-copy ``torch.stack`` of parameters that already live stacked. The caller
     guarantees the aliasing; gradients are ``grad[indices[j]]`` (views of one buffer), none at all for ``params[j]``
-    where ``idle[j]`` (an expert the model's loop skips: its parameters keep ``grad is None``). ``read_in_backward``:
-    the backward reads the weights' values (the gradient of what they multiply is needed), so an in-place edit of
-    one since the forward raises, as where the parameters themselves were saved (``F.linear``)."""
-    return _StackedParameters.apply(stacked, tuple(indices), read_in_backward, tuple(idle), *params)
+    where ``idle[j]`` (an expert the model's loop skips): those are not inputs of the graph at all, so their
+    ``.grad`` stays as the model leaves it and none of their hooks fires, as where the loop never touched them.
+    ``read_in_backward``: the backward reads the weights' values (the gradient of what they multiply is needed), so
+    an in-place edit of one since the forward raises, as where the parameters themselves were saved (``F.linear``)."""
+    used = [(i, p) for j, (i, p) in enumerate(zip(indices, params)) if not (idle and idle[j])]
+    return _StackedParameters.apply(stacked, tuple(i for i, _ in used), read_in_backward, *(p for _, p in used))
 
 
 def glu_gate(act_fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:

@@ -106,7 +106,7 @@ class VstackMoE(nn.Module):
         outs = torch.vstack(outputs) if outputs else sorted_tokens.new_empty(0, orig[-1])
         new_x = torch.empty_like(outs)
         new_x[idxs] = outs
-        y = (new_x.view(*topk_idx.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1)
+        y = (new_x.view(*topk_idx.shape, orig[-1]) * topk_weight.unsqueeze(-1)).sum(dim=1)
         return y.view(*orig)
 
 

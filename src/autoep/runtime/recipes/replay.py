@@ -47,7 +47,7 @@ from autoep.detect import replay_proof
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
-from autoep.runtime.dispatch import _exchanged, all_to_all
+from autoep.runtime.dispatch import _exchanged, _Join, all_to_all
 from autoep.runtime.recipes import (
     as_structure,
     experts_of,
@@ -158,7 +158,7 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         failure = exc
     finally:
         _set_rng_state(rng)
-    outputs = _exchange(self, spec, experts, recorder.calls, failure, group, _device(args, kwargs, self))
+    outputs, returned = _exchange(self, spec, experts, recorder.calls, failure, group, _device(args, kwargs, self))
     replayer = _Replayer(self, replay, recorder.calls, outputs)
     try:
         with _answering(experts, replayer.answer):
@@ -168,7 +168,24 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
     except Exception as exc:  # noqa: BLE001 - agreed with every peer first, then raised
         failure = exc
     _agree(failure, group, cls.__name__, _device(args, kwargs, self))
-    return output
+    return _needing_grad(output, returned) if group is not None else output
+
+
+def _needing_grad(output, returned: Tensor):
+    """``output``, its first tensor joined to the returned rows where the exchange needs a backward and no
+    output tensor needs a gradient (a rank whose block made no expert call: the block's output may not depend
+    on anything trainable, yet peers wait in the exchange's backward). Values unchanged; the hooks
+    ``join_backward_exchanges`` installs join a dropped exchange to an output that does need a gradient."""
+    if not returned.requires_grad:
+        return output
+    items = list(output) if isinstance(output, (tuple, list)) else [output]
+    tensors = [i for i, t in enumerate(items) if isinstance(t, Tensor) and t.is_floating_point()]
+    if not tensors or any(items[i].requires_grad for i in tensors):
+        return output
+    items[tensors[0]] = _Join.apply(items[tensors[0]], returned)
+    if isinstance(output, Tensor):
+        return items[0]
+    return type(output)(items) if isinstance(output, list) or type(output) is tuple else type(output)(*items)
 
 
 @contextlib.contextmanager
@@ -382,9 +399,10 @@ def _device(args: tuple, kwargs: dict, block: nn.Module) -> torch.device:
     return next((p.device for p in block.parameters() if not p.is_meta), torch.device("cpu"))
 
 
-def _meta_row(spec, calls: list[_Call], failure) -> list[int]:
+def _meta_row(spec, calls: list[_Call], failure, experts: list[nn.Module]) -> list[int]:
     """What this rank tells every peer before the rows move: rows and calls per expert, the rows' width and
-    dtype, the outputs' width and dtype (-1: no calls), and whether its pass 1 held."""
+    dtype, the outputs' width and dtype (-1: no calls), whether the exchange needs a backward here (rows or
+    local experts needing gradients), and whether its pass 1 held."""
     E = spec.num_experts
     counts, called = [0] * E, [0] * E
     for c in calls:
@@ -395,15 +413,19 @@ def _meta_row(spec, calls: list[_Call], failure) -> list[int]:
                                                       for s in shapes)
     width, dtype, out_width, out_dtype = next(iter(shapes)) if shapes and ok else (-1, None, (-1,), None)
     codes = [_DTYPES.index(d) if d is not None else -1 for d in (dtype, out_dtype)]
-    return counts + called + [width, codes[0], out_width[0], codes[1], int(ok)]
+    local = experts[spec.first: spec.first + spec.num_local]
+    grad = torch.is_grad_enabled() and (any(c.rows.requires_grad for c in calls) or any(
+        p.requires_grad for expert in local for p in expert.parameters()))
+    return counts + called + [width, codes[0], out_width[0], codes[1], int(grad), int(ok)]
 
 
 def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Call], failure, group,
-              device: torch.device) -> list[Tensor]:
-    """The true output of every recorded call (differentiable in pass 1's rows and the experts' parameters).
-    Raises on every rank when any rank's pass 1 failed (``failure`` here: re-raised as it is)."""
+              device: torch.device) -> tuple[list[Tensor], Tensor]:
+    """The true output of every recorded call (differentiable in pass 1's rows and the experts' parameters),
+    and the rows the reverse exchange returned. Raises on every rank when any rank's pass 1 failed
+    (``failure`` here: re-raised as it is)."""
     E, W, L = spec.num_experts, spec.ep_size, spec.num_local
-    mine = _meta_row(spec, calls, failure)
+    mine = _meta_row(spec, calls, failure, experts)
     if W > 1:
         # Layout: column block p of what this rank sends holds the counts of peer p's experts.
         per_peer = [torch.tensor(mine[p * L:(p + 1) * L] + mine[E + p * L:E + (p + 1) * L] + mine[2 * E:],
@@ -416,7 +438,7 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Cal
         meta_W = torch.tensor([mine[:L] + mine[E:E + L] + mine[2 * E:]], dtype=torch.long, device=device)
     # NOTE: .tolist() syncs the host once per block call for the split sizes and the peers' checks.
     meta = meta_W.tolist()
-    _raise_if_failed(block, failure, [row[2 * L + 4] for row in meta], mine)
+    _raise_if_failed(block, failure, [row[2 * L + 5] for row in meta], mine)
     widths = {(row[2 * L], row[2 * L + 1], row[2 * L + 2], row[2 * L + 3]) for row in meta if row[2 * L] >= 0}
     if len(widths) > 1:
         raise ReplayError(f"{type(block).__name__}: ep ranks call its experts on rows of different widths or dtypes "
@@ -430,6 +452,11 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Cal
     order = sorted(range(len(calls)), key=lambda i: calls[i].expert)  # stable: call order within an expert
     x_send_SD = torch.cat([calls[i].rows for i in order]) if calls else \
         torch.empty((0, width), dtype=_DTYPES[dtype_code], device=device)
+    # Every rank runs the exchanges' backward where any rank does (its peers wait in it): where a peer needs
+    # gradients, rows that need none here become a leaf that does (its gradient is dropped).
+    needs_grad = any(row[2 * L + 4] for row in meta)
+    if needs_grad and not x_send_SD.requires_grad:
+        x_send_SD = x_send_SD.detach().requires_grad_()
     x_recv_RD = all_to_all(x_send_SD, recv_splits, send_splits, group) if W > 1 else x_send_SD
 
     # Each called local expert's own forward, once, on the rows every rank sent it (grouped by source rank,
@@ -450,6 +477,10 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Cal
     out_dtype = _DTYPES[out_code] if widths else torch.float32
     back = [pieces[(r, l)] for r in range(W) for l in range(L) if (r, l) in pieces]
     y_send_RP = torch.cat(back) if back else torch.empty((0, out_width), dtype=out_dtype, device=device)
+    if not back and x_recv_RD.requires_grad:
+        # No local expert called: the received (zero) rows reach nothing, so their exchange's backward would
+        # not run here. Joined to what goes back (an identity; their gradient is zero).
+        y_send_RP = _Join.apply(y_send_RP, x_recv_RD)
     if W > 1:
         y_back_SP = all_to_all(y_send_RP, send_splits, recv_splits, group)
         _exchanged(y_back_SP)  # joined to the block's output if the block drops it (a rank without calls)
@@ -461,7 +492,7 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Cal
         n = calls[i].rows.shape[0]
         outputs[i] = y_back_SP.narrow(0, offset, n)
         offset += n
-    return outputs
+    return outputs, y_back_SP
 
 
 def _raise_if_failed(block: nn.Module, failure, oks: list[int], mine: list[int]) -> None:

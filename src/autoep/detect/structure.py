@@ -206,15 +206,17 @@ def _structure(module: nn.Module) -> MoeStructure:
 def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
     """The fallback where the proofs of the fast paths refuse (``refused``): module experts of one container
     the forward calls, each proven row-local, run by record/exchange/replay (``autoep.detect.replay_proof``);
-    its loop needs no proof. Raises ``refused`` where the block has no such container, else what the
-    replay proofs refuse."""
+    its loop needs no proof. Raises ``refused`` where the block has no such container, else both reasons."""
     if genuine.patched_torch_objects(elementwise.activation_classes(), module_call=False):
         raise refused
     try:
         path = replay_proof.find_container(module)
     except Refusal:
         raise refused from None
-    facts = replay_proof.replay_facts(module, path)
+    try:
+        facts = replay_proof.replay_facts(module, path)
+    except Refusal as exc:  # both refuse: the fast path's reason first (it names the loop), then replay's
+        raise Refusal(f"{refused}; record/replay refuses it too: {exc}") from None
     structure = MoeStructure(router=routing_proof.router_kind(module), shared_experts=routing_proof.shared_kind(module),
                              expert_storage="module_list", jitter=hasattr(module, "jitter_noise"), experts_path=path,
                              execution="replay", **facts)
@@ -252,15 +254,29 @@ def _live_state(module: nn.Module, structure: MoeStructure) -> None:
 
 
 def detect_moe_structure(module: nn.Module) -> MoeStructure:
-    """What kind of MoE block ``module`` is, proven from its source and attributes.
+    """What kind of MoE block ``module`` is, proven from its source and attributes: the fastest proven
+    execution (``MoeStructure.execution``: a fast path's spliced loop or grouped compute where its proof holds,
+    else record/exchange/replay for module experts).
 
     Never calls a forward and allocates nothing (works on ``torch.device("meta")`` modules).
     Raises ``UnsupportedModuleStructure`` naming the class, the failed proof and the opt-out hint.
     """
+    return _detected(module, replay=True)
+
+
+def fast_path_structure(module: nn.Module) -> MoeStructure:
+    """``detect_moe_structure`` without the record/exchange/replay fallback: the fast paths' proofs alone
+    (their refusal names the construct they do not read)."""
+    return _detected(module, replay=False)
+
+
+def _detected(module: nn.Module, replay: bool) -> MoeStructure:
     try:
         try:
             return _structure(module)
         except Refusal as exc:
+            if not replay:
+                raise
             return _replay_structure(module, exc)
     except Refusal as exc:
         raise _refuse(module, exc) from None

@@ -215,12 +215,12 @@ def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
         raise refused from None
     try:
         facts = replay_proof.replay_facts(module, path)
+        structure = MoeStructure(router=routing_proof.router_kind(module), expert_storage="module_list",
+                                 shared_experts=routing_proof.shared_kind(module), jitter=hasattr(module, "jitter_noise"),
+                                 experts_path=path, execution="replay", **facts)
+        _live_state(module, structure)
     except Refusal as exc:  # both refuse: the fast path's reason first (it names the loop), then replay's
         raise Refusal(f"{refused}; record/replay refuses it too: {exc}") from None
-    structure = MoeStructure(router=routing_proof.router_kind(module), shared_experts=routing_proof.shared_kind(module),
-                             expert_storage="module_list", jitter=hasattr(module, "jitter_noise"), experts_path=path,
-                             execution="replay", **facts)
-    _live_state(module, structure)
     return structure
 
 

@@ -68,6 +68,7 @@ from torch import nn
 
 from autoep.detect.structure import detect_moe_structure
 from autoep.errors import LiveStateError, UnsupportedModuleStructure
+from autoep.runtime.recipes.replay import ReplayError
 from autoep.plan.archetypes import RUNNABLE_EXPERT_KINDS, compute_fn_config
 
 BATCH, SEQ = 2, 3
@@ -759,7 +760,7 @@ def evaluate(mutant: Mutant) -> Outcome:
     try:
         with mutant.around():
             got = forward_backward(ep, x, seed=100, flat=flat)
-    except LiveStateError as exc:  # the fast path refuses process-wide state it would not honour, naming it
+    except (LiveStateError, ReplayError) as exc:  # refused at the first forward, before a step, naming why
         return verdict("refused", f"at forward: {exc}")
     except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails
         return verdict("accepted_wrong", "EP path raised " + short_error(exc))

@@ -354,8 +354,8 @@ class BranchOnOutputTwin(BatchRowsMoE):
         return out
 
 
-class CounterTwin(ComprehensionMoE):
-    """Edit: the forward counts its calls on the instance."""
+class CounterMoE(ComprehensionMoE):
+    """The forward counts its calls on the instance: pass 1's write is undone, pass 2 counts once."""
 
     def __init__(self):
         super().__init__()
@@ -429,8 +429,9 @@ class InPlaceInputTwin(ComprehensionMoE):
         return y.reshape(shape)
 
 
-class CacheOrderTwin(ComprehensionMoE):
-    """Edit: the order the experts run in is cached per batch size in a Python dict."""
+class CacheOrderMoE(ComprehensionMoE):
+    """The order the experts run in is cached per batch size in a Python dict: pass 1's entry is undone, pass
+    2 computes the same order and caches it once."""
 
     def __init__(self):
         super().__init__()
@@ -451,13 +452,47 @@ class CacheOrderTwin(ComprehensionMoE):
         return y.reshape(shape)
 
 
+class AutocastTwin(ComprehensionMoE):
+    """Edit: the expert calls run under ``torch.autocast`` opened inside the forward."""
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, selected = _top_k(self.gate, x, K)
+        hits = [torch.where(selected == i) for i in range(len(self.experts))]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = [self.experts[i](x[tok]) for i, (tok, _) in enumerate(hits)]
+        y = torch.zeros_like(x)
+        for (tok, slot), out in zip(hits, outs):
+            y.index_add_(0, tok, out * weights[tok, slot, None].to(out.dtype))
+        return y.reshape(shape)
+
+
+class NoGradTwin(ComprehensionMoE):
+    """Edit: the expert calls run under ``torch.no_grad()`` (frozen experts, as the block writes it)."""
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, selected = _top_k(self.gate, x, K)
+        hits = [torch.where(selected == i) for i in range(len(self.experts))]
+        with torch.no_grad():
+            outs = [self.experts[i](x[tok]) for i, (tok, _) in enumerate(hits)]
+        y = torch.zeros_like(x)
+        for (tok, slot), out in zip(hits, outs):
+            y.index_add_(0, tok, out * weights[tok, slot, None].to(out.dtype))
+        return y.reshape(shape)
+
+
+BLOCKS.update(counter_attribute=CounterMoE, cached_order=CacheOrderMoE)  # state written in forward, undone after pass 1
+
 # name -> (builder, the ReplayError text it must raise)
 TWINS = {
     "chained": (ChainedTwin, "its input is computed from an expert's output"),
     "branch_on_output": (BranchOnOutputTwin, "depends on an expert's output"),
-    "counter": (CounterTwin, "writes CounterTwin.calls"),
+    "autocast_around_experts": (AutocastTwin, "cpu autocast"),
+    "no_grad_around_experts": (NoGradTwin, "grad mode"),
     "buffer": (BufferTwin, "edits buffer tokens_per_expert in place"),
     "rng_from_output": (RngFromOutputTwin, "depends on an expert's output"),
     "in_place_input": (InPlaceInputTwin, "edits its input in place"),
-    "cache_order": (CacheOrderTwin, "writes CacheOrderTwin._order_cache"),
 }

@@ -148,6 +148,16 @@ def test_single_process_twin_raises(name):
     _check_twin(name, 0, 1)
 
 
+def test_state_written_in_forward_is_written_once():
+    """Pass 1's attribute writes are undone; pass 2 makes them, once, as the block's own call does."""
+    counter, cached = _ep_block("counter_attribute", 1), _ep_block("cached_order", 1)
+    x = _data(1)[0][0]
+    counter(x)
+    cached(x)
+    assert counter.calls == 1
+    assert list(cached._order_cache.items()) == [(x.shape[0] * x.shape[1], [3, 2, 1, 0])]
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_multi_rank_parity_and_twins(world_size):
     """Every block on 2 and 4 ranks; the twins on 2 (each raises on every rank: one rank's failed check

@@ -147,17 +147,20 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
     experts = expert_modules(container_of(self, spec))
     group = getattr(self, GROUP).value if spec.ep_size > 1 else None
     rng = _rng_state()
-    recorder = _Recorder(self, replay, experts)
+    recorder = _Recorder(self, replay, experts, _context())
+    before = _snapshot(self, args, kwargs)
     try:
-        before = _snapshot(self, args, kwargs)
         with _answering(experts, recorder.record):
             cls.forward(self, *args, **kwargs)
-        _check_untouched(self, before, recorder)
         failure = None
     except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
         failure = exc
     finally:
         _set_rng_state(rng)
+    try:
+        _undo(self, before, recorder)
+    except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
+        failure = failure or exc
     outputs, returned = _exchange(self, spec, experts, recorder.calls, failure, group, _device(args, kwargs, self))
     replayer = _Replayer(self, replay, recorder.calls, outputs)
     try:
@@ -212,13 +215,20 @@ class _Answer:
 class _Recorder:
     """Pass 1: records each expert call and answers it with zeros of its output's shape and dtype."""
 
-    def __init__(self, block: nn.Module, replay: _Replay, experts: list[nn.Module]):
-        self.block, self.replay, self.experts = block, replay, experts
+    def __init__(self, block: nn.Module, replay: _Replay, experts: list[nn.Module], context: tuple):
+        self.block, self.replay, self.experts, self.context = block, replay, experts, context
         self.calls: list[_Call] = []
         self._shapes: dict[tuple, tuple] = {}
 
     def record(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
         rows = _rows_of(self.block, self.replay.keys[e], len(self.calls), args, kwargs)
+        now = _context()
+        if now != self.context:
+            changed = [name for name, a, b in zip(_CONTEXT, self.context, now) if a != b]
+            raise ReplayError(f"{type(self.block).__name__}: {self.replay.keys[e]} (expert call {len(self.calls)}) is "
+                              f"called with {', '.join(changed)} changed by the block's forward around it; autoep runs "
+                              "the experts on their owner under the state the block was called in, so they would "
+                              "compute otherwise (move the autocast / no_grad outside the block, or opt out)")
         key = (e, rows.shape[1:], rows.dtype)
         if key not in self._shapes:
             self._shapes[key] = _meta_output(expert, rows, self.block, self.replay.keys[e])
@@ -258,6 +268,18 @@ class _Replayer:
             raise ReplayError(f"{type(self.block).__name__}: the block made {self.position} expert calls with the "
                               f"true expert outputs and {len(self.calls)} with placeholders: which experts it calls "
                               "depends on an expert's output; autoep cannot run it as one exchange")
+
+
+_CONTEXT = ("grad mode", "inference mode", "cpu autocast", "cpu autocast dtype", "cuda autocast",
+            "cuda autocast dtype", "torch-function modes", "dispatch modes")
+
+
+def _context() -> tuple:
+    """What decides how an expert's forward computes besides its input: grad and inference mode, autocast,
+    active modes. The owner runs the experts under the block's entry state; a call under another is refused."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+            torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack())
 
 
 def _last(calls: list[_Call], i: int, keys: tuple[str, ...]) -> str:
@@ -324,12 +346,13 @@ def _tensors(value, out: list) -> list:
     return out
 
 
-def _shallow(value):
-    """What of a plain attribute a write shows: the object, and one level of a list/dict/set's items."""
-    if type(value) in (list, dict, set):
-        items = tuple(value.items()) if isinstance(value, dict) else tuple(value)
-        return value, tuple(map(id, items)) if not isinstance(value, dict) else tuple((k, id(v)) for k, v in items)
-    return value, None
+def _items(value):
+    """One level of a plain list/dict/set attribute's contents (a cache filled in place), else None."""
+    if type(value) is dict:
+        return tuple(value.items())
+    if type(value) in (list, set):
+        return tuple(value)
+    return None
 
 
 def _snapshot(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -337,41 +360,63 @@ def _snapshot(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
     named += [(f"parameter {n}", t) for n, t in block.named_parameters()]
     named += [(f"buffer {n}", t) for n, t in block.named_buffers()]
     versions = [(what, t, t._version) for what, t in named]
-    attrs = [(name, m, {k: _shallow(v) for k, v in vars(m).items()},
-              {k: _shallow(v) for k, v in (("_parameters", m._parameters), ("_buffers", m._buffers),
-                                           ("_modules", m._modules))})
-             for name, m in block.named_modules(remove_duplicate=False)]
-    return versions, attrs
+    states = []
+    for m in block.modules():
+        plain = dict(vars(m))
+        inner = {k: _items(v) for k, v in plain.items() if _items(v) is not None}
+        inner.update({k: tuple(getattr(m, k).items()) for k in ("_parameters", "_buffers", "_modules")})
+        states.append((m, plain, inner))
+    return versions, states
 
 
-def _check_untouched(block: nn.Module, before: tuple, recorder: _Recorder) -> None:
-    """Raise naming what pass 1 wrote: an input, parameter or buffer edited in place, an attribute of the
-    block or a submodule written (a counter, a Python-side cache), or rows given to an expert edited after."""
-    versions, attrs = before
+def _undo(block: nn.Module, before: tuple, recorder: _Recorder) -> None:
+    """Put back what pass 1 wrote, so pass 2 runs from the state the block was called in (its writes then
+    happen once, as in the block's own call): attributes of the block and its submodules rebound, added or
+    deleted (a counter, ``self.aux_loss``, a router's ``self.input_dtype``), plain list/dict/set attributes
+    filled in place (a Python-side cache), parameters/buffers/submodules replaced. What cannot be put back
+    raises: a tensor edited in place (its input, a parameter, a buffer), rows given to an expert edited after."""
+    versions, states = before
+    for m, plain, inner in states:
+        now = vars(m)
+        for k in [k for k in now if k not in plain]:
+            del now[k]
+        for k, v in plain.items():
+            if now.get(k, _MISSING) is not v:
+                now[k] = v
+        for k, items in inner.items():
+            value = now[k]
+            if not _same_items(tuple(value.items()) if isinstance(value, dict) else tuple(value), items):
+                value.clear()
+                if isinstance(value, dict):
+                    value.update(items)
+                elif isinstance(value, list):
+                    value.extend(items)
+                else:
+                    value.update(items)
     cls = type(block).__name__
     for what, t, version in versions:
         if t._version != version:
             raise ReplayError(f"{cls}.forward edits {what} in place ({tuple(t.shape)} {t.dtype}); running it twice "
                               "would not be running it once: autoep cannot record and replay it")
-    for name, m, plain, internal in attrs:
-        now = {k: _shallow(v) for k, v in vars(m).items()}
-        now_internal = {k: _shallow(v) for k, v in (("_parameters", m._parameters), ("_buffers", m._buffers),
-                                                     ("_modules", m._modules))}
-        for k in sorted(set(plain) | set(now)):
-            if k in ("_parameters", "_buffers", "_modules"):
-                continue
-            if k not in plain or k not in now or now[k][0] is not plain[k][0] or now[k][1] != plain[k][1]:
-                where = f"{cls}.{name}.{k}" if name else f"{cls}.{k}"
-                raise ReplayError(f"{cls}.forward writes {where} (state kept between calls: a counter, a cache); "
-                                  "running it twice would not be running it once: autoep cannot record and replay "
-                                  "it")
-        for k in internal:
-            if [(i, id(v)) for i, v in internal[k][0].items()] != [(i, id(v)) for i, v in now_internal[k][0].items()]:
-                raise ReplayError(f"{cls}.forward replaces a {k[1:-1].rstrip('s')} of {name or 'the block'}")
     for i, call in enumerate(recorder.calls):
         if call.rows._version != call.version:
             raise ReplayError(f"{cls}.forward edits the rows it gave {recorder.replay.keys[call.expert]} (expert call "
                               f"{i}) in place after the call")
+
+
+_MISSING = object()
+
+
+def _same_items(now: tuple, then: tuple) -> bool:
+    """The same contents by identity (dict items pairwise; equal keys that are other objects count as a
+    change, whose undo changes nothing)."""
+    if len(now) != len(then):
+        return False
+    for a, b in zip(now, then):
+        pair = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+        if (pair and any(x is not y for x, y in zip(a, b))) or (not pair and a is not b):
+            return False
+    return True
 
 
 def _rng_state() -> tuple:

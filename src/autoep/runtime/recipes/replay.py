@@ -183,7 +183,8 @@ def _needing_grad(output, returned: Tensor):
         return output
     items = list(output) if isinstance(output, (tuple, list)) else [output]
     tensors = [i for i, t in enumerate(items) if isinstance(t, Tensor) and t.is_floating_point()]
-    if not tensors or any(items[i].requires_grad for i in tensors):
+    # A leaf output (the block returned its input as it is) is no path either: joined too.
+    if not tensors or any(items[i].requires_grad and items[i].grad_fn is not None for i in tensors):
         return output
     items[tensors[0]] = _Join.apply(items[tensors[0]], returned)
     if isinstance(output, Tensor):

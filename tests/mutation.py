@@ -72,6 +72,7 @@ from torch import nn
 
 from autoep.detect.structure import detect_moe_structure
 from autoep.errors import FactChanged, LiveStateError, UnsupportedModuleStructure
+from autoep.runtime.recipes.replay import ReplayError
 from autoep.plan.archetypes import RUNNABLE_EXPERT_KINDS, compute_fn_config
 
 BATCH, SEQ = 2, 3
@@ -779,7 +780,7 @@ def evaluate(mutant: Mutant) -> Outcome:
     try:
         with mutant.around():
             got = forward_backward(mutant.after_apply(ep), x, seed=100, flat=flat)
-    except (LiveStateError, FactChanged) as exc:  # process-wide state the fast path would not honour, or a value
+    except (LiveStateError, FactChanged, ReplayError) as exc:  # process-wide state the fast path would not honour, or a value
         return verdict("refused", f"at forward: {exc}")  # proven at apply changed since: named, before any work
     except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails
         return verdict("accepted_wrong", "EP path raised " + short_error(exc))

@@ -24,6 +24,7 @@ from mutation import Outcome, Run, detect, differences, forward_backward, inputs
 from mutation_runtime import RUNTIME_OPERATORS
 
 from autoep.errors import FactChanged, LiveStateError
+from autoep.runtime.recipes.replay import ReplayError
 from autoep.runtime.recipes.local_experts import expert_owners
 
 # Mutants whose failure shows only on several ranks (a rank without tokens skips a collective).
@@ -105,7 +106,7 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
         try:
             why, raised = _ranks_round(block, structure, x, split, rank, group, mesh, flat, mutant.around,
                                        LOW_PRECISION.get(mutant.operator), mutant.after_apply), False
-        except (LiveStateError, FactChanged) as exc:  # refused on every rank alike, before any exchange
+        except (LiveStateError, FactChanged, ReplayError) as exc:  # refused on every rank alike, before any exchange
             why, raised, refused = None, False, str(exc)
         except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails (or a peer hung)
             why, raised = "EP path raised " + short_error(exc), bool(COMMUNICATION_ERROR.search(str(exc)))

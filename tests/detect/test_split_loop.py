@@ -18,7 +18,7 @@ import torch
 from mutation_source import exec_subclass
 from torch import nn
 
-from autoep.detect.structure import detect_moe_structure
+from autoep.detect.structure import detect_moe_structure, fast_path_structure
 from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.recipes.module_list import ep_module_list_block
 
@@ -33,8 +33,9 @@ def variant(cls: type, method: str, old: str, new: str) -> type:
 
 
 def reason(block: nn.Module) -> str:
+    """Why the fast path's loop proof refuses ``block`` (record/exchange/replay may still run it)."""
     with pytest.raises(UnsupportedModuleStructure) as info:
-        detect_moe_structure(block)
+        fast_path_structure(block)
     return info.value.reason
 
 

@@ -1,5 +1,6 @@
 """Detection semantics (issue 2): each rule of the contract, on meta modules, without calling a forward."""
 import inspect
+import re
 
 import blocks
 import pytest
@@ -399,9 +400,51 @@ def test_an_edit_outside_the_expert_loop_runs_as_written(variant, block, old, ne
     torch.testing.assert_close(gx[1], gx[0])
 
 
+def _replay_parity(cls) -> None:
+    """``cls`` is detected for record/exchange/replay and computes exactly its own forward that way (one
+    process: the recipe's record, placement and replay without a peer); gradients compared directly."""
+    from autoep.runtime.recipes.replay import ep_replay_block
+
+    torch.manual_seed(0)
+    ref = cls().train()
+    found = detect_moe_structure(ref)
+    assert found.execution == "replay", found
+    ep = __import__("copy").deepcopy(ref)
+    ep_replay_block(ep, ep_mesh=None, structure=found)
+    x = torch.randn(2, 3, 16)
+    try:
+        ref(x)
+    except RuntimeError as exc:  # the edit breaks the model itself: it raises the same way under EP
+        with pytest.raises(RuntimeError, match=re.escape(str(exc))):
+            ep(x)
+        return
+    runs = []
+    for m in (ref, ep):
+        xi = x.clone().requires_grad_()
+        out = m(xi)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().sum().backward()
+        runs.append((out.detach(), xi.grad, {n: p.grad for n, p in m.named_parameters()}))
+    torch.testing.assert_close(runs[1][0], runs[0][0])
+    torch.testing.assert_close(runs[1][1], runs[0][1])
+    for n, g in runs[0][2].items():
+        assert (g is None) == (runs[1][2][n] is None), n
+        if g is not None:
+            torch.testing.assert_close(runs[1][2][n], g, msg=lambda m: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("block, old, new, message", LOOP_EDITS)
-def test_an_edit_inside_the_expert_loop_is_refused(variant, block, old, new, message):
-    assert message in refusal(_variant_of(variant, block, old, new)())
+def test_an_edit_inside_the_expert_loop_runs_by_replay(variant, block, old, new, message):
+    """The loop's fast-path proof refuses the edit, naming the construct; the block then runs by record /
+    exchange / replay (its own code, twice), exactly."""
+    from autoep.detect import structure
+    from autoep.detect.source import Refusal
+
+    cls = _variant_of(variant, block, old, new)
+    with pytest.raises(Refusal) as info:
+        structure._structure(cls())
+    assert message in str(info.value)
+    _replay_parity(cls)
 
 
 class Float32Experts(Experts):
@@ -461,21 +504,8 @@ def test_grouped_experts_are_proven_with_their_layout(block, facts):
     assert {k: getattr(s, k) for k in facts} == facts
 
 
-NOT_YET = {
-    "llama4_dense_scaled": (blocks.DenseScaledMoE, "every expert on every token, inputs pre-scaled by dense "
-                            "router scores (Llama-4): no routed rows for the exchange to send"),
-}
-
-
-@pytest.mark.parametrize("name", list(NOT_YET))
-def test_idioms_not_taken_yet_are_refused_not_guessed(name):
-    """Each of these runs as its own model would; until its idiom is proven, detection refuses it (a strict
-    xfail below flips when it is accepted, so this list stays true)."""
-    block, _ = NOT_YET[name]
-    refusal(block())
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NOT_YET[n][1]))
-                                  for n in NOT_YET])
-def test_idioms_not_taken_yet(name):
-    detect_moe_structure(NOT_YET[name][0]())
+def test_dense_scaled_experts_run_by_replay():
+    """Llama-4's way (every expert on every token, inputs pre-scaled by dense router scores): no routed rows
+    for a fast path to send, so record / exchange / replay sends every token to every expert, exactly (the
+    scores get their gradient through the recorded rows)."""
+    _replay_parity(blocks.DenseScaledMoE)

@@ -74,7 +74,7 @@ def test_plan_prints_one_row_per_module_and_writes_resolved(cli):
     stdout = ok(results["auto"])
     rows = [line.split() for line in stdout.splitlines() if line.startswith("model.layers.")]
     # Qwen3-MoE tiny: 8 experts x (gate_up 2*16*32 + down 32*16) fp32 = 49152 bytes per layer, ep_size 2.
-    assert rows == [[f"model.layers.{i}.mlp", "topk_router_module/none/batched_parameters",
+    assert rows == [[f"model.layers.{i}.mlp", "topk_router_module/none/batched_parameters", "grouped",
                      "autoep.runtime.recipes.batched.ep_batched_experts", "4", "24576"] for i in (0, 1)]
     cfg = resolved(tmp, "auto")
     assert cfg["parallel"]["plan"][0]["decision"]["source"] == "auto"

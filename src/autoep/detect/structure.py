@@ -19,6 +19,7 @@ from autoep.detect import (
     genuine,
     grouped_proof,
     module_list_proof,
+    replay_proof,
     routing_proof,
     sharing,
     source,
@@ -26,13 +27,15 @@ from autoep.detect import (
 from autoep.detect.source import Refusal
 from autoep.errors import UnsupportedModuleStructure
 
-# 3: expert_projs is a list of names (was one comma-joined string); 4: experts_path, expert_kind; 5: idle_experts
+# 3: expert_projs is a list of names (was one comma-joined string); 4: experts_path, expert_kind; 5: idle_experts,
+# execution
 DETECTOR_VERSION = "5"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")
 STORAGE_KINDS = ("module_list", "batched_parameters", "grouped", "equal_groups")
 EXPERT_KINDS = ("swiglu", "row_local")
+EXECUTIONS = ("spliced", "grouped", "replay")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,11 @@ class MoeStructure:
     # gradients without a call), "touch_training" (touch only while training), "selected" (calls the experts
     # an id list the block computes names). The runtime follows it exactly (``autoep.runtime.dispatch.Idle``).
     idle_experts: tuple[str, ...] = ()
+    # How the expert work runs under EP: spliced (module experts: the proven loop, or the container's proven
+    # forward, replaced by the exchange) | grouped (batched/grouped experts: their forward replaced by the
+    # exchange + grouped compute) | replay (module experts whose loop is not proven: the block's forward runs
+    # twice, record / exchange / replay, ``autoep.runtime.recipes.replay``; the fallback, the slowest).
+    execution: str = "spliced"
 
     def __post_init__(self):
         # A resolved config gives the names back as a list (YAML has no tuples): held as a tuple, so two
@@ -194,13 +202,34 @@ def _structure(module: nn.Module) -> MoeStructure:
         facts = {**facts, "folded": tuple(facts.get("folded", ())) + guards}
     structure = MoeStructure(
         router=router, shared_experts=shared, expert_storage=storage, jitter=hasattr(module, "jitter_noise"),
-        experts_path=path, **facts
+        experts_path=path, execution="spliced" if storage == "module_list" else "grouped", **facts
     )
     _live_state(module, structure)
     # The vocabulary is closed: autoep.plan.archetypes.TABLE has a row for every (router, storage) pair of it
     # (tests/plan/test_archetypes.py), so a structure outside it is refused here, before any plan is made.
     if router not in ROUTER_KINDS or storage not in STORAGE_KINDS or structure.expert_kind not in EXPERT_KINDS:
         raise Refusal(f"router={router} with expert_storage={storage} is outside the detector's vocabulary")
+    return structure
+
+
+def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
+    """The fallback where the proofs of the fast paths refuse (``refused``): module experts of one container
+    the forward calls, each proven row-local, run by record/exchange/replay (``autoep.detect.replay_proof``);
+    its loop needs no proof. Raises ``refused`` where the block has no such container, else both reasons."""
+    if genuine.patched_torch_objects(elementwise.activation_classes(), module_call=False):
+        raise refused
+    try:
+        path = replay_proof.find_container(module)
+    except Refusal:
+        raise refused from None
+    try:
+        facts = replay_proof.replay_facts(module, path)
+        structure = MoeStructure(router=routing_proof.router_kind(module), expert_storage="module_list",
+                                 shared_experts=routing_proof.shared_kind(module), jitter=hasattr(module, "jitter_noise"),
+                                 experts_path=path, execution="replay", **facts)
+        _live_state(module, structure)
+    except Refusal as exc:  # both refuse: the fast path's reason first (it names the loop), then replay's
+        raise Refusal(f"{refused}; record/replay refuses it too: {exc}") from None
     return structure
 
 
@@ -225,7 +254,9 @@ def _live_state(module: nn.Module, structure: MoeStructure) -> None:
     and expert tensors reached by two names inside the block (the whole model: ``resolve_plan``)."""
     spliced = structure.expert_storage == "module_list" and not container_loop.has_own_loop(
         module._modules.get(structure.experts_path))
-    checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] if spliced else [type(module).forward]
+    # replay: the forward and the methods it calls run as written, only their calls of the experts move
+    in_methods = spliced or structure.execution == "replay"
+    checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] if in_methods else [type(module).forward]
     expert_reads.experts_read_elsewhere(module, checked, structure.experts_path)
     tied = sharing.shared_expert_tensors(module, {"": module}, structure.experts_path)
     if tied:
@@ -233,13 +264,30 @@ def _live_state(module: nn.Module, structure: MoeStructure) -> None:
 
 
 def detect_moe_structure(module: nn.Module) -> MoeStructure:
-    """What kind of MoE block ``module`` is, proven from its source and attributes.
+    """What kind of MoE block ``module`` is, proven from its source and attributes: the fastest proven
+    execution (``MoeStructure.execution``: a fast path's spliced loop or grouped compute where its proof holds,
+    else record/exchange/replay for module experts).
 
     Never calls a forward and allocates nothing (works on ``torch.device("meta")`` modules).
     Raises ``UnsupportedModuleStructure`` naming the class, the failed proof and the opt-out hint.
     """
+    return _detected(module, replay=True)
+
+
+def fast_path_structure(module: nn.Module) -> MoeStructure:
+    """``detect_moe_structure`` without the record/exchange/replay fallback: the fast paths' proofs alone
+    (their refusal names the construct they do not read)."""
+    return _detected(module, replay=False)
+
+
+def _detected(module: nn.Module, replay: bool) -> MoeStructure:
     try:
-        return _structure(module)
+        try:
+            return _structure(module)
+        except Refusal as exc:
+            if not replay:
+                raise
+            return _replay_structure(module, exc)
     except Refusal as exc:
         raise _refuse(module, exc) from None
     except UnsupportedModuleStructure:
@@ -253,6 +301,8 @@ def count_experts(module: nn.Module, structure: MoeStructure | None = None) -> i
     """Number of routed (sharded) experts of an MoE block (from the experts' shapes; reads no data). For
     ModuleList/ModuleDict experts: every entry, less the trailing ``nn.Identity`` experts the SwiGLU fast path
     computes where the token is (``structure.identity_experts``; without a structure, every trailing one)."""
+    if structure is not None and structure.execution == "replay":
+        return len(replay_proof.members(module.get_submodule(structure.experts_path)))  # every one travels
     try:
         path = structure.experts_path if structure is not None else find_experts(module)
     except Refusal as exc:

@@ -42,6 +42,9 @@ BATCHED = Archetype(target=f"{RECIPES}.batched.ep_batched_experts")
 MODULE_LIST_BLOCK = Archetype(target=f"{RECIPES}.module_list.ep_module_list_block")
 GROUPED = Archetype(target=f"{RECIPES}.grouped.ep_grouped_experts")
 EQUAL_GROUPS = Archetype(target=f"{RECIPES}.equal_groups.ep_equal_group_experts")
+# Module experts whose loop no fast-path spec proves: the block's forward runs twice (record / exchange /
+# replay), each expert's own forward on its owner. Chosen by ``MoeStructure.execution``, for any router.
+REPLAY = Archetype(target=f"{RECIPES}.replay.ep_replay_block")
 
 # (router, expert_storage) -> recipe. The remaining MoeStructure fields are passed to the factory as
 # its ``structure`` kwarg, so the decision's full lookup key is every field (jitter included).
@@ -70,6 +73,11 @@ OWN_FORWARD_STORAGE = ("module_list",)  # where "row_local" experts run (their o
 
 def archetype_for(structure: MoeStructure, cls_name: str = "module") -> Archetype:
     """The row for ``structure``, or ``UnsupportedModuleStructure`` naming what has no recipe."""
+    if structure.execution == "replay":
+        if structure.expert_storage != "module_list":
+            raise UnsupportedModuleStructure(cls_name, f"execution=replay runs module experts only, not "
+                                                       f"expert_storage={structure.expert_storage}")
+        return REPLAY
     if structure.expert_kind not in RUNNABLE_EXPERT_KINDS or (
             structure.expert_kind == "row_local" and structure.expert_storage not in OWN_FORWARD_STORAGE):
         raise UnsupportedModuleStructure(
@@ -91,4 +99,4 @@ def compute_fn_config(structure: MoeStructure, cls_name: str = "module") -> dict
 
 
 def known_targets() -> set[str]:
-    return {row.target for row in TABLE.values()}
+    return {row.target for row in TABLE.values()} | {REPLAY.target}

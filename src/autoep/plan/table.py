@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from autoep.targets import factory_spec
 
-COLUMNS = ("module", "structure", "compute fn", "experts/rank", "expert bytes/rank")
+COLUMNS = ("module", "structure", "execution", "compute fn", "experts/rank", "expert bytes/rank")
 
 
 def structure_label(decision) -> str:
@@ -27,20 +27,33 @@ def plan_rows(model: nn.Module, parallel: DictConfig) -> list[tuple]:
     rows, expert_ids = [], set()
     for entry in parallel.plan:
         decision, n = entry.decision, entry.decision.num_experts
+        s = decision.structure
+        path = s.get("experts_path", "experts") if s is not None else "experts"
+        execution = s.get("execution", "spliced") if s is not None else "explicit"
         for name in decision.modules:
-            experts = getattr(model.get_submodule(name), "experts", None)
+            block = model.get_submodule(name)
+            experts = block.get_submodule(path) if _has(block, path) else None
             params = list(experts.parameters()) if experts is not None else []
             expert_ids |= {id(p) for p in params}
             total = sum(p.numel() * p.element_size() for p in params)
             per_rank = n // parallel.ep_size if n else "?"
-            rows.append((name, structure_label(decision), factory_spec(entry.local_compute_fn)[1], per_rank,
-                         total // parallel.ep_size))
-        rows += [(name, "skipped: no experts (dense, moe_only)", "-", "-", "-") for name in decision.get("skipped") or []]
+            rows.append((name, structure_label(decision), execution, factory_spec(entry.local_compute_fn)[1],
+                         per_rank, total // parallel.ep_size))
+        rows += [(name, "skipped: no experts (dense, moe_only)", "-", "-", "-", "-")
+                 for name in decision.get("skipped") or []]
     expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in expert_ids)
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_ids)
-    rows.append(("total per rank", f"dense bytes {dense_bytes} (replicated)", "-", "-",
+    rows.append(("total per rank", f"dense bytes {dense_bytes} (replicated)", "-", "-", "-",
                  expert_bytes // parallel.ep_size))
     return rows
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def format_table(rows: list[tuple]) -> str:

@@ -1,0 +1,568 @@
+"""Record, exchange, replay: the general execution of module experts under EP, whatever the loop's spelling.
+
+The block's own forward runs twice, as written; only its calls into the experts travel (DESIGN.md "Record,
+exchange, replay"):
+
+1. **Record.** The block's class forward runs with every expert module's call answered by a placeholder of
+   the right shape and dtype (zeros; the shape from the expert's forward run on ``meta``) and recorded:
+   ``(expert id, input rows)``. Pass 1 must leave nothing behind: the version counters of the block's inputs,
+   parameters and buffers, the attributes of the block and its submodules and the RNG state (CPU, CUDA,
+   Python's) are as before (the RNG is restored; anything else raises).
+2. **Exchange.** Every recorded call's rows go to the expert's owner (experts split contiguously, as
+   ``local_experts.LocalExperts`` places them) in ONE differentiable all-to-all; the owner runs each called
+   local expert's own forward once on the rows every rank sent it (row-local: concatenation changes nothing),
+   and the outputs go back by the reverse all-to-all.
+3. **Replay.** The RNG restored, the block's forward runs again; each expert call must be the call recorded
+   at the same position, with a bit-identical input, and gets that call's true output. Any difference (another
+   expert, another input, more or fewer calls) means the block's expert inputs depend on expert outputs: it
+   raises, naming the block and the call. The block's output is pass 2's: the model's own computation.
+
+Gradients: the expert path reaches the block's input and the routing only through pass 1's rows (the
+exchange's backward); everything else (routing weights applied to expert outputs, residuals, shared branches)
+through pass 2, whose expert inputs get no gradient through the experts. An expert called with zero rows is
+called with zero rows on its owner (zero gradients, as the model gives); an expert no rank calls is not called
+(its gradients stay ``None``). Every rank joins both exchanges and their backward, with nothing to send too.
+A failed check on one rank raises on every rank (their flags travel with the exchange's counts, and one small
+all-reduce after pass 2), so no peer is left waiting in a collective.
+
+Cost: pass 1 repeats the block's own work outside the experts (routing, masks, casts) once more per call.
+
+Shape legend: S rows sent (all recorded calls, grouped by expert), R rows received, D the rows' width,
+P the experts' output width, E routed experts, L experts local to this rank, W ep ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import random
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from autoep.detect import replay_proof
+from autoep.detect.source import Refusal
+from autoep.detect.structure import MoeStructure
+from autoep.errors import UnsupportedModuleStructure
+from autoep.runtime.dispatch import _exchanged, _Join, all_to_all
+from autoep.runtime.recipes import (
+    as_structure,
+    experts_of,
+    join_backward_exchanges,
+    watching_facts,
+    watching_folded,
+)
+from autoep.runtime.recipes.local_experts import GROUP, container_of, expert_modules, place_experts, spec_of
+
+REPLAY = "_autoep_replay"  # the block attribute holding its ``_Replay``
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # the rows' dtypes the exchange sends
+
+
+class ReplayError(RuntimeError):
+    """A check of record/exchange/replay failed: the block's run is not the model's own computation."""
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """What the replayed forward needs, fixed at apply time (plain values: a deep copy stays consistent)."""
+
+    proven_code: object  # the class forward's code object proven at apply time
+    keys: tuple[str, ...]  # how the model names each expert: ``experts[2]``, ``experts['a']``
+
+
+@dataclass
+class _Call:
+    """One recorded expert call: the expert id, its input rows (pass 1's, with their graph), the rows' version
+    counter at the call, and the output's width and dtype (from the expert's forward on ``meta``)."""
+
+    expert: int
+    rows: Tensor
+    version: int
+    out_width: tuple[int, ...]
+    out_dtype: torch.dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# The factory
+# ---------------------------------------------------------------------------------------------
+
+
+def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructure, fast_path: bool = True) -> None:
+    """Make a block with module experts EP-ready in place (factory contract: ``autoep.runtime.recipes``): its
+    experts are placed (this rank keeps its own, the others become ``meta`` stand-ins; ``PlanError`` where
+    ep_size does not divide the expert count; ``ep_mesh=None``: no exchange) and each call of the block runs
+    record / exchange / replay around its own class forward. ``fast_path`` is accepted for the table's
+    contract; the experts always run their own forward here."""
+    facts = as_structure(structure)
+    with watching_facts(module):
+        validate(module, structure=facts)
+    experts = expert_modules(experts_of(module, facts))
+    place_experts(module, path=facts.experts_path, num_experts=len(experts), identity_experts=0, ep_mesh=ep_mesh,
+                  swiglu=None, act="", fast_path=False, name=type(module).__name__)
+    keys = tuple(f"{facts.experts_path}[{k if k.isdigit() else repr(k)}]" for k in spec_of(module).keys)
+    setattr(module, REPLAY, _Replay(_forward_code(type(module)), keys))
+    join_backward_exchanges(module, ep_mesh)
+    watching_folded(module, facts.folded)  # e.g. an expert's dropout proven idle in eval
+    # An instance attribute shadows the class forward; nn.Module.__call__ (and the block's hooks) still run.
+    module.forward = types.MethodType(_replayed_forward, module)
+
+
+def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> None:
+    """Resolve-time check (an explicit ``_target_`` included): the block's experts are the container at
+    ``structure.experts_path`` its forward calls, each proven row-local, deterministic and stateless, and the
+    folded facts are the proven ones. Raises ``UnsupportedModuleStructure`` naming the key otherwise."""
+    facts, name = as_structure(structure), type(module).__name__
+    if spec_of(module) is not None:
+        raise UnsupportedModuleStructure(name, "the block is already EP-ready (apply_plan ran on it)")
+    try:
+        proven = replay_proof.replay_facts(module, facts.experts_path)
+    except Refusal as exc:
+        raise UnsupportedModuleStructure(name, str(exc)) from None
+    for key, value in proven.items():
+        given = getattr(facts, key)
+        if given != value:
+            raise UnsupportedModuleStructure(name, f"structure.{key}={given!r}, but the experts are proven "
+                                                   f"{key}={value!r}")
+
+
+def _forward_code(cls: type):
+    return getattr(inspect.unwrap(cls.forward), "__code__", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# One call of the block
+# ---------------------------------------------------------------------------------------------
+
+
+def _replayed_forward(self: nn.Module, *args, **kwargs):
+    replay: _Replay = getattr(self, REPLAY)
+    cls = type(self)
+    if _forward_code(cls) is not replay.proven_code:
+        raise ReplayError(f"{cls.__name__}.forward was replaced, or its __code__ swapped, after apply_plan; apply "
+                          "the plan again to a fresh model built with the new code")
+    spec = spec_of(self)
+    experts = expert_modules(container_of(self, spec))
+    group = getattr(self, GROUP).value if spec.ep_size > 1 else None
+    rng = _rng_state()
+    recorder = _Recorder(self, replay, experts, _context())
+    before = _snapshot(self, args, kwargs)
+    try:
+        with _answering(experts, recorder.record):
+            cls.forward(self, *args, **kwargs)
+        failure = None
+    except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
+        failure = exc
+    finally:
+        _set_rng_state(rng)
+    try:
+        _undo(self, before, recorder)
+    except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
+        failure = failure or exc
+    outputs, returned = _exchange(self, spec, experts, recorder.calls, failure, group, _device(args, kwargs, self))
+    replayer = _Replayer(self, replay, recorder.calls, outputs)
+    try:
+        with _answering(experts, replayer.answer):
+            output = cls.forward(self, *args, **kwargs)
+        replayer.finish()
+        failure = None
+    except Exception as exc:  # noqa: BLE001 - agreed with every peer first, then raised
+        failure = exc
+    _agree(failure, group, cls.__name__, _device(args, kwargs, self))
+    return _needing_grad(output, returned) if group is not None else output
+
+
+def _needing_grad(output, returned: Tensor):
+    """``output``, its first tensor joined to the returned rows where the exchange needs a backward and no
+    output tensor needs a gradient (a rank whose block made no expert call: the block's output may not depend
+    on anything trainable, yet peers wait in the exchange's backward). Values unchanged; the hooks
+    ``join_backward_exchanges`` installs join a dropped exchange to an output that does need a gradient."""
+    if not returned.requires_grad:
+        return output
+    items = list(output) if isinstance(output, (tuple, list)) else [output]
+    tensors = [i for i, t in enumerate(items) if isinstance(t, Tensor) and t.is_floating_point()]
+    # A leaf output (the block returned its input as it is) is no path either: joined too.
+    if not tensors or any(items[i].requires_grad and items[i].grad_fn is not None for i in tensors):
+        return output
+    items[tensors[0]] = _Join.apply(items[tensors[0]], returned)
+    if isinstance(output, Tensor):
+        return items[0]
+    return type(output)(items) if isinstance(output, list) or type(output) is tuple else type(output)(*items)
+
+
+@contextlib.contextmanager
+def _answering(experts: list[nn.Module], answer):
+    """Within: each expert's call (``expert(x)`` or ``expert.forward(x)``) is ``answer(e, expert, args,
+    kwargs)``; the instance attributes go again on exit, whatever happens."""
+    for e, expert in enumerate(experts):
+        expert.forward = types.MethodType(_Answer(e, answer), expert)
+    try:
+        yield
+    finally:
+        for expert in experts:
+            expert.__dict__.pop("forward", None)
+
+
+class _Answer:
+    def __init__(self, e: int, answer):
+        self.e, self.answer = e, answer
+
+    def __call__(self, expert: nn.Module, *args, **kwargs):
+        return self.answer(self.e, expert, args, kwargs)
+
+
+class _Recorder:
+    """Pass 1: records each expert call and answers it with zeros of its output's shape and dtype."""
+
+    def __init__(self, block: nn.Module, replay: _Replay, experts: list[nn.Module], context: tuple):
+        self.block, self.replay, self.experts, self.context = block, replay, experts, context
+        self.calls: list[_Call] = []
+        self._shapes: dict[tuple, tuple] = {}
+
+    def record(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+        rows = _rows_of(self.block, self.replay.keys[e], len(self.calls), args, kwargs)
+        now = _context()
+        if now != self.context:
+            changed = [name for name, a, b in zip(_CONTEXT, self.context, now) if a != b]
+            raise ReplayError(f"{type(self.block).__name__}: {self.replay.keys[e]} (expert call {len(self.calls)}) is "
+                              f"called with {', '.join(changed)} changed by the block's forward around it; autoep runs "
+                              "the experts on their owner under the state the block was called in, so they would "
+                              "compute otherwise (move the autocast / no_grad outside the block, or opt out)")
+        key = (e, rows.shape[1:], rows.dtype)
+        if key not in self._shapes:
+            self._shapes[key] = _meta_output(expert, rows, self.block, self.replay.keys[e])
+        width, dtype = self._shapes[key]
+        self.calls.append(_Call(e, rows, rows._version, width, dtype))
+        return torch.zeros((rows.shape[0], *width), dtype=dtype, device=rows.device)
+
+
+class _Replayer:
+    """Pass 2: each expert call is checked against the call recorded at its position and gets its output."""
+
+    def __init__(self, block: nn.Module, replay: _Replay, calls: list[_Call], outputs: list[Tensor]):
+        self.block, self.replay, self.calls, self.outputs = block, replay, calls, outputs
+        self.position = 0
+
+    def answer(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+        i, name, keys = self.position, type(self.block).__name__, self.replay.keys
+        rows = _rows_of(self.block, keys[e], i, args, kwargs)
+        if i >= len(self.calls):
+            raise ReplayError(f"{name}: {keys[e]} (expert call {i}) was not called when the block ran with "
+                              f"placeholder expert outputs ({len(self.calls)} calls): which experts the block calls "
+                              "depends on an expert's output; autoep cannot run it as one exchange")
+        recorded = self.calls[i]
+        if recorded.expert != e:
+            raise ReplayError(f"{name}: expert call {i} went to {keys[recorded.expert]} with placeholder expert "
+                              f"outputs and to {keys[e]} with the true ones: the block's choice of expert depends on "
+                              f"an expert's output{_last(self.calls, i, keys)}")
+        if not _same(rows, recorded.rows):
+            raise ReplayError(f"{name}: {keys[e]} (expert call {i}) got another input with the true expert outputs "
+                              f"than with placeholders: its input is computed from an expert's output"
+                              f"{_last(self.calls, i, keys)}; autoep cannot run it as one exchange")
+        self.position += 1
+        return self.outputs[i]
+
+    def finish(self) -> None:
+        if self.position != len(self.calls):
+            raise ReplayError(f"{type(self.block).__name__}: the block made {self.position} expert calls with the "
+                              f"true expert outputs and {len(self.calls)} with placeholders: which experts it calls "
+                              "depends on an expert's output; autoep cannot run it as one exchange")
+
+
+_CONTEXT = ("grad mode", "inference mode", "cpu autocast", "cpu autocast dtype", "cuda autocast",
+            "cuda autocast dtype", "torch-function modes", "dispatch modes")
+
+
+def _context() -> tuple:
+    """What decides how an expert's forward computes besides its input: grad and inference mode, autocast,
+    active modes. The owner runs the experts under the block's entry state; a call under another is refused."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+            torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack())
+
+
+def _last(calls: list[_Call], i: int, keys: tuple[str, ...]) -> str:
+    return f" (the expert called before it: {keys[calls[i - 1].expert]})" if i else ""
+
+
+def _rows_of(block: nn.Module, key: str, i: int, args: tuple, kwargs: dict) -> Tensor:
+    """The one (rows, features) tensor an expert call passes: the experts are proven row-local for
+    ``expert(rows)`` on 2-D rows (``autoep.detect.row_local``) and nothing else."""
+    if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
+        given = [type(a).__name__ for a in args] + [f"{k}=" for k in kwargs]
+        raise ReplayError(f"{type(block).__name__}: {key} (expert call {i}) is called with ({', '.join(given)}); "
+                          "autoep proves experts row-local for one (rows, features) tensor and moves only that")
+    rows = args[0]
+    if rows.dim() != 2:
+        raise ReplayError(f"{type(block).__name__}: {key} (expert call {i}) is called on a tensor of shape "
+                          f"{tuple(rows.shape)}; autoep proves experts row-local on (rows, features) and moves rows")
+    return rows
+
+
+def _meta_output(expert: nn.Module, rows: Tensor, block: nn.Module, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """The width and dtype of ``expert(rows)``, from its own forward on ``meta`` (no data read, nothing
+    allocated): its tensors as meta copies, its recorder stepped aside for the run."""
+    answer = expert.__dict__.pop("forward")
+    try:
+        state = {n: t.to("meta") for n, t in [*expert.named_parameters(), *expert.named_buffers()]}
+        with torch.no_grad():
+            out = torch.func.functional_call(expert, state, (rows.detach().to("meta"),))
+    finally:
+        expert.forward = answer
+    if not isinstance(out, Tensor) or out.dim() != 2 or out.shape[0] != rows.shape[0]:
+        raise ReplayError(f"{type(block).__name__}: {key} returns {type(out).__name__} "
+                          f"{tuple(getattr(out, 'shape', ()))} for rows {tuple(rows.shape)}; autoep moves one row "
+                          "of output per row of input")
+    return tuple(out.shape[1:]), out.dtype
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Bit-identical: shape, dtype, device and every element (NaN where the other is NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point():
+        return False
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    return bool(((a == b) | both_nan).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1 leaves nothing behind
+# ---------------------------------------------------------------------------------------------
+
+
+def _tensors(value, out: list) -> list:
+    if isinstance(value, Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors(v, out)
+    return out
+
+
+def _items(value):
+    """One level of a plain list/dict/set attribute's contents (a cache filled in place), else None."""
+    if type(value) is dict:
+        return tuple(value.items())
+    if type(value) in (list, set):
+        return tuple(value)
+    return None
+
+
+def _snapshot(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    named = [("its input", t) for t in _tensors((args, kwargs), [])]
+    named += [(f"parameter {n}", t) for n, t in block.named_parameters()]
+    named += [(f"buffer {n}", t) for n, t in block.named_buffers()]
+    versions = [(what, t, t._version) for what, t in named]
+    states = []
+    for m in block.modules():
+        plain = dict(vars(m))
+        inner = {k: _items(v) for k, v in plain.items() if _items(v) is not None}
+        inner.update({k: tuple(getattr(m, k).items()) for k in ("_parameters", "_buffers", "_modules")})
+        states.append((m, plain, inner))
+    return versions, states
+
+
+def _undo(block: nn.Module, before: tuple, recorder: _Recorder) -> None:
+    """Put back what pass 1 wrote, so pass 2 runs from the state the block was called in (its writes then
+    happen once, as in the block's own call): attributes of the block and its submodules rebound, added or
+    deleted (a counter, ``self.aux_loss``, a router's ``self.input_dtype``), plain list/dict/set attributes
+    filled in place (a Python-side cache), parameters/buffers/submodules replaced. What cannot be put back
+    raises: a tensor edited in place (its input, a parameter, a buffer), rows given to an expert edited after."""
+    versions, states = before
+    for m, plain, inner in states:
+        now = vars(m)
+        for k in [k for k in now if k not in plain]:
+            del now[k]
+        for k, v in plain.items():
+            if now.get(k, _MISSING) is not v:
+                now[k] = v
+        for k, items in inner.items():
+            value = now[k]
+            if not _same_items(tuple(value.items()) if isinstance(value, dict) else tuple(value), items):
+                value.clear()
+                if isinstance(value, dict):
+                    value.update(items)
+                elif isinstance(value, list):
+                    value.extend(items)
+                else:
+                    value.update(items)
+    cls = type(block).__name__
+    for what, t, version in versions:
+        if t._version != version:
+            raise ReplayError(f"{cls}.forward edits {what} in place ({tuple(t.shape)} {t.dtype}); running it twice "
+                              "would not be running it once: autoep cannot record and replay it")
+    for i, call in enumerate(recorder.calls):
+        if call.rows._version != call.version:
+            raise ReplayError(f"{cls}.forward edits the rows it gave {recorder.replay.keys[call.expert]} (expert call "
+                              f"{i}) in place after the call")
+
+
+_MISSING = object()
+
+
+def _same_items(now: tuple, then: tuple) -> bool:
+    """The same contents by identity (dict items pairwise; equal keys that are other objects count as a
+    change, whose undo changes nothing)."""
+    if len(now) != len(then):
+        return False
+    for a, b in zip(now, then):
+        pair = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+        if (pair and any(x is not y for x, y in zip(a, b))) or (not pair and a is not b):
+            return False
+    return True
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, random.getstate()
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda, py = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+
+
+# ---------------------------------------------------------------------------------------------
+# The exchange
+# ---------------------------------------------------------------------------------------------
+
+
+def _device(args: tuple, kwargs: dict, block: nn.Module) -> torch.device:
+    found = _tensors((args, kwargs), [])
+    if found:
+        return found[0].device
+    return next((p.device for p in block.parameters() if not p.is_meta), torch.device("cpu"))
+
+
+def _meta_row(spec, calls: list[_Call], failure, experts: list[nn.Module]) -> list[int]:
+    """What this rank tells every peer before the rows move: rows and calls per expert, the rows' width and
+    dtype, the outputs' width and dtype (-1: no calls), whether the exchange needs a backward here (rows or
+    local experts needing gradients), and whether its pass 1 held."""
+    E = spec.num_experts
+    counts, called = [0] * E, [0] * E
+    for c in calls:
+        counts[c.expert] += c.rows.shape[0]
+        called[c.expert] = 1
+    shapes = {(c.rows.shape[1], c.rows.dtype, c.out_width, c.out_dtype) for c in calls}
+    ok = failure is None and len(shapes) <= 1 and all(len(s[2]) == 1 and s[1] in _DTYPES and s[3] in _DTYPES
+                                                      for s in shapes)
+    width, dtype, out_width, out_dtype = next(iter(shapes)) if shapes and ok else (-1, None, (-1,), None)
+    codes = [_DTYPES.index(d) if d is not None else -1 for d in (dtype, out_dtype)]
+    local = experts[spec.first: spec.first + spec.num_local]
+    grad = torch.is_grad_enabled() and (any(c.rows.requires_grad for c in calls) or any(
+        p.requires_grad for expert in local for p in expert.parameters()))
+    return counts + called + [width, codes[0], out_width[0], codes[1], int(grad), int(ok)]
+
+
+def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Call], failure, group,
+              device: torch.device) -> tuple[list[Tensor], Tensor]:
+    """The true output of every recorded call (differentiable in pass 1's rows and the experts' parameters),
+    and the rows the reverse exchange returned. Raises on every rank when any rank's pass 1 failed
+    (``failure`` here: re-raised as it is)."""
+    E, W, L = spec.num_experts, spec.ep_size, spec.num_local
+    mine = _meta_row(spec, calls, failure, experts)
+    if W > 1:
+        # Layout: column block p of what this rank sends holds the counts of peer p's experts.
+        per_peer = [torch.tensor(mine[p * L:(p + 1) * L] + mine[E + p * L:E + (p + 1) * L] + mine[2 * E:],
+                                 dtype=torch.long, device=device) for p in range(W)]
+        send = torch.stack(per_peer)
+        meta_W = torch.empty_like(send)
+        # NOTE: collective. Each rank learns what every peer sends its experts, and every peer's check.
+        dist.all_to_all_single(meta_W, send, group=group)
+    else:
+        meta_W = torch.tensor([mine[:L] + mine[E:E + L] + mine[2 * E:]], dtype=torch.long, device=device)
+    # NOTE: .tolist() syncs the host once per block call for the split sizes and the peers' checks.
+    meta = meta_W.tolist()
+    _raise_if_failed(block, failure, [row[2 * L + 5] for row in meta], mine)
+    widths = {(row[2 * L], row[2 * L + 1], row[2 * L + 2], row[2 * L + 3]) for row in meta if row[2 * L] >= 0}
+    if len(widths) > 1:
+        raise ReplayError(f"{type(block).__name__}: ep ranks call its experts on rows of different widths or dtypes "
+                          f"({sorted(widths)}); autoep sends one kind of rows per exchange")
+    width, dtype_code, out_width, out_code = next(iter(widths)) if widths else (0, 0, 0, 0)
+    recv_counts = [row[:L] for row in meta]  # recv_counts[r][l]: rows rank r sends to local expert l
+    called_L = [any(row[L + l] for row in meta) for l in range(L)]
+    send_splits = [sum(mine[p * L:(p + 1) * L]) for p in range(W)]
+    recv_splits = [sum(c) for c in recv_counts]
+
+    order = sorted(range(len(calls)), key=lambda i: calls[i].expert)  # stable: call order within an expert
+    x_send_SD = torch.cat([calls[i].rows for i in order]) if calls else \
+        torch.empty((0, width), dtype=_DTYPES[dtype_code], device=device)
+    # Every rank runs the exchanges' backward where any rank does (its peers wait in it): where a peer needs
+    # gradients, rows that need none here become a leaf that does (its gradient is dropped).
+    needs_grad = any(row[2 * L + 4] for row in meta)
+    if needs_grad and not x_send_SD.requires_grad:
+        x_send_SD = x_send_SD.detach().requires_grad_()
+    x_recv_RD = all_to_all(x_send_SD, recv_splits, send_splits, group) if W > 1 else x_send_SD
+
+    # Each called local expert's own forward, once, on the rows every rank sent it (grouped by source rank,
+    # then by expert: regrouped here by expert, then by source rank). Layout change on the host's offsets.
+    starts = [sum(recv_splits[:r]) + sum(recv_counts[r][:l]) for r in range(W) for l in range(L)]
+    pieces: dict[tuple[int, int], Tensor] = {}
+    for l in range(L):
+        if not called_L[l]:
+            continue  # no rank called it: not called (its gradients stay None, as the model leaves them)
+        n_r = [recv_counts[r][l] for r in range(W)]
+        rows = torch.cat([x_recv_RD.narrow(0, starts[r * L + l], n_r[r]) for r in range(W)])
+        out = experts[spec.first + l](rows)
+        if not isinstance(out, Tensor) or out.shape[0] != rows.shape[0] or out.dim() != 2:
+            raise ReplayError(f"{type(block).__name__}: expert {spec.first + l} returned "
+                              f"{tuple(getattr(out, 'shape', ()))} for {tuple(rows.shape)} rows")
+        for r, part in zip(range(W), torch.split(out, n_r)):
+            pieces[(r, l)] = part
+    out_dtype = _DTYPES[out_code] if widths else torch.float32
+    back = [pieces[(r, l)] for r in range(W) for l in range(L) if (r, l) in pieces]
+    y_send_RP = torch.cat(back) if back else torch.empty((0, out_width), dtype=out_dtype, device=device)
+    if not back and x_recv_RD.requires_grad:
+        # No local expert called: the received (zero) rows reach nothing, so their exchange's backward would
+        # not run here. Joined to what goes back (an identity; their gradient is zero).
+        y_send_RP = _Join.apply(y_send_RP, x_recv_RD)
+    if W > 1:
+        y_back_SP = all_to_all(y_send_RP, send_splits, recv_splits, group)
+        _exchanged(y_back_SP)  # joined to the block's output if the block drops it (a rank without calls)
+    else:
+        y_back_SP = y_send_RP
+    outputs: list[Tensor] = [None] * len(calls)  # type: ignore[list-item]
+    offset = 0
+    for i in order:
+        n = calls[i].rows.shape[0]
+        outputs[i] = y_back_SP.narrow(0, offset, n)
+        offset += n
+    return outputs, y_back_SP
+
+
+def _raise_if_failed(block: nn.Module, failure, oks: list[int], mine: list[int]) -> None:
+    if failure is not None:
+        raise failure
+    if not mine[-1]:
+        raise ReplayError(f"{type(block).__name__}: its expert calls on this rank mix rows of different widths or "
+                          "dtypes, or of a dtype the exchange does not send; autoep sends one kind of rows per "
+                          "exchange")
+    failed = [r for r, ok in enumerate(oks) if not ok]
+    if failed:
+        raise ReplayError(f"{type(block).__name__}: ep rank(s) {failed} failed their record check (their error "
+                          "names it); every rank stops here rather than wait in an exchange")
+
+
+def _agree(failure, group, name: str, device: torch.device) -> None:
+    """Every rank raises when any rank's replay failed (one small all-reduce), so none waits in a backward."""
+    if group is not None:
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.long, device=device)
+        # NOTE: collective and host sync, once per block call: whether every rank's replay held.
+        dist.all_reduce(flag, group=group)
+        if failure is None and flag.item():
+            raise ReplayError(f"{name}: another ep rank's replay check failed (its error names it); every rank "
+                              "stops here rather than wait in a backward exchange")
+    if failure is not None:
+        raise failure
+

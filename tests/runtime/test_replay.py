@@ -1,0 +1,213 @@
+"""Record, exchange, replay (``autoep.runtime.recipes.replay``): blocks whose dispatch loop no fast-path spec
+reads (``tests/replay_blocks.py``) run under EP exactly as their own forward, on 1, 2 and 4 gloo ranks, and their
+harmful one-edit twins raise on every rank, naming the block and the call.
+
+Parity (DESIGN.md): each rank feeds its own tokens (uneven, one rank empty at W=4); its output and input grad
+equal the block's own on those tokens; router and other dense grads summed over ranks, and every expert
+parameter's grad (from the rank owning it, by the model's own name) equal the block's own summed over every
+rank's tokens, ``None`` exactly where the block's own leaves it ``None``. SGD-free: gradients are compared
+directly. The plan is the real one: ``resolve_plan`` (detector, archetype table, fingerprint) then ``apply_plan``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import replay_blocks as rb
+import torch
+import torch.distributed as dist
+from distributed import guarded, run_cases
+from omegaconf import OmegaConf
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from autoep.detect.structure import detect_moe_structure
+from autoep.errors import UnsupportedModuleStructure
+from autoep.plan.resolve import resolve_plan
+from autoep.plan.table import plan_rows
+from autoep.runtime.apply import apply_plan
+from autoep.runtime.recipes.replay import ReplayError
+
+SEQ = 3
+BATCH_PER_RANK = {1: [4], 2: [1, 3], 4: [2, 0, 3, 1]}
+PEER_FAILED = ("another ep rank's replay check failed", "failed their record check")
+
+
+def _make(name: str, builders=rb.BLOCKS) -> nn.Module:
+    torch.manual_seed(sum(map(ord, name)))
+    builder = builders[name]
+    return (builder[0] if isinstance(builder, tuple) else builder)().train()
+
+
+def _data(world_size: int):
+    g = torch.Generator().manual_seed(7)
+    batches = BATCH_PER_RANK[world_size]
+    x = torch.randn(sum(batches), SEQ, rb.D, generator=g)
+    grad_out = torch.randn(x.shape, generator=g)
+    bounds = [sum(batches[:r]) for r in range(world_size + 1)]
+    return [(x[lo:hi], grad_out[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _run(block, x, grad_out, seed: int):
+    torch.manual_seed(seed)
+    x = x.clone().requires_grad_()
+    out = block(x * 1)  # a non-leaf input, as a layer gets it (an in-place edit of it is the model's to make)
+    loss = (out * grad_out).sum()
+    if loss.requires_grad:
+        loss.backward()
+    return out.detach(), x.grad if x.grad is not None else torch.zeros_like(x), torch.get_rng_state()
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(world_size: int):
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)) if world_size > 1 else None
+
+
+def _ep_block(name: str, world_size: int, builders=rb.BLOCKS) -> nn.Module:
+    mesh = _mesh(world_size)
+    model = nn.ModuleDict({"mlp": _make(name, builders)})
+    resolved = resolve_plan({"ep_size": world_size, "plan": [{"match": "mlp"}]}, model)
+    assert resolved.plan[0].decision.structure.execution == "replay"
+    apply_plan(model, resolved, mesh)
+    return model["mlp"]
+
+
+def _check_block(name: str, rank: int, world_size: int) -> None:
+    slices = _data(world_size)
+    ref = _make(name)
+    ref_results = [_run(ref, *s, seed=100 + r) for r, s in enumerate(slices)]
+    block = _ep_block(name, world_size)
+    assert block.state_dict().keys() == ref.state_dict().keys()  # the model's own names
+    out, x_grad, rng_after = _run(block, *slices[rank], seed=100 + rank)
+
+    path = detect_moe_structure(_make(name)).experts_path
+    experts = {n for n, _ in ref.named_parameters() if n.startswith(path + ".")}
+    # Collectives first, in the same order on every rank; compare after.
+    dense = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+             for n, p in block.named_parameters() if n not in experts}
+    mine = {n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
+            for n, p in block.named_parameters() if n in experts and p.device.type != "meta"}
+    held = [mine]
+    if world_size > 1:
+        for g in dense.values():
+            dist.all_reduce(g)  # NOTE: collective; replicated router grads sum over ranks
+        held = [None] * world_size
+        dist.all_gather_object(held, mine)  # NOTE: collective; each expert lives on its owner rank
+
+    ref_out, ref_x_grad, ref_rng = ref_results[rank]
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(x_grad, ref_x_grad)
+    assert torch.equal(rng_after, ref_rng), "the RNG after the block differs from the block's own run"
+    ref_params = dict(ref.named_parameters())
+    for n, g in dense.items():
+        want = ref_params[n].grad if ref_params[n].grad is not None else torch.zeros_like(g)
+        torch.testing.assert_close(g, want, msg=lambda m: f"{n}: {m}")
+    gathered = {k: v for part in held for k, v in part.items()}
+    assert gathered.keys() == experts, sorted(experts - gathered.keys())
+    for n, (value, grad) in gathered.items():
+        torch.testing.assert_close(value, ref_params[n].detach(), msg=lambda m: f"{n}: {m}")
+        want = ref_params[n].grad
+        assert (grad is None) == (want is None), f"{n}: grad {'None' if grad is None else 'set'} under EP, " \
+                                                 f"{'None' if want is None else 'set'} in the block's own run"
+        if want is not None:
+            torch.testing.assert_close(grad, want, msg=lambda m: f"{n}: {m}")
+
+
+def _check_twin(name: str, rank: int, world_size: int) -> None:
+    expected = rb.TWINS[name][1]
+    block = _ep_block(name, world_size, rb.TWINS)
+    x, grad_out = _data(world_size)[rank]
+    with pytest.raises(ReplayError) as info:
+        _run(block, x, grad_out, seed=100 + rank)
+    text = str(info.value)
+    assert expected in text or any(p in text for p in PEER_FAILED), text
+    own = [expected in text]
+    if world_size > 1:
+        own = [None] * world_size
+        dist.all_gather_object(own, expected in text)  # NOTE: collective; some rank names the twin's fault
+    assert any(own), f"no rank raised {expected!r}"
+
+
+def replay_cases(rank: int, world_size: int, twins: bool) -> dict:
+    results = {}
+    for name in rb.BLOCKS:
+        guarded(results, name, _check_block, name, rank, world_size)
+    for name in rb.TWINS if twins else ():
+        guarded(results, f"twin:{name}", _check_twin, name, rank, world_size)
+    return results
+
+
+@pytest.mark.parametrize("name", list(rb.BLOCKS))
+def test_single_process_parity(name):
+    _check_block(name, 0, 1)
+
+
+@pytest.mark.parametrize("name", list(rb.TWINS))
+def test_single_process_twin_raises(name):
+    _check_twin(name, 0, 1)
+
+
+def test_state_written_in_forward_is_written_once():
+    """Pass 1's attribute writes are undone; pass 2 makes them, once, as the block's own call does."""
+    counter, cached = _ep_block("counter_attribute", 1), _ep_block("cached_order", 1)
+    x = _data(1)[0][0]
+    counter(x)
+    cached(x)
+    assert counter.calls == 1
+    assert list(cached._order_cache.items()) == [(x.shape[0] * x.shape[1], [3, 2, 1, 0])]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_multi_rank_parity_and_twins(world_size):
+    """Every block on 2 and 4 ranks; the twins on 2 (each raises on every rank: one rank's failed check
+    reaches its peers with the counts or the agreement after pass 2)."""
+    cases = run_cases(world_size, "test_replay:replay_cases", world_size == 2)
+    failed = {case: errs for case, errs in cases.items() if errs}
+    assert not failed, "\n".join(f"{case}: {errs[0]}" for case, errs in failed.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection and the plan: the fallback, its facts, the table
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, path", [("comprehension", "experts"), ("config_flag", "local_experts"),
+                                        ("nested_experts", "moe.experts"), ("cast_masked", "experts")])
+def test_replay_structure_finds_the_experts_by_data_flow(name, path):
+    found = detect_moe_structure(_make(name))
+    assert (found.execution, found.experts_path, found.expert_kind, found.expert_storage) == \
+        ("replay", path, "row_local", "module_list")
+
+
+def test_proven_loops_keep_their_fast_path():
+    import blocks
+
+    spliced = detect_moe_structure(blocks.FairseqStyleMoE(hidden=8, ffn=16, activation_fn="gelu"))
+    assert spliced.execution == "spliced"
+
+
+def test_an_expert_that_is_not_row_local_is_refused_naming_it():
+    block = _make("comprehension")
+    block.experts[2] = nn.Sequential(nn.Linear(rb.D, rb.D), nn.BatchNorm1d(rb.D))
+    with pytest.raises(UnsupportedModuleStructure, match=r"experts\[2\].*BatchNorm1d"):
+        detect_moe_structure(block)
+
+
+@pytest.mark.xfail(strict=True, reason="experts in a plain dict attribute (registered one by one) are refused by "
+                                       "the live-state check (a cached reference outside the module tree); "
+                                       "replay does not place them yet")
+def test_plain_dict_of_experts():
+    _check_block_plain = detect_moe_structure(rb.PlainDictMoE())
+    assert _check_block_plain.execution == "replay"
+
+
+def test_plan_table_shows_the_execution():
+    model = nn.ModuleDict({"mlp": _make("nested_experts")})
+    resolved = resolve_plan({"ep_size": 2, "plan": [{"match": "mlp"}]}, model)
+    row = plan_rows(model, resolved)[0]
+    assert row[2] == "replay" and row[3].endswith("replay.ep_replay_block"), row
+    assert row[4] == 2  # experts per rank
+    expert_bytes = sum(p.numel() * p.element_size() for p in model["mlp"].moe.experts.parameters())
+    assert row[5] == expert_bytes // 2
+    assert OmegaConf.to_container(resolved)["plan"][0]["decision"]["structure"]["execution"] == "replay"

@@ -407,7 +407,7 @@ def _replay_parity(cls) -> None:
 
     torch.manual_seed(0)
     ref = cls().train()
-    found = detect_moe_structure(ref)
+    found = detect_moe_structure(ref, replay=True)
     assert found.execution == "replay", found
     ep = __import__("copy").deepcopy(ref)
     ep_replay_block(ep, ep_mesh=None, structure=found)

@@ -67,7 +67,7 @@ def _mesh(world_size: int):
 def _ep_block(name: str, world_size: int, builders=rb.BLOCKS) -> nn.Module:
     mesh = _mesh(world_size)
     model = nn.ModuleDict({"mlp": _make(name, builders)})
-    resolved = resolve_plan({"ep_size": world_size, "plan": [{"match": "mlp"}]}, model)
+    resolved = resolve_plan({"ep_size": world_size, "plan": [{"match": "mlp", "record_replay": True}]}, model)
     assert resolved.plan[0].decision.structure.execution == "replay"
     apply_plan(model, resolved, mesh)
     return model["mlp"]
@@ -81,7 +81,7 @@ def _check_block(name: str, rank: int, world_size: int) -> None:
     assert block.state_dict().keys() == ref.state_dict().keys()  # the model's own names
     out, x_grad, rng_after = _run(block, *slices[rank], seed=100 + rank)
 
-    path = detect_moe_structure(_make(name)).experts_path
+    path = detect_moe_structure(_make(name), replay=True).experts_path
     experts = {n for n, _ in ref.named_parameters() if n.startswith(path + ".")}
     # Collectives first, in the same order on every rank; compare after.
     dense = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
@@ -175,7 +175,7 @@ def test_multi_rank_parity_and_twins(world_size):
 @pytest.mark.parametrize("name, path", [("comprehension", "experts"), ("config_flag", "local_experts"),
                                         ("nested_experts", "moe.experts"), ("cast_masked", "experts")])
 def test_replay_structure_finds_the_experts_by_data_flow(name, path):
-    found = detect_moe_structure(_make(name))
+    found = detect_moe_structure(_make(name), replay=True)
     assert (found.execution, found.experts_path, found.expert_kind, found.expert_storage) == \
         ("replay", path, "row_local", "module_list")
 
@@ -191,20 +191,20 @@ def test_an_expert_that_is_not_row_local_is_refused_naming_it():
     block = _make("comprehension")
     block.experts[2] = nn.Sequential(nn.Linear(rb.D, rb.D), nn.BatchNorm1d(rb.D))
     with pytest.raises(UnsupportedModuleStructure, match=r"experts\[2\].*BatchNorm1d"):
-        detect_moe_structure(block)
+        detect_moe_structure(block, replay=True)
 
 
 @pytest.mark.xfail(strict=True, reason="experts in a plain dict attribute (registered one by one) are refused by "
                                        "the live-state check (a cached reference outside the module tree); "
                                        "replay does not place them yet")
 def test_plain_dict_of_experts():
-    _check_block_plain = detect_moe_structure(rb.PlainDictMoE())
+    _check_block_plain = detect_moe_structure(rb.PlainDictMoE(), replay=True)
     assert _check_block_plain.execution == "replay"
 
 
 def test_plan_table_shows_the_execution():
     model = nn.ModuleDict({"mlp": _make("nested_experts")})
-    resolved = resolve_plan({"ep_size": 2, "plan": [{"match": "mlp"}]}, model)
+    resolved = resolve_plan({"ep_size": 2, "plan": [{"match": "mlp", "record_replay": True}]}, model)
     row = plan_rows(model, resolved)[0]
     assert row[2] == "replay" and row[3].endswith("replay.ep_replay_block"), row
     assert row[4] == 2  # experts per rank

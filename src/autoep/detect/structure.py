@@ -263,15 +263,16 @@ def _live_state(module: nn.Module, structure: MoeStructure) -> None:
         raise Refusal(f"{tied[0]}: {sharing.SHARING_FIX}")
 
 
-def detect_moe_structure(module: nn.Module) -> MoeStructure:
+def detect_moe_structure(module: nn.Module, *, replay: bool = False) -> MoeStructure:
     """What kind of MoE block ``module`` is, proven from its source and attributes: the fastest proven
-    execution (``MoeStructure.execution``: a fast path's spliced loop or grouped compute where its proof holds,
-    else record/exchange/replay for module experts).
+    execution (``MoeStructure.execution``: a fast path's spliced loop or grouped compute where its proof holds;
+    with ``replay``, else record/exchange/replay for module experts: opt-in, ``PlanEntry.record_replay``, until
+    the soundness fuzzer runs it clean).
 
     Never calls a forward and allocates nothing (works on ``torch.device("meta")`` modules).
     Raises ``UnsupportedModuleStructure`` naming the class, the failed proof and the opt-out hint.
     """
-    return _detected(module, replay=True)
+    return _detected(module, replay=replay)
 
 
 def fast_path_structure(module: nn.Module) -> MoeStructure:
@@ -346,9 +347,12 @@ def clear_caches() -> None:
         fn.cache_clear()
 
 
-def has_experts(module: nn.Module) -> bool:
-    """``module`` holds experts as the detector finds them (``find_experts``); a module whose experts cannot
-    be told apart (an ambiguity, unreadable source) counts as having them, so detection names why."""
+def has_experts(module: nn.Module, *, replay: bool = False) -> bool:
+    """``module`` holds experts as the detector finds them (``find_experts``; with ``replay``, also an experts
+    container its forward calls, ``replay_proof.find_container``); a module whose experts cannot be told apart
+    (an ambiguity, unreadable source) counts as having them, so detection names why."""
+    if replay and _replay_container(module):
+        return True
     try:
         name = find_experts(module)
         if name is None:
@@ -359,3 +363,10 @@ def has_experts(module: nn.Module) -> bool:
         return True
     except Exception:  # noqa: BLE001 - any failure reading its source: let detection say what it is
         return True
+
+
+def _replay_container(module: nn.Module) -> bool:
+    try:
+        return bool(replay_proof.find_container(module))
+    except Exception:  # noqa: BLE001 - a Refusal or a source it cannot read: has_experts' own reading decides
+        return False

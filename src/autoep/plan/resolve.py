@@ -125,16 +125,17 @@ def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str
     matched = match_modules(key, entry["match"], modules)
     skipped: list[str] = []
     if entry.get("moe_only"):
-        matched, skipped = split_moe(key, entry["match"], matched, modules)
+        matched, skipped = split_moe(key, entry["match"], matched, modules, replay=bool(entry.get("record_replay")))
     if entry.get("decision") is not None:
         return replay_entry(key, entry, parallel, modules, matched, skipped)
     return decide_entry(key, entry, parallel, modules, matched, skipped)
 
 
-def split_moe(key: str, pattern: str, matched: list[str], modules: dict) -> tuple[list[str], list[str]]:
+def split_moe(key: str, pattern: str, matched: list[str], modules: dict, *,
+              replay: bool = False) -> tuple[list[str], list[str]]:
     """(modules with experts, found by data flow as the detector finds them, the others): what a ``moe_only``
-    entry takes and skips."""
-    moe = [n for n in matched if structure.has_experts(modules[n])]
+    entry takes and skips (``replay``: also the experts containers record/exchange/replay finds)."""
+    moe = [n for n in matched if structure.has_experts(modules[n], replay=replay)]
     if not moe:
         raise PlanError(f"{key}.match={pattern!r} with moe_only=true matches {len(matched)} modules and none has an "
                         f"`experts` submodule; {_where_the_experts_are(pattern, modules)} (or set {key}.moe_only=false "
@@ -174,7 +175,8 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
         if not parallel.detect:
             raise PlanError(f"{key}.local_compute_fn=auto but parallel.detect=false, so nothing may be detected. "
                             f"Name the factory ('{key}.local_compute_fn={{{FACTORY_KEY}:pkg.fn}}') or remove the entry")
-        structure_dict, num_experts = _detect_group(key, entry["match"], modules, matched)
+        structure_dict, num_experts = _detect_group(key, entry["match"], modules, matched,
+                                                   replay=bool(entry.get("record_replay", False)))
         cls_name = type(modules[matched[0]]).__name__
         fn = archetypes.compute_fn_config(structure.MoeStructure(**structure_dict), cls_name)
         source = "auto"
@@ -196,7 +198,8 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
     }
     decision["fingerprint"] = seal_entry(entry["match"], fn, decision)
     out = {"match": entry["match"], "local_compute_fn": fn, "decision": decision}
-    return out | ({"moe_only": True} if entry.get("moe_only") else {})
+    flags = {k: True for k in ("moe_only", "record_replay") if entry.get(k)}
+    return out | flags
 
 
 def as_factory(fn: Mapping) -> dict:
@@ -212,12 +215,14 @@ def seal_entry(match: str, fn, decision: Mapping) -> str:
     return seal(sealed)
 
 
-def _detect_group(key: str, pattern: str, modules: dict, matched: list[str]) -> tuple[dict, int]:
-    """One (structure, expert count) for every matched module, or an error naming the groups."""
+def _detect_group(key: str, pattern: str, modules: dict, matched: list[str], *,
+                  replay: bool = False) -> tuple[dict, int]:
+    """One (structure, expert count) for every matched module, or an error naming the groups (``replay``: the
+    record/exchange/replay fallback for module experts is allowed, ``PlanEntry.record_replay``)."""
     groups: dict[tuple[structure.MoeStructure, int], list[str]] = {}
     for name in matched:
         try:
-            found = structure.detect_moe_structure(modules[name])
+            found = structure.detect_moe_structure(modules[name], replay=replay)
             n = structure.count_experts(modules[name], found)
         except UnsupportedModuleStructure as e:
             raise UnsupportedPlanEntry(

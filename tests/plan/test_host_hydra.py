@@ -74,7 +74,7 @@ def main(cfg):
     if os.environ.get("HOST_NO_DETECT"):  # the replay must not detect: make detection fail loudly
         from autoep.detect import structure
 
-        def boom(module):
+        def boom(module, **_):
             raise AssertionError("detection ran during a replay")
         structure.detect_moe_structure = boom
     built = instantiate(cfg)  # every _target_ in the config is called here, the plan's included
@@ -195,7 +195,7 @@ def test_replay_key_replays_the_file_without_detecting(host, tmp_path, monkeypat
     section = OmegaConf.to_container(resolve_plan(cfg.parallel, model))
     path = frozen_file(tmp_path, section)
 
-    def boom(module):
+    def boom(module, **_):
         raise AssertionError("a replay must not detect")
     monkeypatch.setattr(structure, "detect_moe_structure", boom)
     again = compose_host(host, [f"++parallel.replay={path}"])  # ep_size 1 composed; the file says 2

@@ -80,7 +80,7 @@ def test_fingerprint_differs_between_families():
 
 
 def test_explicit_target_is_kept_not_detected_and_still_recorded(monkeypatch):
-    def no_detection(module):
+    def no_detection(module, **_):
         raise AssertionError("explicit entries must not be detected")
 
     monkeypatch.setattr(structure, "detect_moe_structure", no_detection)
@@ -200,7 +200,7 @@ def test_hand_edited_decision_is_refused(resolved_qwen3, edit):
 
 
 def test_replay_does_not_detect(resolved_qwen3, monkeypatch):
-    monkeypatch.setattr(structure, "detect_moe_structure", lambda m: pytest.fail("replay must not detect"))
+    monkeypatch.setattr(structure, "detect_moe_structure", lambda m, **_: pytest.fail("replay must not detect"))
     assert plain(resolve_plan(resolved_qwen3, meta_model())) == resolved_qwen3
 
 

@@ -21,6 +21,8 @@ experts' own parameters), so its grads are summed over the world like the router
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 from dataclasses import dataclass
 from typing import Callable
@@ -143,6 +145,16 @@ def _gate_of(experts: nn.Module, activation: str, roles: BatchedRoles) -> Callab
     return glu_gate(experts.act_fn)
 
 
+def _autocast_as_the_kernel(experts: nn.Module, x_SD: Tensor):
+    """Autocast as the experts' own kernel sees it: transformers' ``grouped_mm`` implementation runs
+    ``torch._grouped_mm``, which CPU autocast does not cast (fp32 rows stay fp32), so there the grouped GEMMs run
+    with autocast off; every other kernel (eager ``F.linear``, ``batched_mm``'s ``bmm``) is cast as autocast casts
+    it (``autoep.runtime.experts.autocast_operands``). CUDA: as autocast casts (unmeasured, no GPU here)."""
+    kernel = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    off = kernel == "grouped_mm" and x_SD.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+    return torch.autocast("cpu", enabled=False) if off else contextlib.nullcontext()
+
+
 def _ep_forward(self: nn.Module, *args, **kwargs):
     spec: _EpExperts = self._autoep_ep
     # Bound exactly as the experts' own forward binds them: unknown keywords fail as they would there.
@@ -163,16 +175,17 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
     def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
         # float32 experts (their forward upcasts rows and weights): the same upcasts, before the grouped GEMMs.
         cast = (lambda t: t.float()) if spec.fp32 else (lambda t: t)
-        y_SD = grouped_swiglu(
-            cast(x_SD),
-            tokens_per_local_expert,
-            cast(local_tensor(self.up_proj if spec.plain else self.gate_up_proj)),
-            cast(local_tensor(self.down_proj)),
-            gate_up_bias=cast(local_tensor(self.gate_up_proj_bias)) if spec.bias else None,
-            down_bias=cast(local_tensor(self.down_proj_bias)) if spec.bias else None,
-            transposed=spec.transposed,
-            apply_gate=_gate_of(self, spec.activation, spec.roles),
-        )
+        with _autocast_as_the_kernel(self, x_SD):
+            y_SD = grouped_swiglu(
+                cast(x_SD),
+                tokens_per_local_expert,
+                cast(local_tensor(self.up_proj if spec.plain else self.gate_up_proj)),
+                cast(local_tensor(self.down_proj)),
+                gate_up_bias=cast(local_tensor(self.gate_up_proj_bias)) if spec.bias else None,
+                down_bias=cast(local_tensor(self.down_proj_bias)) if spec.bias else None,
+                transposed=spec.transposed,
+                apply_gate=_gate_of(self, spec.activation, spec.roles),
+            )
         # The experts' own post-expert norm (a dense module, proven row-local): on this rank's rows of all
         # its local experts at once, as their loop applies it to each expert's rows.
         return self.get_submodule(spec.post_norm)(y_SD) if spec.post_norm else y_SD

@@ -320,6 +320,35 @@ def torch_clip_value_case(rank, world, family: str):
     assert all(bitten)
 
 
+class _LowRankDelta(nn.Module):
+    """A LoRA-style parametrization of a 3-D expert weight (what PEFT's ``target_parameters`` adds): W + B @ A."""
+
+    def __init__(self, w: torch.Tensor, rank: int = 2):
+        super().__init__()
+        E, O, I = w.shape
+        self.A = nn.Parameter(torch.randn(E, rank, I) * 0.01)
+        self.B = nn.Parameter(torch.zeros(E, O, rank))
+
+    def forward(self, w):
+        return w + self.B @ self.A
+
+
+def parametrized_batched_case(rank, world):
+    """A parametrization on the batched experts' 3-D weights after apply: each rank holds a ``Shard(0)`` slice the
+    parametrization's full-size tensors cannot mix with; the first forward raises ``LiveStateError`` naming it and
+    the fix, before any exchange (every rank alike), instead of a torch-internal traceback."""
+    from torch.nn.utils import parametrize
+
+    from autoep.errors import LiveStateError
+
+    ref, model, ep, loss_fn = pair("batched", world)
+    experts = model.model.layers[0].mlp.experts
+    full = dict(ref.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+    parametrize.register_parametrization(experts, "gate_up_proj", _LowRankDelta(full), unsafe=True)
+    with raises(LiveStateError, match=r"\['gate_up_proj'\] got a parametrization after apply_plan.*Shard\(0\)"):
+        loss_fn(model, batch(0, world)[rank])
+
+
 def after_apply_cases(rank, world, tmp):
     results = {}
     for family in FAMILIES:
@@ -330,6 +359,7 @@ def after_apply_cases(rank, world, tmp):
     guarded(results, "requires_grad", requires_grad_case, rank, world)
     guarded(results, "lora", lora_case, rank, world)
     guarded(results, "assign", assign_case, rank, world)
+    guarded(results, "parametrized_batched", parametrized_batched_case, rank, world)
     guarded(results, "lightning_hooks", lightning_hooks_case, rank, world, tmp)
     return results
 
@@ -339,7 +369,8 @@ CASES = [f"{case}_{family}" for family in FAMILIES for case in
          ("optimizer_before_apply", "hooks_after_to", "torch_clip_norm", "torch_clip_value")]
 
 
-@pytest.mark.parametrize("case", CASES + ["requires_grad", "lora", "assign", "lightning_hooks"])
+@pytest.mark.parametrize("case", CASES + ["requires_grad", "lora", "assign", "parametrized_batched",
+                                           "lightning_hooks"])
 def test_two_ranks(case, tmp_path_factory):
     if case == "lightning_hooks":
         pytest.importorskip("lightning", reason="the Lightning case needs lightning (pip install '.[test]')")

@@ -34,7 +34,7 @@ from autoep.detect.experts_proof import BatchedRoles, batched_proof, experts_for
 from autoep.detect.flat_experts import FlatLayout
 from autoep.detect.structure import MoeStructure
 from autoep.detect.training_branch import check_branch, eval_gate
-from autoep.errors import PlanError
+from autoep.errors import LiveStateError, PlanError
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import Idle, ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_split_glu, grouped_swiglu
@@ -157,6 +157,14 @@ def _autocast_as_the_kernel(experts: nn.Module, x_SD: Tensor):
 
 def _ep_forward(self: nn.Module, *args, **kwargs):
     spec: _EpExperts = self._autoep_ep
+    if spec.ep_group is not None and "parametrizations" in self._modules:
+        # Checked before the parameters are read: reading one runs the parametrization on this rank's shard.
+        raise LiveStateError(
+            f"{type(self).__name__}: {sorted(self._modules['parametrizations'].keys())} got a parametrization after "
+            f"apply_plan (a LoRA adapter on the expert parameters, PEFT's target_parameters, weight_norm, ...); under "
+            f"expert parallelism each rank holds only a Shard(0) slice of these 3-D expert weights, which the "
+            f"parametrization's code would mix with full-size tensors. Put adapters on module experts' Linears, or "
+            f"leave this block out of parallel.plan")
     # Bound exactly as the experts' own forward binds them: unknown keywords fail as they would there.
     bound = spec.signature.bind(self, *args, **kwargs)
     bound.apply_defaults()

@@ -57,7 +57,7 @@ from torch.utils.hooks import RemovableHandle
 from autoep.detect import elementwise
 from autoep.detect.source import Refusal
 from autoep.errors import LiveStateError, PlanError, UnsupportedModuleStructure
-from autoep.runtime.dispatch import CALL, Idle
+from autoep.runtime.idle import CALL, Idle
 from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
 from autoep.runtime.reinit import allocated
 from autoep.runtime.shared import InstanceMethod, Shared

@@ -164,7 +164,8 @@ def main(out: str, bf16: bool) -> None:
     if rank == 0:
         torch.save(result, os.path.join(out, "result.pt"))
     dist.barrier()
-    dist.destroy_process_group()
+    # No destroy_process_group: every rank has passed the barrier and leaves with os._exit below; a rank was seen
+    # hung for good in the gloo group's destruction after the others had left (4 ranks, result already written).
 
 
 if __name__ == "__main__":

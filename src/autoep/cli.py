@@ -1,4 +1,5 @@
-"""The console scripts, and nothing else: ``autoep-train`` and ``autoep-plan`` (``pyproject.toml``).
+"""The console scripts, and nothing else: ``autoep-train``, ``autoep-plan`` and ``autoep-prepare-data``
+(``pyproject.toml``).
 
 Each checks the command line before torch is even imported, so a typo fails in a second; then it runs
 the trainer (``autoep.train.trainer``) or the dry run (``autoep.train.dry_run``). Exit codes and the
@@ -7,6 +8,7 @@ one-line errors: ``autoep.train.command``.
     autoep-train trainer.steps=5                   # python -m autoep.train trainer.steps=5
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2
     autoep-plan parallel.ep_size=2                 # dry run: resolve on meta, print, write resolved.yaml
+    autoep-prepare-data a.txt --tokenizer tok/ --out train.bin   # python -m autoep.train.prepare ...
 """
 from __future__ import annotations
 
@@ -29,5 +31,12 @@ def plan_main() -> None:
 
     early_check("autoep-plan", sys.argv[1:])
     from autoep.train.dry_run import main
+
+    main()
+
+
+def prepare_data_main() -> None:
+    """Console script ``autoep-prepare-data``: text files and a local tokenizer -> a packed token file."""
+    from autoep.train.prepare import main
 
     main()

@@ -32,16 +32,20 @@ PLAN_CONF_DIR = str(Path(__file__).resolve().parents[1] / "plan" / "conf")
 DEVICES = ("auto", "cpu", "cuda")
 DENSE_SHARDING = ("replicate", "fsdp2")
 ON_NONFINITE = ("error", "skip")
-DATA_SOURCES = ("synthetic", "text")
+DATA_SOURCES = ("synthetic", "text", "tokens")
 
 
 @dataclass
 class DataConfig:
     seq_len: int = field(default=32, metadata=at_least(2, "tokens per row: an input and its next-token target", 32))
     batch_size: int = field(default=2, metadata=at_least(1, "rows per rank", 8))  # per rank
-    # synthetic (learnable permutation task) | text (local file, byte tokens)
+    # synthetic (learnable permutation task) | text (local file) | tokens (packed .bin/.npy, autoep.train.tokens)
     source: str = field(default="synthetic", metadata=one_of(DATA_SOURCES, "where the tokens come from"))
-    path: Optional[str] = None  # the text file for source=text
+    path: Optional[str] = None  # the text file (source=text) or packed token file (source=tokens)
+    tokenizer_path: Optional[str] = None  # a local HF tokenizer dir: tokenizes text; checks a packed file's vocab
+    val_path: Optional[str] = None  # validation data, of the same kind as path
+    val_fraction: float = field(default=0.0, metadata=finite("share of path held out for validation", 0.01,
+                                                             high=1.0, high_open=True))
 
 
 def _betas(v) -> bool:
@@ -86,6 +90,9 @@ class TrainerConfig:
     dense_sharding: str = field(default="replicate", metadata=one_of(DENSE_SHARDING, "how dense params live"))
     # error: a non-finite loss or grad norm stops the run (exit 5); skip: that step is skipped and logged
     on_nonfinite: str = field(default="error", metadata=one_of(ON_NONFINITE, "what a non-finite loss does"))
+    # validation loss every N steps (and at the last); 0: never. Needs data.val_fraction or data.val_path
+    val_every: int = field(default=0, metadata=at_least(0, "steps between validation losses; 0: never", 50))
+    val_batches: int = field(default=8, metadata=at_least(0, "global batches per validation; 0: the whole split", 8))
     export_hf: bool = False  # at the end, write <run_dir>/hf: config.json + model.safetensors (from_pretrained)
 
 
@@ -149,25 +156,43 @@ def _check_across(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.device=cuda: this machine has no usable CUDA device (torch "
                               f"{torch.__version__}, torch.cuda.is_available() is False); use trainer.device=cpu "
                               f"or trainer.device=auto")
-    data = cfg.data
-    if data.source == "text":
-        check_text_file(data.path, data.seq_len)
-    elif data.path is not None:
-        raise ConfigError(f"data.path={data.path} is only read with data.source=text (data.source={data.source}); "
-                          f"add data.source=text, or drop data.path")
+    _check_data(cfg.data, cfg.trainer.val_every)
 
 
-def check_text_file(path, seq_len: int) -> None:
+def _check_data(data: DictConfig, val_every: int) -> None:
+    """The files ``data.*`` names exist and fit ``data.source``; a validation split where one is asked for."""
+    from autoep.train.tokens import check_tokenizer_dir, read_sidecar
+
+    if data.source == "synthetic":
+        for key in ("path", "tokenizer_path", "val_path", "val_fraction"):
+            if data[key]:
+                raise ConfigError(f"data.{key}={data[key]} is only read with data.source=text or data.source=tokens "
+                                  f"(data.source={data.source}); add data.source=text, or drop data.{key}")
+    check = {"text": lambda p, k: check_text_file(p, data.seq_len, k), "tokens": read_sidecar}.get(data.source)
+    for key in ("path", "val_path") if check else ():
+        if key == "path" or data.val_path is not None:
+            check(data[key], f"data.{key}")
+    if data.tokenizer_path is not None:
+        check_tokenizer_dir(data.tokenizer_path)
+    if data.val_path is not None and data.val_fraction:
+        raise ConfigError(f"data.val_path={data.val_path} and data.val_fraction={data.val_fraction}: give one "
+                          f"validation split, not both")
+    if val_every and data.val_path is None and not data.val_fraction:
+        raise ConfigError(f"trainer.val_every={val_every} needs a validation split: data.val_fraction=0.01 (held out "
+                          f"of data.path) or data.val_path=<a file like data.path>; or trainer.val_every=0")
+
+
+def check_text_file(path, seq_len: int, key: str = "data.path") -> None:
     """``data.path`` for ``data.source=text``: a local file holding more than ``seq_len`` bytes."""
     if not path:
-        raise ConfigError("data.source=text needs data.path=<a local text file>; e.g. data.path=corpus.txt")
+        raise ConfigError(f"data.source=text needs {key}=<a local text file>; e.g. {key}=corpus.txt")
     file = Path(path)
     if not file.is_file():
         what = "a directory" if file.is_dir() else "not found"
-        raise ConfigError(f"data.path={path}: {what} (looked at {file.resolve()}); give a local text file")
+        raise ConfigError(f"{key}={path}: {what} (looked at {file.resolve()}); give a local text file")
     size = file.stat().st_size
     if size <= seq_len:
-        raise ConfigError(f"data.path={path} holds {size} bytes, not more than data.seq_len={seq_len}: one row "
+        raise ConfigError(f"{key}={path} holds {size} bytes, not more than data.seq_len={seq_len}: one row "
                           f"needs seq_len + 1 bytes; use a longer file or a smaller data.seq_len")
 
 

@@ -1,4 +1,5 @@
-"""Training data with no download: a synthetic learnable task and a local text file, byte-tokenised.
+"""Training data with no download: a synthetic learnable task, a local text file (its bytes, or the tokens
+of a local tokenizer) and packed token files (``autoep.train.tokens``), with a validation split.
 
 Every source yields *global* batches: micro-batch ``i`` of the whole run is a fixed function of
 ``(seed, i)`` and the global batch size, never of the world size. Rank ``r`` of ``W`` takes rows
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from autoep.errors import ConfigError
+from autoep.train import tokens
 from autoep.train.config import DATA_SOURCES, check_text_file
 
 BYTE_VOCAB = 256
@@ -44,30 +46,85 @@ class SyntheticBigram:
         return x_NL
 
 
-class TextBytes:
-    """Random windows of ``seq_len`` bytes from a local text file (byte-level tokenizer, V = 256)."""
+def _text_tokens(path: str, seq_len: int, vocab_size: int, tokenizer_path: str | None, key: str):
+    """The ids of a local text file: its bytes (V = 256), or ``data.tokenizer_path``'s tokens of it."""
+    import numpy as np
 
-    def __init__(self, path: str, seq_len: int, seed: int, vocab_size: int):
+    check_text_file(path, seq_len, key)  # before reading: an empty buffer is not even a tensor
+    if tokenizer_path is None:
         if vocab_size < BYTE_VOCAB:
             raise ConfigError(f"data.source=text needs a model vocab_size >= {BYTE_VOCAB} (bytes), the model has "
-                              f"{vocab_size}; use a model with model.vocab_size={BYTE_VOCAB} or data.source=synthetic")
-        check_text_file(path, seq_len)  # before reading: an empty buffer is not even a tensor
-        self.tokens = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).long()
-        self.seq_len, self.seed = seq_len, seed
-
-    def global_batch(self, index: int, rows: int) -> Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        starts_N = torch.randint(self.tokens.numel() - self.seq_len, (rows,), generator=g)
-        return self.tokens[starts_N.unsqueeze(1) + torch.arange(self.seq_len)]
+                              f"{vocab_size}; use a model with model.vocab_size={BYTE_VOCAB}, give "
+                              f"data.tokenizer_path, or use data.source=synthetic")
+        return np.frombuffer(Path(path).read_bytes(), dtype=np.uint8)
+    tokenizer = tokens.load_tokenizer(tokenizer_path)
+    tokens.check_tokenizer_vocab(tokenizer, tokenizer_path, vocab_size)
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    return np.asarray(tokens.encode(tokenizer, [text])[0], dtype=np.int64)
 
 
-def make_source(source: str, *, vocab_size: int, seq_len: int, seed: int, path: str | None = None):
-    """The data source named by ``data.source`` (``synthetic`` or ``text``)."""
+def _packed_tokens(path: str, vocab_size: int, tokenizer_path: str | None, key: str):
+    """The mapped ids of a packed token file, checked against the model (and the tokenizer, where given)."""
+    ids, meta = tokens.open_tokens(path, key)
+    tokens.check_token_vocab(meta, path, vocab_size, key)
+    if tokenizer_path is not None:
+        tokens.check_same_tokenizer(meta, path, tokens.load_tokenizer(tokenizer_path), tokenizer_path)
+    return ids
+
+
+def make_splits(source: str, *, vocab_size: int, seq_len: int, seed: int, path: str | None = None,
+                tokenizer_path: str | None = None, val_path: str | None = None, val_fraction: float = 0.0):
+    """``(training source, validation split or None)`` as ``data.*`` names them.
+
+    ``text`` and ``tokens`` hold out the last ``data.val_fraction`` of ``data.path``'s tokens, or read
+    ``data.val_path`` (a file of the same kind, tokenized alike), for validation."""
     if source == "synthetic":
-        return SyntheticBigram(vocab_size, seq_len, seed)
-    if source == "text":
-        return TextBytes(path, seq_len, seed, vocab_size)
-    raise ConfigError(f"data.source={source}: must be one of {', '.join(DATA_SOURCES)}; e.g. data.source=synthetic")
+        return SyntheticBigram(vocab_size, seq_len, seed), None
+    if source not in ("text", "tokens"):
+        raise ConfigError(f"data.source={source}: must be one of {', '.join(DATA_SOURCES)}; e.g. data.source=synthetic")
+
+    def read(file: str, key: str):
+        if source == "text":
+            return _text_tokens(file, seq_len, vocab_size, tokenizer_path, key)
+        return _packed_tokens(file, vocab_size, tokenizer_path, key)
+
+    ids = read(path, "data.path")
+    held_out = int(len(ids) * val_fraction)
+    what = f"data.path={path}" + (f" without its last data.val_fraction={val_fraction}" if held_out else "")
+    train = tokens.TokenWindows(ids[:len(ids) - held_out], seq_len, seed, what)
+    if val_path is not None:
+        return train, tokens.TokenWindows(read(val_path, "data.val_path"), seq_len, seed, f"data.val_path={val_path}")
+    if val_fraction:
+        return train, tokens.TokenWindows(ids[len(ids) - held_out:], seq_len, seed,
+                                          f"data.val_fraction={val_fraction} of data.path={path}")
+    return train, None
+
+
+def make_source(source: str, *, vocab_size: int, seq_len: int, seed: int, path: str | None = None,
+                tokenizer_path: str | None = None):
+    """The training source named by ``data.source`` (``synthetic``, ``text`` or ``tokens``)."""
+    return make_splits(source, vocab_size=vocab_size, seq_len=seq_len, seed=seed, path=path,
+                       tokenizer_path=tokenizer_path)[0]
+
+
+class Validation:
+    """The held-out rows the validation loss reads: the first ``batches`` global batches of the split, in
+    order (0: all it holds), each of ``batch_size * world_size`` rows; rank ``r`` takes its rows of each
+    as ``Loader`` does, so every rank runs the same number of forwards (the exchange needs every rank)."""
+
+    def __init__(self, split, *, batch_size: int, rank: int, world_size: int, batches: int):
+        self.split, self.batch_size, self.rank = split, batch_size, rank
+        self.rows = batch_size * world_size
+        held = split.num_windows // self.rows
+        if held < 1:
+            raise ConfigError(f"the validation split holds {split.num_windows} rows of data.seq_len={split.seq_len}, "
+                              f"fewer than one global batch (data.batch_size={batch_size} x {world_size} ranks); "
+                              f"hold out more (data.val_fraction, data.val_path) or lower data.batch_size")
+        self.num_batches = min(held, batches) if batches else held
+
+    def batches(self):
+        for index in range(self.num_batches):
+            yield self.split.in_order(index, self.rows)[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
 
 
 class Loader:

@@ -33,6 +33,26 @@ def causal_lm_loss(model: nn.Module, input_ids_BL: Tensor, aux_loss_coef: float 
     return loss
 
 
+def validation_loss(model: nn.Module, batches, world_group, device) -> float:
+    """Mean next-token loss over this rank's rows of each validation batch, averaged over the world: every
+    rank holds as many rows of each as the others, so the mean of the means is the mean over all tokens.
+    Eval mode, no autograd, the RNG left as it was (a resumed run draws what the uninterrupted one did)."""
+    was_training = model.training
+    model.eval()
+    loss_sum, count = torch.zeros((), dtype=torch.float64), 0
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []):
+            for batch_BL in batches:
+                loss_sum += causal_lm_loss(model, batch_BL.to(device)).double().cpu()
+                count += 1
+    finally:
+        model.train(was_training)
+    if world_group is not None:
+        dist.all_reduce(loss_sum, group=world_group)  # NOTE: collective; the global mean
+        count *= dist.get_world_size(world_group)
+    return loss_sum.item() / count
+
+
 def warmup_cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """LR multiplier: linear warmup from ~0 to 1, then cosine down to ``min_lr_ratio`` at ``total_steps``."""
     if step < warmup_steps:
@@ -100,6 +120,10 @@ class ExpertLoad:
             ids = top_k_index.detach().reshape(-1).cpu()
             ids = ids[(ids >= 0) & (ids < self.num_experts)]  # padding ids (e.g. E) route nowhere
             self.counts_E += torch.bincount(ids, minlength=self.num_experts)
+
+    def discard(self) -> None:
+        """Forget the tokens counted since the last ``collect`` (a validation pass routes tokens too)."""
+        self.counts_E.zero_()
 
     def collect(self, world_group) -> dict:
         """Tokens per expert summed over layers and ranks since the last call, and max/mean imbalance."""

@@ -50,7 +50,7 @@ from autoep.runtime.mesh import check_world, make_mesh
 from autoep.train import checkpoint, launch, loop, rundir
 from autoep.train import command as cli
 from autoep.train.config import CONF_DIR, check_config
-from autoep.train.data import Loader, make_source
+from autoep.train.data import Loader, Validation, make_splits
 from autoep.train.export import check_exportable
 from autoep.train.models import MODEL_CONFIG_ERRORS, check_model_config, check_top_k, instantiate_model
 from autoep.train.pretrained import PretrainedError, load_pretrained, local_checkpoint_dir, parameters_on_meta
@@ -198,6 +198,7 @@ class Parts:
     loader: Loader
     params: tuple  # (dense, expert) parameter lists
     groups: tuple  # (world, edp, ep) process groups, None where there is one rank
+    val: Validation | None = None  # the held-out rows, read every trainer.val_every steps
 
 
 def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig, first: bool = False
@@ -263,12 +264,15 @@ def run_loop(cfg: DictConfig, model, mesh, run: Run) -> dict:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: loop.warmup_cosine(
         s, warmup_steps=o.warmup_steps, total_steps=t.steps, min_lr_ratio=o.min_lr_ratio))
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or cfg.model.get("vocab_size"))
-    loader = Loader(make_source(d.source, vocab_size=vocab, seq_len=d.seq_len, seed=t.seed, path=d.path),
-                    batch_size=d.batch_size, rank=run.rank, world_size=run.world)
+    source, held_out = make_splits(d.source, vocab_size=vocab, seq_len=d.seq_len, seed=t.seed, path=d.path,
+                                   tokenizer_path=d.tokenizer_path, val_path=d.val_path, val_fraction=d.val_fraction)
+    loader = Loader(source, batch_size=d.batch_size, rank=run.rank, world_size=run.world)
+    val = Validation(held_out, batch_size=d.batch_size, rank=run.rank, world_size=run.world,
+                     batches=t.val_batches) if held_out is not None and t.val_every else None
     decisions = [e.decision for e in cfg.parallel.plan]
     load = loop.ExpertLoad(model, [m for dec in decisions for m in dec.modules],
                            int(decisions[0].num_experts or 0) if decisions else 0) if decisions else None
-    parts = Parts(model, optimizer, schedule, loader, (dense, expert), groups)
+    parts = Parts(model, optimizer, schedule, loader, (dense, expert), groups, val)
     start = restore(run, parts)  # a damaged or mismatched checkpoint fails here, before anything is written
     with accepted(cfg, model, run, start) as metrics:
         losses = run_steps(cfg, parts, run, start, metrics, load)
@@ -328,13 +332,18 @@ def run_steps(cfg: DictConfig, parts: Parts, run: Run, start: int, metrics, load
                    "lr": lr, "tokens_per_s": tokens_per_step / (time.perf_counter() - t0),
                    **({"skipped": True} if not applied else {}),
                    **(load.collect(parts.groups[0]) if load else {})}
+            if parts.val is not None and ((step + 1) % t.val_every == 0 or step + 1 == t.steps):
+                row["val_loss"] = loop.validation_loss(parts.model, parts.val.batches(), parts.groups[0], run.device)
+                if load:
+                    load.discard()  # the validation tokens are no step's load
             if metrics:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
-                if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start:
-                    log.info("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | imbalance %.2f",
+                if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start or "val_loss" in row:
+                    val = f" | val loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+                    log.info("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | imbalance %.2f%s",
                              step + 1, t.steps, step_loss, lr, grad_norm, f"{row['tokens_per_s']:,.0f}",
-                             row.get("load_imbalance", 0))
+                             row.get("load_imbalance", 0), val)
             if t.ckpt_every and ((step + 1) % t.ckpt_every == 0 or step + 1 == t.steps):
                 checkpoint.save(ckpt_root, step + 1, parts.model, parts.optimizer, {
                     "step": step + 1, "schedule": parts.schedule.state_dict(), "data": parts.loader.state_dict(),

@@ -50,12 +50,12 @@ def _text_tokens(path: str, seq_len: int, vocab_size: int, tokenizer_path: str |
     """The ids of a local text file: its bytes (V = 256), or ``data.tokenizer_path``'s tokens of it."""
     import numpy as np
 
+    if tokenizer_path is None and vocab_size < BYTE_VOCAB:
+        raise ConfigError(f"data.source=text needs a model vocab_size >= {BYTE_VOCAB} (bytes), the model has "
+                          f"{vocab_size}; use a model with model.vocab_size={BYTE_VOCAB}, give data.tokenizer_path, "
+                          f"or use data.source=synthetic")
     check_text_file(path, seq_len, key)  # before reading: an empty buffer is not even a tensor
     if tokenizer_path is None:
-        if vocab_size < BYTE_VOCAB:
-            raise ConfigError(f"data.source=text needs a model vocab_size >= {BYTE_VOCAB} (bytes), the model has "
-                              f"{vocab_size}; use a model with model.vocab_size={BYTE_VOCAB}, give "
-                              f"data.tokenizer_path, or use data.source=synthetic")
         return np.frombuffer(Path(path).read_bytes(), dtype=np.uint8)
     tokenizer = tokens.load_tokenizer(tokenizer_path)
     tokens.check_tokenizer_vocab(tokenizer, tokenizer_path, vocab_size)

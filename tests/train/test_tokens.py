@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from autoep.errors import ConfigError
 from autoep.train import tokens
 from autoep.train.config import CONF_DIR, check_config
-from autoep.train.data import Loader, Validation, make_source, make_splits
+from autoep.train.data import Loader, TokenWindows, Validation, make_source, make_splits
 from autoep.train.prepare import main as prepare_main
 from autoep.train.prepare import prepare
 
@@ -84,13 +84,13 @@ def test_text_source_with_the_tokenizer_reads_its_ids(corpus):
 
 def test_training_windows_cover_every_window_once_per_epoch_in_a_seeded_order():
     ids = torch.arange(50).numpy()  # 10 windows of 5
-    src = tokens.TokenWindows(ids, 5, seed=1, what="x")
+    src = TokenWindows(ids, 5, seed=1, what="x")
     rows = torch.cat([src.global_batch(i, 4) for i in range(5)])  # 20 rows: two epochs, one batch straddling them
     for epoch in (rows[:10], rows[10:]):
         assert sorted(epoch[:, 0].tolist()) == list(range(0, 50, 5))
         torch.testing.assert_close(epoch, epoch[:, :1] + torch.arange(5))  # whole windows, never across two
     assert not torch.equal(rows[:10], rows[10:])  # each epoch its own order
-    torch.testing.assert_close(tokens.TokenWindows(ids, 5, seed=1, what="x").global_batch(3, 4), rows[12:16])
+    torch.testing.assert_close(TokenWindows(ids, 5, seed=1, what="x").global_batch(3, 4), rows[12:16])
     single = Loader(src, batch_size=4, rank=0, world_size=1)
     ranks = [Loader(src, batch_size=2, rank=r, world_size=2) for r in range(2)]
     for _ in range(3):

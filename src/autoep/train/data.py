@@ -7,7 +7,11 @@ Every source yields *global* batches: micro-batch ``i`` of the whole run is a fi
 a single process with ``batch_size=2*B`` sees, and the position to resume from is one integer
 (micro-batches consumed).
 
-Shape legend: N rows in the global batch, B rows per rank, L sequence length, V vocabulary.
+Text and packed token files are read as the non-overlapping windows of L tokens of each split (R of them).
+Training draws them shuffled, one permutation per epoch fixed by ``(seed, epoch)``: row ``g`` of the run
+is window ``perm_{g // R}[g % R]``; validation reads its windows in order.
+
+Shape legend: N rows in the global batch, B rows per rank, L sequence length, V vocabulary, R windows.
 """
 from __future__ import annotations
 
@@ -44,6 +48,47 @@ class SyntheticBigram:
         for t in range(1, self.seq_len):
             x_NL[:, t] = self.perm_V[x_NL[:, t - 1]]
         return x_NL
+
+
+class TokenWindows:
+    """The non-overlapping windows of ``seq_len`` tokens of one split (a numpy array of ids, mapped or not).
+
+    ``global_batch(i, N)``: rows ``i*N .. (i+1)*N - 1`` of the run, shuffled per epoch (training);
+    ``in_order(i, N)``: windows ``i*N .. (i+1)*N - 1`` as they lie (validation).
+    """
+
+    def __init__(self, tokens, seq_len: int, seed: int, what: str):
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.num_windows = len(tokens) // seq_len
+        if self.num_windows < 1:
+            raise ConfigError(f"{what} holds {len(tokens)} tokens, fewer than one row of data.seq_len={seq_len}; "
+                              f"give more data or a smaller data.seq_len")
+        self._order = (None, None)  # (epoch, its permutation): one epoch's order is kept, not recomputed per batch
+
+    def _epoch_order(self, epoch: int) -> Tensor:
+        if self._order[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order = (epoch, torch.randperm(self.num_windows, generator=g))
+        return self._order[1]
+
+    def global_batch(self, index: int, rows: int) -> Tensor:
+        row_N = torch.arange(index * rows, (index + 1) * rows)
+        epoch_N, pos_N = row_N // self.num_windows, row_N % self.num_windows
+        window_N = torch.empty_like(row_N)
+        for epoch in epoch_N.unique().tolist():  # one or two epochs (more only if a batch exceeds the split)
+            mask = epoch_N == epoch
+            window_N[mask] = self._epoch_order(epoch)[pos_N[mask]]
+        return self.rows(window_N)
+
+    def in_order(self, index: int, rows: int) -> Tensor:
+        return self.rows(torch.arange(index * rows, (index + 1) * rows))
+
+    def rows(self, window_N: Tensor) -> Tensor:
+        """The windows' tokens as int64 ``[N, L]`` (a copy out of the mapped file)."""
+        import numpy as np
+
+        idx_NL = (window_N * self.seq_len).unsqueeze(1) + torch.arange(self.seq_len)
+        return torch.from_numpy(np.asarray(self.tokens[idx_NL.numpy()], dtype=np.int64))
 
 
 def _text_tokens(path: str, seq_len: int, vocab_size: int, tokenizer_path: str | None, key: str):
@@ -91,11 +136,11 @@ def make_splits(source: str, *, vocab_size: int, seq_len: int, seed: int, path: 
     ids = read(path, "data.path")
     held_out = int(len(ids) * val_fraction)
     what = f"data.path={path}" + (f" without its last data.val_fraction={val_fraction}" if held_out else "")
-    train = tokens.TokenWindows(ids[:len(ids) - held_out], seq_len, seed, what)
+    train = TokenWindows(ids[:len(ids) - held_out], seq_len, seed, what)
     if val_path is not None:
-        return train, tokens.TokenWindows(read(val_path, "data.val_path"), seq_len, seed, f"data.val_path={val_path}")
+        return train, TokenWindows(read(val_path, "data.val_path"), seq_len, seed, f"data.val_path={val_path}")
     if val_fraction:
-        return train, tokens.TokenWindows(ids[len(ids) - held_out:], seq_len, seed,
+        return train, TokenWindows(ids[len(ids) - held_out:], seq_len, seed,
                                           f"data.val_fraction={val_fraction} of data.path={path}")
     return train, None
 

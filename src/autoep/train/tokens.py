@@ -11,12 +11,8 @@ read memory-mapped: ``<name>.bin`` (raw ids, the machine's byte order, dtype uin
 those three). A run checks the sidecar against its model before any step: ids of a larger vocabulary
 than ``model.vocab_size`` are refused, and so is a ``data.tokenizer_path`` of another vocabulary.
 
-Rows: a split of R = len // L non-overlapping windows of L tokens. Training draws them shuffled, one
-permutation per epoch fixed by ``(seed, epoch)``: row ``g`` of the run is window ``perm_{g // R}[g % R]``,
-a fixed function of the seed and the row index, so global batches, world sizes and resume behave as for
-every source (``autoep.train.data``). Validation reads its windows in order.
-
-Shape legend: N rows in a global batch, L sequence length, R windows in a split.
+Rows over the ids: ``autoep.train.data.TokenWindows``. Nothing here imports torch: ``check_config`` reads
+sidecars on the command line before torch is imported.
 """
 from __future__ import annotations
 
@@ -24,9 +20,6 @@ import json
 import os
 import tempfile
 from pathlib import Path
-
-import torch
-from torch import Tensor
 
 from autoep.errors import ConfigError
 
@@ -232,49 +225,3 @@ def _write_text_atomic(path: Path, text: str) -> None:
         _replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Windows over a token stream
-# ---------------------------------------------------------------------------------------------
-
-
-class TokenWindows:
-    """The non-overlapping windows of ``seq_len`` tokens of one split (a numpy array of ids, mapped or not).
-
-    ``global_batch(i, N)``: rows ``i*N .. (i+1)*N - 1`` of the run, shuffled per epoch (training);
-    ``in_order(i, N)``: windows ``i*N .. (i+1)*N - 1`` as they lie (validation).
-    """
-
-    def __init__(self, tokens, seq_len: int, seed: int, what: str):
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
-        self.num_windows = len(tokens) // seq_len
-        if self.num_windows < 1:
-            raise ConfigError(f"{what} holds {len(tokens)} tokens, fewer than one row of data.seq_len={seq_len}; "
-                              f"give more data or a smaller data.seq_len")
-        self._order = (None, None)  # (epoch, its permutation): one epoch's order is kept, not recomputed per batch
-
-    def _epoch_order(self, epoch: int) -> Tensor:
-        if self._order[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._order = (epoch, torch.randperm(self.num_windows, generator=g))
-        return self._order[1]
-
-    def global_batch(self, index: int, rows: int) -> Tensor:
-        row_N = torch.arange(index * rows, (index + 1) * rows)
-        epoch_N, pos_N = row_N // self.num_windows, row_N % self.num_windows
-        window_N = torch.empty_like(row_N)
-        for epoch in epoch_N.unique().tolist():  # one or two epochs (more only if a batch exceeds the split)
-            mask = epoch_N == epoch
-            window_N[mask] = self._epoch_order(epoch)[pos_N[mask]]
-        return self.rows(window_N)
-
-    def in_order(self, index: int, rows: int) -> Tensor:
-        return self.rows(torch.arange(index * rows, (index + 1) * rows))
-
-    def rows(self, window_N: Tensor) -> Tensor:
-        """The windows' tokens as int64 ``[N, L]`` (a copy out of the mapped file)."""
-        import numpy as np
-
-        idx_NL = (window_N * self.seq_len).unsqueeze(1) + torch.arange(self.seq_len)
-        return torch.from_numpy(np.asarray(self.tokens[idx_NL.numpy()], dtype=np.int64))

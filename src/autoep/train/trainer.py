@@ -13,11 +13,12 @@ Commands (any Hydra override works)::
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2 trainer.dense_sharding=fsdp2   # dense: FSDP2
     autoep-train run_dir=runs/a trainer.ckpt_every=50                       # a run, checkpointed ...
     autoep-train run_dir=runs/a trainer.ckpt_every=50 trainer.resume=latest # ... continued where it stopped
+    autoep-train data.source=tokens data.path=data/train.bin data.val_fraction=0.01 trainer.val_every=50  # real data
 
 The run directory gets ``resolved.yaml``, ``.hydra/``, ``train.log``, ``metrics.jsonl`` (one line per step:
-loss, grad norm, lr, tokens/s, tokens per expert, imbalance), ``checkpoints/step_*`` and, with
-``trainer.export_hf=true``, ``hf/`` (``from_pretrained`` loads it). Run-directory rules: ``autoep.train.rundir``;
-exit codes: ``autoep.train.command`` (both in the README).
+loss, grad norm, lr, tokens/s, tokens per expert, imbalance; ``val_loss`` every ``trainer.val_every`` steps),
+``checkpoints/step_*`` and, with ``trainer.export_hf=true``, ``hf/`` (``from_pretrained`` loads it).
+Run-directory rules: ``autoep.train.rundir``; exit codes: ``autoep.train.command`` (both in the README).
 """
 from __future__ import annotations
 
@@ -173,14 +174,20 @@ def _model_identity(model_cfg) -> dict:
 def report_resume(state: dict, cfg: DictConfig, world: int) -> None:
     """Say what changed since the checkpoint was saved: steps, world size, global batch (rank 0 logs)."""
     saved = state.get("run") or {}
-    now = {"trainer.steps": cfg.trainer.steps, "world size": world, "global batch": global_batch(cfg, world)}
+    now = {"trainer.steps": cfg.trainer.steps, "world size": world, "global batch": global_batch(cfg, world),
+           "data": data_identity(cfg)}
     for key, value in now.items():
         before = saved.get(key)
-        if before is not None and before != value and key == "global batch":
+        if before is not None and before != value and key in ("global batch", "data"):
             log.warning("resuming with global batch %s -> %s; the data stream differs from the uninterrupted "
                         "run's from here on", before, value)
         elif before is not None and before != value:
             log.info("resuming with %s %s -> %s", key, before, value)
+
+
+def data_identity(cfg: DictConfig) -> dict:
+    """What decides the token stream besides the seed and the global batch (a resume compares it)."""
+    return {k: cfg.data[k] for k in ("source", "path", "tokenizer_path", "val_path", "val_fraction", "seq_len")}
 
 
 def global_batch(cfg: DictConfig, world: int) -> int:
@@ -348,7 +355,7 @@ def run_steps(cfg: DictConfig, parts: Parts, run: Run, start: int, metrics, load
                 checkpoint.save(ckpt_root, step + 1, parts.model, parts.optimizer, {
                     "step": step + 1, "schedule": parts.schedule.state_dict(), "data": parts.loader.state_dict(),
                     "run": {"model": _model_identity(cfg.model), "trainer.steps": t.steps, "world size": run.world,
-                            "global batch": global_batch(cfg, run.world)}})
+                            "global batch": global_batch(cfg, run.world), "data": data_identity(cfg)}})
     except RuntimeError as exc:
         if run.world == 1 or isinstance(exc, (NonFiniteLoss, checkpoint.CheckpointError)):
             raise

@@ -54,7 +54,8 @@ def corpus(tmp_path_factory) -> dict:
     texts[0].write_text("\n".join(lines[:400]) + "\n")
     texts[1].write_text("\n".join(lines[400:]) + "\n")
     tok = write_tokenizer(root / "tok", lines)
-    out = {"root": root, "texts": texts, "tok": tok, "bin": root / "data" / "train.bin", "npy": root / "data" / "train.npy"}
+    out = {"root": root, "texts": texts, "tok": tok, "bin": root / "data" / "train.bin",
+           "npy": root / "data" / "train.npy"}
     out["meta"] = prepare([str(t) for t in texts], str(tok), str(out["bin"]), chunk_mb=0.001)  # many pieces per file
     prepare([str(t) for t in texts], str(tok), str(out["npy"]))
     return out
@@ -72,6 +73,17 @@ def test_prepare_writes_the_tokenizers_ids_with_a_sidecar(corpus):
     assert npy.tolist() == expected and npy_meta["num_tokens"] == len(expected)
     assert sorted(p.name for p in corpus["bin"].parent.iterdir()) == [
         "train.bin", "train.bin.json", "train.npy", "train.npy.json"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".npy"])
+def test_a_vocabulary_past_16_bits_is_written_as_uint32(tmp_path, suffix):
+    ids = [[0, 65535, 65536], [69999]]
+    meta = tokens.write_tokens(tmp_path / f"big{suffix}", iter(ids), vocab_size=70000, extra={})
+    read, read_meta = tokens.open_tokens(tmp_path / f"big{suffix}")
+    assert meta == read_meta and meta["dtype"] == "uint32" and read.tolist() == [0, 65535, 65536, 69999]
+    with pytest.raises(ConfigError, match="an id 70000 is outside its vocabulary of 70000"):
+        tokens.write_tokens(tmp_path / f"bad{suffix}", iter([[1, 70000]]), vocab_size=70000, extra={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"big{suffix}", f"big{suffix}.json"]
 
 
 def test_text_source_with_the_tokenizer_reads_its_ids(corpus):
@@ -124,14 +136,14 @@ def test_unusable_files_and_keys_are_refused_by_name(corpus, tmp_path, capsys):
          r"data.path=.*train.bin holds ids of a 24-token vocabulary .* model.vocab_size=16; .*model.vocab_size>=24"),
         (lambda: make_source("text", vocab_size=16, seq_len=8, seed=0, path=str(text), tokenizer_path=str(tok)),
          r"data.tokenizer_path=.* has 24 tokens but model.vocab_size=16"),
-        (lambda: Validation(make_splits("tokens", vocab_size=128, seq_len=8, seed=0, path=str(bin_), val_fraction=0.01)[1],
-                            batch_size=8, rank=0, world_size=2, batches=0),
-         r"validation split holds 4 rows of data.seq_len=8, fewer than one global batch \(data.batch_size=8 x 2 ranks\)"),
+        (lambda: Validation(make_splits("tokens", vocab_size=128, seq_len=8, seed=0, path=str(bin_),
+                                        val_fraction=0.01)[1], batch_size=8, rank=0, world_size=2, batches=0),
+         r"validation split holds 4 rows of data.seq_len=8, fewer than one global batch \(data.batch_size=8 x 2 "),
         (lambda: make_splits("tokens", vocab_size=128, seq_len=8, seed=0, path=str(bin_), val_fraction=0.001),
          r"data.val_fraction=0.001 of data.path=.* holds 3 tokens, fewer than one row of data.seq_len=8"),
         (lambda: check_config(_compose("data.source=tokens")), r"data.source=tokens needs data.path="),
-        (lambda: check_config(_compose("data.source=tokens", f"data.path={text}")), r"data.path=.*a.txt: a packed token "
-                                                                                    r"file ends in .bin or .npy"),
+        (lambda: check_config(_compose("data.source=tokens", f"data.path={text}")),
+         r"data.path=.*a.txt: a packed token file ends in .bin or .npy"),
         (lambda: check_config(_compose("trainer.val_every=5")), r"trainer.val_every=5 needs a validation split"),
         (lambda: check_config(_compose(f"data.tokenizer_path={tok}")), r"data.tokenizer_path=.* is only read with "
                                                                        r"data.source=text or data.source=tokens"),

@@ -1,4 +1,4 @@
-"""The console scripts, and nothing else: ``autoep-train`` and ``autoep-plan`` (``pyproject.toml``).
+"""The console scripts, and nothing else: ``autoep-train``, ``autoep-plan`` and ``autoep-plot`` (``pyproject.toml``).
 
 Each checks the command line before torch is even imported, so a typo fails in a second; then it runs
 the trainer (``autoep.train.trainer``) or the dry run (``autoep.train.dry_run``). Exit codes and the
@@ -7,6 +7,7 @@ one-line errors: ``autoep.train.command``.
     autoep-train trainer.steps=5                   # python -m autoep.train trainer.steps=5
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2
     autoep-plan parallel.ep_size=2                 # dry run: resolve on meta, print, write resolved.yaml
+    autoep-plot runs/a                             # the expert load heatmap, runs/a/load.png
 """
 from __future__ import annotations
 
@@ -31,3 +32,10 @@ def plan_main() -> None:
     from autoep.train.dry_run import main
 
     main()
+
+
+def plot_main() -> None:
+    """Console script ``autoep-plot <run_dir>``: the expert load heatmap of a run (``autoep.train.plot``)."""
+    from autoep.train.plot import main
+
+    sys.exit(main())

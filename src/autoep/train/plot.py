@@ -18,8 +18,10 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from autoep.errors import ConfigError
-from autoep.train.rundir import METRICS
 
+# autoep.train.rundir.METRICS, not imported from there: rundir pulls in torch (seconds) for a file name, and
+# autoep-plot needs no torch (tests/train/test_load.py checks the two agree)
+METRICS = "metrics.jsonl"
 PNG = "load.png"
 WIDTH_PX, HEIGHT_PX, DPI = 1200, 800, 100
 INSTALL = "pip install 'autoep[plot]'"

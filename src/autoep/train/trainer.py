@@ -17,7 +17,8 @@ Commands (any Hydra override works)::
 The run directory gets ``resolved.yaml``, ``.hydra/``, ``train.log``, ``metrics.jsonl`` (one line per step:
 loss, grad norm, lr, tokens/s, tokens per expert, imbalance; per block at logged steps), ``load.png`` (the
 expert load heatmap, ``autoep.train.plot``), ``checkpoints/step_*`` and, with ``trainer.export_hf=true``,
-``hf/`` (``from_pretrained`` loads it). Run-directory rules: ``autoep.train.rundir``; exit codes: ``autoep.train.command`` (both in the README).
+``hf/`` (``from_pretrained`` loads it). Run-directory rules: ``autoep.train.rundir``; exit codes:
+``autoep.train.command`` (both in the README).
 """
 from __future__ import annotations
 

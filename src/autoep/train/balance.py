@@ -27,8 +27,8 @@ from autoep.train.models import TOP_K_KEYS
 
 BIAS = "e_score_correction_bias"  # DeepSeek-V3's router buffer (and its descendants': GLM-4.5, dots.llm1, ...)
 # The model's own aux loss and ours, computed from the same logits in fp32, differ by summation order only
-# (|rel| ~ N * 2**-24 < 1e-4 for a million rows); a different formula (no top-k factor, per-layer sums, a mask)
-# differs by far more. 1e-3 leaves room for bf16 logits.
+# (torch's blocked sums: |rel| ~ log2(N) * 2**-24, ~1e-6 for a million rows); a different formula (no top-k
+# factor, per-layer sums, a mask) differs by a factor, far more. 1e-3 leaves room for bf16 logits.
 FORMULA_RTOL = 1e-3
 
 
@@ -50,7 +50,9 @@ def build(model: nn.Module, block_names: list[str], counted: list[bool], *, aux_
     if global_aux or z_loss_coef:
         losses = RouterLosses(aux_loss_coef=global_aux, z_loss_coef=z_loss_coef, top_k=model_top_k(model, global_aux),
                               group=world_group)
-    bias = BiasUpdate(router_biases(model, block_names, counted, bias_update_rate), bias_update_rate) if bias_update_rate else None
+    bias = None
+    if bias_update_rate:
+        bias = BiasUpdate(router_biases(model, block_names, counted, bias_update_rate), bias_update_rate)
     return Balance(aux_loss_coef if aux_loss_scope == "local" else 0.0, losses, bias)
 
 
@@ -92,7 +94,8 @@ class RouterLosses:
         z_sum = torch.logsumexp(logits_NE, dim=-1).square().sum()
         counts_E = torch.zeros(E, dtype=torch.float64, device=logits_NE.device)
         if self.aux_loss_coef:
-            counts_E = torch.bincount(torch.topk(probs_NE, self.top_k, dim=-1).indices.reshape(-1), minlength=E).double()
+            top_k_index = torch.topk(probs_NE, self.top_k, dim=-1).indices
+            counts_E = torch.bincount(top_k_index.reshape(-1), minlength=E).double()
         mismatch = self._formula_differs(out, counts_E, prob_sum_E, len(logits_NE)) if self.aux_loss_coef else 0.0
         stats = torch.cat([counts_E, prob_sum_E.detach().double(), z_sum.detach().double().reshape(1),
                            torch.tensor([len(logits_NE), mismatch], dtype=torch.float64, device=logits_NE.device)])
@@ -105,7 +108,8 @@ class RouterLosses:
         loss = logits_NE.new_zeros(())
         if self.aux_loss_coef:
             f_E = (counts_g / rows_g).float()
-            aux = _global(E * (f_E * prob_sum_g.float() / rows_g).sum(), E * (f_E * prob_sum_E / rows_g).sum(), self.world)
+            aux = _global(E * (f_E * prob_sum_g.float() / rows_g).sum(), E * (f_E * prob_sum_E / rows_g).sum(),
+                          self.world)
             loss = loss + self.aux_loss_coef * aux
         if self.z_loss_coef:
             loss = loss + self.z_loss_coef * _global(logits_NE.new_tensor(z_g / rows_g), z_sum / rows_g, self.world)
@@ -172,8 +176,8 @@ def router_biases(model: nn.Module, block_names: list[str], counted: list[bool],
         if len(found) != 1 or found[0][1].dim() != 1:
             what = "no" if not found else f"{len(found)}" if len(found) != 1 else "a non-vector"
             raise ConfigError(f"optim.bias_update_rate={rate}: {name} has {what} {BIAS} buffer (the aux-loss-free "
-                              f"router bias of DeepSeek-V3-style routers); set optim.bias_update_rate=0, or pick a model "
-                              f"whose router has one (e.g. model=deepseek_v3)")
+                              f"router bias of DeepSeek-V3-style routers); set optim.bias_update_rate=0, or pick a "
+                              f"model whose router has one (e.g. model=deepseek_v3)")
         if not heard:
             raise ConfigError(f"optim.bias_update_rate={rate}: autoep cannot count the tokens routed to each expert of "
                               f"{name} (its experts call is none the load counter knows), so it cannot move its "

@@ -176,3 +176,23 @@ def test_bias_update_on_a_model_without_router_bias_is_refused_before_anything_i
         run("optim.bias_update_rate=0.001", f"run_dir={tmp_path}")
     assert not (tmp_path / "metrics.jsonl").exists()
 
+
+
+def test_bias_update_refuses_blocks_it_cannot_count_or_hold_no_single_bias():
+    from torch import nn
+
+    from autoep.train.balance import router_biases
+
+    def block(biases: int) -> nn.Module:
+        gates = nn.ModuleList(nn.Module() for _ in range(biases))
+        for gate in gates:
+            gate.register_buffer(BIAS_NAME, torch.zeros(4))
+        return nn.ModuleDict({"gates": gates})
+
+    model = nn.ModuleDict({"one": block(1), "two": block(2)})
+    assert router_biases(model, ["one"], [True], 0.1)[0] is model["one"].gates[0].get_buffer(BIAS_NAME)
+    for names, counted, why in ((["one"], [False], "cannot count the tokens routed to each expert of one"),
+                                (["two"], [True], f"two has 2 {BIAS_NAME} buffers"),
+                                ([], [], "parallel.plan holds no MoE block")):
+        with pytest.raises(ConfigError, match=rf"optim.bias_update_rate=0.1: .*{why}.*set optim.bias_update_rate=0"):
+            router_biases(model, names, counted, 0.1)

@@ -174,10 +174,11 @@ def router_biases(model: nn.Module, block_names: list[str], counted: list[bool],
     for name, heard in zip(block_names, counted):
         found = [(n, b) for n, b in model.get_submodule(name).named_buffers() if n.rsplit(".", 1)[-1] == BIAS]
         if len(found) != 1 or found[0][1].dim() != 1:
-            what = "no" if not found else f"{len(found)}" if len(found) != 1 else "a non-vector"
-            raise ConfigError(f"optim.bias_update_rate={rate}: {name} has {what} {BIAS} buffer (the aux-loss-free "
-                              f"router bias of DeepSeek-V3-style routers); set optim.bias_update_rate=0, or pick a "
-                              f"model whose router has one (e.g. model=deepseek_v3)")
+            what = (f"no {BIAS} buffer" if not found else f"{len(found)} {BIAS} buffers, not one"
+                    if len(found) != 1 else f"a {BIAS} buffer that is not one number per expert")
+            raise ConfigError(f"optim.bias_update_rate={rate}: {name} has {what} (the aux-loss-free router bias of "
+                              f"DeepSeek-V3-style routers); set optim.bias_update_rate=0, or pick a model whose "
+                              f"router has one (e.g. model=deepseek_v3)")
         if not heard:
             raise ConfigError(f"optim.bias_update_rate={rate}: autoep cannot count the tokens routed to each expert of "
                               f"{name} (its experts call is none the load counter knows), so it cannot move its "

@@ -131,7 +131,7 @@ def test_console_scripts_name_callables():
     import importlib
 
     scripts = _pyproject()["project"]["scripts"]
-    assert set(scripts) == {"autoep-plan", "autoep-train", "autoep-prepare-data"}
+    assert set(scripts) == {"autoep-plan", "autoep-train", "autoep-prepare-data", "autoep-plot"}
     for name, spec in scripts.items():
         module, _, attr = spec.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), f"{name} = {spec}"

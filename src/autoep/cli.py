@@ -1,5 +1,5 @@
-"""The console scripts, and nothing else: ``autoep-train``, ``autoep-plan`` and ``autoep-prepare-data``
-(``pyproject.toml``).
+"""The console scripts, and nothing else: ``autoep-train``, ``autoep-plan``, ``autoep-prepare-data`` and
+``autoep-plot`` (``pyproject.toml``).
 
 Each checks the command line before torch is even imported, so a typo fails in a second; then it runs
 the trainer (``autoep.train.trainer``) or the dry run (``autoep.train.dry_run``). Exit codes and the
@@ -9,6 +9,7 @@ one-line errors: ``autoep.train.command``.
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2
     autoep-plan parallel.ep_size=2                 # dry run: resolve on meta, print, write resolved.yaml
     autoep-prepare-data a.txt --tokenizer tok/ --out train.bin   # python -m autoep.train.prepare ...
+    autoep-plot runs/a                             # the expert load heatmap, runs/a/load.png
 """
 from __future__ import annotations
 
@@ -40,3 +41,10 @@ def prepare_data_main() -> None:
     from autoep.train.prepare import main
 
     main()
+
+
+def plot_main() -> None:
+    """Console script ``autoep-plot <run_dir>``: the expert load heatmap of a run (``autoep.train.plot``)."""
+    from autoep.train.plot import main
+
+    sys.exit(main())

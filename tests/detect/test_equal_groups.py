@@ -199,7 +199,7 @@ def test_rows_of_another_width_are_refused_at_run_time():
 
 
 def test_expert_load_counts_the_tokens_routed_to_each_group():
-    from autoep.train.loop import ExpertLoad
+    from autoep.train.load import ExpertLoad
 
     model = nn.ModuleDict({"mlp": _make("silu")})
     apply_plan(model, _plan(model), None)

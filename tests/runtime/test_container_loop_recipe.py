@@ -234,9 +234,9 @@ def test_folded_constant_is_watched():
 
 
 def test_expert_load_counts_the_rows_each_expert_got():
-    """``ExpertLoad`` (train/loop.py) hears the container's local experts: every routed (token, slot) of the
+    """``ExpertLoad`` (train/load.py) hears the container's local experts: every routed (token, slot) of the
     dispatch mask once, over-capacity slots nowhere."""
-    from autoep.train.loop import ExpertLoad
+    from autoep.train.load import ExpertLoad
 
     block = _make("dispatch_mask")
     model = nn.ModuleDict({"mlp": _ep_copy(block)})

@@ -33,6 +33,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DENSE_SHARDING = ("replicate", "fsdp2")
 ON_NONFINITE = ("error", "skip")
 DATA_SOURCES = ("synthetic", "text", "tokens")
+AUX_SCOPES = ("global", "local")
 
 
 @dataclass
@@ -66,6 +67,13 @@ class OptimConfig:
     min_lr_ratio: float = field(default=0.1, metadata=finite("final lr / peak lr", 0.1, high=1.0))
     # weight of the model's own load-balancing loss, where it returns one
     aux_loss_coef: float = field(default=0.0, metadata=finite("weight of the model's aux loss", 0.01))
+    # global: the aux loss on token counts summed over every rank (== one process on the global batch);
+    # local: the model's own aux loss on each rank's tokens (autoep.train.balance)
+    aux_loss_scope: str = field(default="global", metadata=one_of(AUX_SCOPES, "where the aux loss counts tokens"))
+    # weight of the router z-loss: mean over every rank's router rows of logsumexp(router logits)**2
+    z_loss_coef: float = field(default=0.0, metadata=finite("weight of the router z-loss", 1e-3))
+    # DeepSeek-V3's aux-loss-free balancing: after each step, e_score_correction_bias += rate * sign(mean - load)
+    bias_update_rate: float = field(default=0.0, metadata=finite("router bias step per optimiser step; 0: off", 1e-3))
 
 
 @dataclass

@@ -16,7 +16,8 @@ Commands (any Hydra override works)::
     autoep-train data.source=tokens data.path=data/train.bin data.val_fraction=0.01 trainer.val_every=50  # real data
 
 The run directory gets ``resolved.yaml``, ``.hydra/``, ``train.log``, ``metrics.jsonl`` (one line per step:
-loss, grad norm, lr, tokens/s, tokens per expert, imbalance; ``val_loss`` every ``trainer.val_every`` steps),
+loss, grad norm, lr, tokens/s, tokens per expert, imbalance; per block at logged steps; ``val_loss`` every
+``trainer.val_every`` steps), ``load.png`` (the expert load heatmap, ``autoep.train.plot``),
 ``checkpoints/step_*`` and, with ``trainer.export_hf=true``, ``hf/`` (``from_pretrained`` loads it).
 Run-directory rules: ``autoep.train.rundir``; exit codes: ``autoep.train.command`` (both in the README).
 """
@@ -48,11 +49,12 @@ from autoep.runtime.apply import apply_plan
 from autoep.runtime.dense import set_grad_sync, shard_dense
 from autoep.runtime.export import export_hf
 from autoep.runtime.mesh import check_world, make_mesh
-from autoep.train import checkpoint, launch, loop, rundir
+from autoep.train import balance, checkpoint, launch, loop, plot, rundir
 from autoep.train import command as cli
 from autoep.train.config import CONF_DIR, check_config
 from autoep.train.data import Loader, Validation, make_splits
 from autoep.train.export import check_exportable
+from autoep.train.load import ExpertLoad
 from autoep.train.models import MODEL_CONFIG_ERRORS, check_model_config, check_top_k, instantiate_model
 from autoep.train.pretrained import PretrainedError, load_pretrained, local_checkpoint_dir, parameters_on_meta
 
@@ -205,6 +207,7 @@ class Parts:
     loader: Loader
     params: tuple  # (dense, expert) parameter lists
     groups: tuple  # (world, edp, ep) process groups, None where there is one rank
+    balance: balance.Balance  # router losses and bias update (autoep.train.balance)
     val: Validation | None = None  # the held-out rows, read every trainer.val_every steps
 
 
@@ -225,9 +228,9 @@ def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig, first: boo
         set_grad_sync(parts.model, micro == t.grad_accum - 1)  # FSDP2: reduce-scatter once, after the last
         batch = parts.loader.next().to(run.device)
         if first and micro == 0:
-            loss = first_forward(parts.model, batch, o.aux_loss_coef)
+            loss = first_forward(parts.model, batch, parts.balance)
         else:
-            loss = loop.causal_lm_loss(parts.model, batch, o.aux_loss_coef)
+            loss = loop.causal_lm_loss(parts.model, batch, parts.balance.local_aux_coef, parts.balance.router_losses)
         die_if_fault_injected(run.rank, step + 1)
         (loss / (run.world * t.grad_accum)).backward()
         loss_sum += loss.detach().double().cpu()
@@ -245,12 +248,12 @@ def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig, first: boo
     return step_loss, grad_norm, lr, applied
 
 
-def first_forward(model, batch, aux_loss_coef: float):
+def first_forward(model, batch, balancing: balance.Balance):
     """The run's first forward: where model config values that do not fit together (a hidden size the
     heads do not divide, ...) show up. Such an error is a ``ConfigError`` naming the model; a failed
     collective is not (a peer failed)."""
     try:
-        return loop.causal_lm_loss(model, batch, aux_loss_coef)
+        return loop.causal_lm_loss(model, batch, balancing.local_aux_coef, balancing.router_losses)
     except (*MODEL_CONFIG_ERRORS, RuntimeError) as e:
         if isinstance(e, (dist.DistError, ConfigError)):
             raise
@@ -277,12 +280,17 @@ def run_loop(cfg: DictConfig, model, mesh, run: Run) -> dict:
     val = Validation(held_out, batch_size=d.batch_size, rank=run.rank, world_size=run.world,
                      batches=t.val_batches) if held_out is not None and t.val_every else None
     decisions = [e.decision for e in cfg.parallel.plan]
-    load = loop.ExpertLoad(model, [m for dec in decisions for m in dec.modules],
-                           int(decisions[0].num_experts or 0) if decisions else 0) if decisions else None
-    parts = Parts(model, optimizer, schedule, loader, (dense, expert), groups, val)
+    blocks = [m for dec in decisions for m in dec.modules]
+    load = ExpertLoad(model, blocks, int(decisions[0].num_experts or 0) if decisions else 0) if decisions else None
+    balancing = balance.build(model, blocks, load.counted if load else [], aux_loss_coef=o.aux_loss_coef,
+                              aux_loss_scope=o.aux_loss_scope, z_loss_coef=o.z_loss_coef,
+                              bias_update_rate=o.bias_update_rate, world_group=world_group)
+    parts = Parts(model, optimizer, schedule, loader, (dense, expert), groups, balancing, val)
     start = restore(run, parts)  # a damaged or mismatched checkpoint fails here, before anything is written
     with accepted(cfg, model, run, start) as metrics:
         losses = run_steps(cfg, parts, run, start, metrics, load)
+        if metrics and load:
+            plot.draw_at_end(run.out)
         if t.export_hf:
             export_hf(model, run.out / "hf")
     return {"losses": losses, "run_dir": str(run.out), "step": t.steps, "rank": run.rank, "model": model}
@@ -335,10 +343,13 @@ def run_steps(cfg: DictConfig, parts: Parts, run: Run, start: int, metrics, load
             if not applied:
                 skip_or_stop(cfg, step + 1, step_loss, grad_norm, ckpt_root)
             losses.append(step_loss)
+            logged = (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start
             row = {"step": step + 1, "loss": step_loss if applied else None, "grad_norm": grad_norm if applied else None,
                    "lr": lr, "tokens_per_s": tokens_per_step / (time.perf_counter() - t0),
                    **({"skipped": True} if not applied else {}),
-                   **(load.collect(parts.groups[0]) if load else {})}
+                   **(load.collect(parts.groups[0]) if load else {}), **(load.log_fields() if load and logged else {})}
+            if applied and parts.balance.bias is not None:
+                parts.balance.bias.step(load.step_LE)  # the step's global counts: the same bias on every rank
             if parts.val is not None and ((step + 1) % t.val_every == 0 or step + 1 == t.steps):
                 row["val_loss"] = loop.validation_loss(parts.model, parts.val.batches(), parts.groups[0], run.device)
                 if load:
@@ -346,11 +357,11 @@ def run_steps(cfg: DictConfig, parts: Parts, run: Run, start: int, metrics, load
             if metrics:
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
-                if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start or "val_loss" in row:
+                if logged or "val_loss" in row:
                     val = f" | val loss {row['val_loss']:.4f}" if "val_loss" in row else ""
-                    log.info("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | imbalance %.2f%s",
+                    log.info("step %5d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tok/s | imbalance %.2f%s%s",
                              step + 1, t.steps, step_loss, lr, grad_norm, f"{row['tokens_per_s']:,.0f}",
-                             row.get("load_imbalance", 0), val)
+                             row.get("load_imbalance", 0), load.worst(row) if load else "", val)
             if t.ckpt_every and ((step + 1) % t.ckpt_every == 0 or step + 1 == t.steps):
                 checkpoint.save(ckpt_root, step + 1, parts.model, parts.optimizer, {
                     "step": step + 1, "schedule": parts.schedule.state_dict(), "data": parts.loader.state_dict(),

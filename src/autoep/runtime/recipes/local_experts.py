@@ -490,7 +490,7 @@ def _ep_group(block: nn.Module, spec: LocalExperts):
 
 def register_counts_hook(block: nn.Module, hook) -> RemovableHandle:
     """Call ``hook(first_local_expert, tokens_per_local_expert)`` each time the block's local experts run
-    (rows received from every ep rank; ``autoep.train.loop.ExpertLoad`` counts tokens with it)."""
+    (rows received from every ep rank; ``autoep.train.load.ExpertLoad`` counts tokens with it)."""
     hooks = block.__dict__.setdefault(COUNT_HOOKS, OrderedDict())
     handle = RemovableHandle(hooks)
     hooks[handle.id] = hook

@@ -11,7 +11,6 @@ import math
 
 import torch
 import torch.distributed as dist
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 

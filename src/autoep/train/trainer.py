@@ -11,6 +11,7 @@ Commands (any Hydra override works)::
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2            # CPU: gloo, (edp, ep) = (1, 2)
     torchrun --nproc-per-node 4 -m autoep.train parallel.ep_size=2            # (edp, ep) = (2, 2)
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2 trainer.dense_sharding=fsdp2   # dense: FSDP2
+    torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2 trainer.precision=bf16-mixed  # or bf16
     autoep-train run_dir=runs/a trainer.ckpt_every=50                       # a run, checkpointed ...
     autoep-train run_dir=runs/a trainer.ckpt_every=50 trainer.resume=latest # ... continued where it stopped
 
@@ -47,7 +48,7 @@ from autoep.runtime.apply import apply_plan
 from autoep.runtime.dense import set_grad_sync, shard_dense
 from autoep.runtime.export import export_hf
 from autoep.runtime.mesh import check_world, make_mesh
-from autoep.train import checkpoint, launch, loop, rundir
+from autoep.train import checkpoint, launch, loop, precision, rundir
 from autoep.train import command as cli
 from autoep.train.config import CONF_DIR, check_config
 from autoep.train.data import Loader, make_source
@@ -128,6 +129,7 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
     rank, world, device, created = launch.init_distributed(t.device, t.timeout_s, t.join_timeout_s)
     try:
         check_world(cfg.parallel.ep_size, world)
+        precision.check_supported(t.precision, device)
         out = launch.agree_run_dir(out)
         mesh = make_mesh(world, cfg.parallel.ep_size, device)
         model, cfg.parallel = build_model(cfg, mesh, device)
@@ -136,7 +138,8 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
         if t.export_hf:
             check_exportable(model)
         if t.dense_sharding == "fsdp2" and world > 1:  # one process: nothing to shard or reduce
-            shard_dense(model, [m for e in cfg.parallel.plan for m in e.decision.modules], world, device)
+            shard_dense(model, [m for e in cfg.parallel.plan for m in e.decision.modules], world, device,
+                        mp_policy=precision.fsdp_policy(t.precision))
         check_plan_consistent(cfg.parallel)
         return run_loop(cfg, model, mesh, Run(out, rank, world, device, resume_from, composed))
     finally:
@@ -173,7 +176,8 @@ def _model_identity(model_cfg) -> dict:
 def report_resume(state: dict, cfg: DictConfig, world: int) -> None:
     """Say what changed since the checkpoint was saved: steps, world size, global batch (rank 0 logs)."""
     saved = state.get("run") or {}
-    now = {"trainer.steps": cfg.trainer.steps, "world size": world, "global batch": global_batch(cfg, world)}
+    now = {"trainer.steps": cfg.trainer.steps, "world size": world, "global batch": global_batch(cfg, world),
+           "trainer.precision": cfg.trainer.precision}
     for key, value in now.items():
         before = saved.get(key)
         if before is not None and before != value and key == "global batch":
@@ -216,10 +220,11 @@ def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig, first: boo
     for micro in range(t.grad_accum):
         set_grad_sync(parts.model, micro == t.grad_accum - 1)  # FSDP2: reduce-scatter once, after the last
         batch = parts.loader.next().to(run.device)
-        if first and micro == 0:
-            loss = first_forward(parts.model, batch, o.aux_loss_coef)
-        else:
-            loss = loop.causal_lm_loss(parts.model, batch, o.aux_loss_coef)
+        with precision.forward(parts.model, t.precision, run.device):  # fp32 | autocast | bf16 weight copies
+            if first and micro == 0:
+                loss = first_forward(parts.model, batch, o.aux_loss_coef)
+            else:
+                loss = loop.causal_lm_loss(parts.model, batch, o.aux_loss_coef)
         die_if_fault_injected(run.rank, step + 1)
         (loss / (run.world * t.grad_accum)).backward()
         loss_sum += loss.detach().double().cpu()
@@ -339,7 +344,7 @@ def run_steps(cfg: DictConfig, parts: Parts, run: Run, start: int, metrics, load
                 checkpoint.save(ckpt_root, step + 1, parts.model, parts.optimizer, {
                     "step": step + 1, "schedule": parts.schedule.state_dict(), "data": parts.loader.state_dict(),
                     "run": {"model": _model_identity(cfg.model), "trainer.steps": t.steps, "world size": run.world,
-                            "global batch": global_batch(cfg, run.world)}})
+                            "global batch": global_batch(cfg, run.world), "trainer.precision": t.precision}})
     except RuntimeError as exc:
         if run.world == 1 or isinstance(exc, (NonFiniteLoss, checkpoint.CheckpointError)):
             raise

@@ -12,7 +12,8 @@ records) changes, so a resume continues exactly, under the same precision or ano
   precision), so there, ops outside autocast's list that read a dense weight (a norm's scale) see it in bf16.
 - ``bf16``: every parameter enters the forward as its bf16 copy, without autocast, so every op computes in bf16
   except where the model upcasts itself (HF's RMSNorm, the loss), and the activations the token exchange
-  carries are bf16. The fp32 master of each parameter is the parameter itself; the bf16 copy is a
+  carries are bf16. What a transformers model keeps in fp32 in bf16 too (``_keep_in_fp32_modules_strict``:
+  DeepSeek-V3's router) stays fp32, except in dense shards FSDP2 gathers (its ``param_dtype`` is one per layer). The fp32 master of each parameter is the parameter itself; the bf16 copy is a
   differentiable cast made at each forward (FSDP2's ``param_dtype=bf16`` makes the same copy of the dense
   shards it gathers). The gradient reaches the fp32 parameter through the cast: computed in bf16, accumulated
   in fp32 over micro-batches. Chosen over a second fp32 parameter set the optimiser steps and copies back
@@ -24,6 +25,7 @@ Helpers take models, devices and plain strings; the trainer reads the config.
 """
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -74,9 +76,12 @@ def forward(model: nn.Module, precision: str, device: torch.device):
 
 
 def bf16_copies(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each floating parameter this rank computes with, cast to bf16 (differentiable), by name. Left out: the
-    dense shards FSDP2 manages (it gathers them in bf16 itself, ``fsdp_policy``) and the meta stand-ins of
-    ModuleList experts other ranks own (they never compute)."""
+    """Each floating parameter this rank computes with, cast to bf16 (differentiable), by name. Left out: what a
+    transformers model keeps in fp32 in bf16 too (``_keep_in_fp32_modules_strict``, matched as transformers matches
+    it: DeepSeek-V3's router ``gate.weight``), the dense shards FSDP2 manages (it gathers them in bf16 itself,
+    ``fsdp_policy``) and the meta stand-ins of ModuleList experts other ranks own (they never compute)."""
     remote = {name for name, place in expert_owners(model).items() if not place.local}
+    fp32 = [re.compile(glob.replace("*", ".*")) for glob in getattr(model, "_keep_in_fp32_modules_strict", None) or ()]
     return {name: p.to(torch.bfloat16) for name, p in model.named_parameters()
-            if p.is_floating_point() and name not in remote and not (isinstance(p, DTensor) and not is_expert(p))}
+            if p.is_floating_point() and name not in remote and not (isinstance(p, DTensor) and not is_expert(p))
+            and not any(pattern.search(name) for pattern in fp32)}

@@ -174,7 +174,7 @@ def _model_identity(model_cfg) -> dict:
 
 
 def report_resume(state: dict, cfg: DictConfig, world: int) -> None:
-    """Say what changed since the checkpoint was saved: steps, world size, global batch (rank 0 logs)."""
+    """Say what changed since the checkpoint was saved: steps, world size, global batch, precision (rank 0 logs)."""
     saved = state.get("run") or {}
     now = {"trainer.steps": cfg.trainer.steps, "world size": world, "global batch": global_batch(cfg, world),
            "trainer.precision": cfg.trainer.precision}
@@ -222,7 +222,7 @@ def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig, first: boo
         batch = parts.loader.next().to(run.device)
         with precision.forward(parts.model, t.precision, run.device):  # fp32 | autocast | bf16 weight copies
             if first and micro == 0:
-                loss = first_forward(parts.model, batch, o.aux_loss_coef)
+                loss = first_forward(parts.model, batch, o.aux_loss_coef, t.precision)
             else:
                 loss = loop.causal_lm_loss(parts.model, batch, o.aux_loss_coef)
         die_if_fault_injected(run.rank, step + 1)
@@ -242,7 +242,7 @@ def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig, first: boo
     return step_loss, grad_norm, lr, applied
 
 
-def first_forward(model, batch, aux_loss_coef: float):
+def first_forward(model, batch, aux_loss_coef: float, precision_name: str = "fp32"):
     """The run's first forward: where model config values that do not fit together (a hidden size the
     heads do not divide, ...) show up. Such an error is a ``ConfigError`` naming the model; a failed
     collective is not (a peer failed)."""
@@ -254,7 +254,8 @@ def first_forward(model, batch, aux_loss_coef: float):
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"model: the first forward of {type(model).__name__} failed ({type(e).__name__}: {first}); "
                           f"its config values probably do not fit together: check the model.* values (traceback in "
-                          f"train.log)") from e
+                          f"train.log)" + (f"; or it does not compute in trainer.precision={precision_name}: try "
+                                           f"trainer.precision=fp32" if precision_name != "fp32" else "")) from e
 
 
 def run_loop(cfg: DictConfig, model, mesh, run: Run) -> dict:

@@ -9,13 +9,14 @@ records) changes, so a resume continues exactly, under the same precision or ano
   autocast keeps in fp32 (softmax, norms, the loss) in fp32; the backward follows the forward's dtypes. Dense
   parameters FSDP2 shards (``trainer.dense_sharding=fsdp2``) are gathered in bf16 and their gradients
   reduce-scattered in fp32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, torchtitan's mixed
-  precision), so there, ops outside autocast's list that read a dense weight (a norm's scale) see it in bf16.
+  precision). There the bf16 embedding makes every activation bf16, so the experts (which FSDP leaves out) get
+  bf16 copies as under ``bf16``: every weight the forward reads is bf16, autocast on top.
 - ``bf16``: every parameter enters the forward as its bf16 copy, without autocast, so every op computes in bf16
   except where the model upcasts itself (HF's RMSNorm, the loss), and the activations the token exchange
   carries are bf16. What a transformers model keeps in fp32 in bf16 too (``_keep_in_fp32_modules_strict``:
-  DeepSeek-V3's router) stays fp32, except in dense shards FSDP2 gathers (its ``param_dtype`` is one per layer). The fp32 master of each parameter is the parameter itself; the bf16 copy is a
-  differentiable cast made at each forward (FSDP2's ``param_dtype=bf16`` makes the same copy of the dense
-  shards it gathers). The gradient reaches the fp32 parameter through the cast: computed in bf16, accumulated
+  DeepSeek-V3's router) stays fp32, except in dense shards FSDP2 gathers (its ``param_dtype`` is one per
+  layer). The fp32 master of each parameter is the parameter itself; the bf16 copy is a differentiable cast
+  made at each forward (FSDP2's ``param_dtype=bf16`` makes the same copy of the dense shards it gathers). The gradient reaches the fp32 parameter through the cast: computed in bf16, accumulated
   in fp32 over micro-batches. Chosen over a second fp32 parameter set the optimiser steps and copies back
   (Megatron's): the optimiser, clipping, gradient sums, checkpoints and the HF export see exactly what they
   see in fp32 (no optimiser state to re-key by name, no copy to keep in step), and the bf16 copy lives only
@@ -66,7 +67,9 @@ def forward(model: nn.Module, precision: str, device: torch.device):
     replaced by its bf16 copy (``bf16``); the backward runs after the context, on the graph it recorded."""
     # Under FSDP2 (bf16-mixed too) the dense weights are gathered in bf16 (``fsdp_policy``), so the activations are
     # bf16 from the embedding on; the experts, which FSDP leaves out, get the same bf16 copy: every weight the
-    # forward reads is bf16, as FSDP2's param_dtype says (and as FSDP2 would gather experts it sharded).
+    # forward reads is bf16, as FSDP2's param_dtype says (and as FSDP2 would gather experts it sharded). Left fp32,
+    # they would meet bf16 rows in the batched recipe's grouped GEMM on CPU, which raises on the mixed dtypes
+    # (transformers' own grouped_mm casts the rows to the weights' dtype instead).
     copies = precision == "bf16" or (precision == "bf16-mixed" and isinstance(model, FSDPModule))
     # NOTE: functional_call's own context (torch.func.functional_call is this context around one call), as the
     # trainer's loss calls the model itself. Tied parameters stay tied (one copy).

@@ -1,6 +1,7 @@
 """``trainer.precision`` (``autoep.train.precision``): bf16-mixed and bf16 runs with EP equal the same run without EP
 under the same precision, on 2 ranks (ep 2) and 4 ranks (ep 4; and (edp, ep) = (2, 2) with FSDP2 dense shards),
-checkpoints resume exactly, and the exchange carries bf16 under bf16.
+checkpoints resume exactly, and the exchange carries bf16 under bf16; an unknown precision, a model built in bf16
+(no fp32 masters) and a CUDA device without bf16 are refused before a step.
 
 References: one process on the whole global batch (the trainer's data gives it the same rows), except for
 FSDP2 + bf16-mixed, where FSDP gathers the dense weights in bf16 (its MixedPrecisionPolicy) and one process has no
@@ -244,6 +245,16 @@ def test_unknown_precision_is_refused_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.precision=fp16: must be one of fp32, bf16-mixed, bf16"):
         train(compose_cfg("trainer.precision=fp16", f"run_dir={tmp_path}"))
     assert not any(tmp_path.iterdir())
+
+
+def test_a_model_built_in_bf16_is_refused_below_fp32(tmp_path):
+    """Its bf16 parameters cannot be the fp32 masters: refused before a step, naming the fix."""
+    from autoep.train.trainer import train
+
+    with pytest.raises(ConfigError, match=r"trainer.precision=bf16-mixed keeps fp32 master weights, but \d+ of the "
+                                          r"model's parameters are bfloat16 .*trainer.precision=fp32"):
+        train(compose_cfg("+model.dtype=bfloat16", "trainer.precision=bf16-mixed", f"run_dir={tmp_path}"))
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_a_cuda_device_without_bf16_is_refused(monkeypatch):

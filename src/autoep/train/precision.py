@@ -50,6 +50,21 @@ def check_supported(precision: str, device: torch.device) -> None:
                           f"support (torch.cuda.is_bf16_supported() is False); use trainer.precision=fp32")
 
 
+def check_fp32_masters(model: nn.Module, precision: str) -> None:
+    """Before any step: below fp32 the trainable parameters are the fp32 masters, so they must be fp32 (a model
+    built in bf16 would silently step bf16 weights with bf16 optimizer state)."""
+    if precision == "fp32":
+        return
+    other = {name: p.dtype for name, p in model.named_parameters()
+             if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32}
+    if other:
+        name, dtype = next(iter(other.items()))
+        raise ConfigError(f"trainer.precision={precision} keeps fp32 master weights, but {len(other)} of the model's "
+                          f"parameters are {str(dtype).removeprefix('torch.')} (e.g. {name}); build the model in fp32 "
+                          f"(model.dtype=float32 where its config has a dtype), or train these weights as they are "
+                          f"with trainer.precision=fp32")
+
+
 def fsdp_policy(precision: str) -> MixedPrecisionPolicy | None:
     """FSDP2's policy for the dense shards: bf16 gathers and fp32 reduce-scatters below fp32, else None (fp32).
 

@@ -133,6 +133,7 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
         out = launch.agree_run_dir(out)
         mesh = make_mesh(world, cfg.parallel.ep_size, device)
         model, cfg.parallel = build_model(cfg, mesh, device)
+        precision.check_fp32_masters(model, t.precision)
         if not cfg.parallel.plan and rank == 0:
             log.warning("parallel.plan is empty: no module gets expert parallelism (every expert on every rank)")
         if t.export_hf:

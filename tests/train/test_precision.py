@@ -29,6 +29,8 @@ import pytest
 import torch
 from distributed import spawn
 from hydra import compose, initialize_config_dir
+from module_list_lm import model_config
+from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from autoep.errors import ConfigError
@@ -51,13 +53,19 @@ def compose_cfg(*overrides: str):
         return compose("train", overrides=[*SMALL, *overrides])
 
 
-def run(*overrides: str) -> dict:
+def run(*overrides: str, model: dict | None = None) -> dict:
+    from autoep.runtime.recipes.local_experts import expert_owners, full_state_dict_of_experts
     from autoep.train.trainer import train
 
-    result = train(compose_cfg(*overrides))
+    cfg = compose_cfg(*overrides)
+    if model is not None:
+        cfg.model = OmegaConf.create(model)  # a _target_ model of the tests' own
+    result = train(cfg)
     model = result.pop("model")
     result["weights"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                          for n, p in model.named_parameters()}  # NOTE: gathers expert shards (collective)
+    experts = full_state_dict_of_experts(model)  # NOTE: collective; ModuleList experts, each from its owner
+    result["weights"] |= {n: experts[n] for n in expert_owners(model)}
     result["dtypes"] = {p.dtype for p in model.parameters()}
     return result
 
@@ -92,6 +100,8 @@ def two_rank_worker(rank: int, world_size: int, tmp: str) -> dict:
                                 f"run_dir={tmp}/bf16")
     out["bf16_resumed"] = run("parallel.ep_size=2", rows, "trainer.precision=bf16", f"run_dir={tmp}/bf16",
                               f"trainer.resume={tmp}/bf16/checkpoints/step_00000002")
+    out["module_list"] = run("parallel.ep_size=2", rows, "trainer.precision=bf16", f"run_dir={tmp}/module_list",
+                             model=model_config())
     return out
 
 
@@ -196,6 +206,19 @@ def test_the_tolerance_catches_a_wrong_expert_grad_scale(single, tmp_path, monke
 def test_ep2_equals_one_process(two_ranks, single, precision):
     for rank in two_ranks:
         assert_same_run(rank[precision], single[precision], single["init"])
+
+
+def test_ep2_bf16_module_list_experts_equal_one_process(two_ranks, with_sgd, tmp_path):
+    """v4-style ModuleList experts (each rank's own experts' forward; the other ranks' are meta stand-ins, never
+    cast) under bf16."""
+    from autoep.train.trainer import build_model
+
+    one = run(f"data.batch_size={ROWS}", "trainer.precision=bf16", f"run_dir={tmp_path}", model=model_config())
+    cfg = compose_cfg()
+    cfg.model = OmegaConf.create(model_config())
+    init = {n: p.detach().clone() for n, p in build_model(cfg, None, torch.device("cpu"))[0].named_parameters()}
+    for rank in two_ranks:
+        assert_same_run(rank["module_list"], one, init)
 
 
 def test_ep4_bf16_equals_one_process(four_ranks, single):

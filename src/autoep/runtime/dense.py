@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -26,8 +26,10 @@ def is_expert(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
 
 
-def shard_dense(model: nn.Module, block_names: list[str], world: int, device: torch.device) -> nn.Module:
+def shard_dense(model: nn.Module, block_names: list[str], world: int, device: torch.device,
+                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """``fully_shard`` the decoder layers holding ``block_names`` and the root, experts ignored; in place.
+    ``mp_policy``: FSDP2's mixed precision for the dense shards (None: gathered and reduced in their own dtype).
 
     Collective (builds the ``dp`` mesh). Call after ``apply_plan`` and after the weights are final
     (seeded or loaded), before the optimiser is built: FSDP2 replaces the dense parameters.
@@ -39,9 +41,10 @@ def shard_dense(model: nn.Module, block_names: list[str], world: int, device: to
     module_experts = expert_owners(model)  # ModuleList experts: this rank's own and the meta stand-ins of others
     ignored = {p for n, p in model.named_parameters() if is_expert(p) or n in module_experts}
     layers = {name.rpartition(".")[0] for name in block_names if "." in name}
+    policy = mp_policy or MixedPrecisionPolicy()
     for name in sorted(layers):
-        fully_shard(model.get_submodule(name), mesh=dp_mesh, ignored_params=ignored)
-    fully_shard(model, mesh=dp_mesh, ignored_params=ignored)  # the rest: embeddings, final norm, lm_head
+        fully_shard(model.get_submodule(name), mesh=dp_mesh, ignored_params=ignored, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, ignored_params=ignored, mp_policy=policy)  # the rest: embeddings, norm, lm_head
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum, not mean: the loss is already scaled by 1/W

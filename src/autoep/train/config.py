@@ -31,6 +31,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 PLAN_CONF_DIR = str(Path(__file__).resolve().parents[1] / "plan" / "conf")
 DEVICES = ("auto", "cpu", "cuda")
 DENSE_SHARDING = ("replicate", "fsdp2")
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")  # autoep.train.precision says what each computes in
 ON_NONFINITE = ("error", "skip")
 DATA_SOURCES = ("synthetic", "text", "tokens")
 AUX_SCOPES = ("global", "local")
@@ -96,6 +97,8 @@ class TrainerConfig:
     join_timeout_s: int = field(default=60, metadata=at_least(1, "seconds the ranks wait for each other at launch", 60))
     # replicate (all-reduce) | fsdp2 (fully_shard over the world; experts stay on ep)
     dense_sharding: str = field(default="replicate", metadata=one_of(DENSE_SHARDING, "how dense params live"))
+    # fp32 | bf16-mixed (autocast, fp32 weights) | bf16 (bf16 copies of the weights); fp32 masters in all
+    precision: str = field(default="fp32", metadata=one_of(PRECISIONS, "what forward and backward compute in"))
     # error: a non-finite loss or grad norm stops the run (exit 5); skip: that step is skipped and logged
     on_nonfinite: str = field(default="error", metadata=one_of(ON_NONFINITE, "what a non-finite loss does"))
     # validation loss every N steps (and at the last); 0: never. Needs data.val_fraction or data.val_path

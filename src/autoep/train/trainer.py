@@ -11,6 +11,7 @@ Commands (any Hydra override works)::
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2            # CPU: gloo, (edp, ep) = (1, 2)
     torchrun --nproc-per-node 4 -m autoep.train parallel.ep_size=2            # (edp, ep) = (2, 2)
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2 trainer.dense_sharding=fsdp2   # dense: FSDP2
+    torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2 trainer.precision=bf16-mixed  # or bf16
     autoep-train run_dir=runs/a trainer.ckpt_every=50                       # a run, checkpointed ...
     autoep-train run_dir=runs/a trainer.ckpt_every=50 trainer.resume=latest # ... continued where it stopped
     autoep-train data.source=tokens data.path=data/train.bin data.val_fraction=0.01 trainer.val_every=50  # real data
@@ -49,7 +50,7 @@ from autoep.runtime.apply import apply_plan
 from autoep.runtime.dense import set_grad_sync, shard_dense
 from autoep.runtime.export import export_hf
 from autoep.runtime.mesh import check_world, make_mesh
-from autoep.train import balance, checkpoint, launch, loop, plot, rundir
+from autoep.train import balance, checkpoint, launch, loop, plot, precision, rundir
 from autoep.train import command as cli
 from autoep.train.config import CONF_DIR, check_config
 from autoep.train.data import Loader, Validation, make_splits
@@ -131,15 +132,18 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
     rank, world, device, created = launch.init_distributed(t.device, t.timeout_s, t.join_timeout_s)
     try:
         check_world(cfg.parallel.ep_size, world)
+        precision.check_supported(t.precision, device)
         out = launch.agree_run_dir(out)
         mesh = make_mesh(world, cfg.parallel.ep_size, device)
         model, cfg.parallel = build_model(cfg, mesh, device)
+        precision.check_fp32_masters(model, t.precision)
         if not cfg.parallel.plan and rank == 0:
             log.warning("parallel.plan is empty: no module gets expert parallelism (every expert on every rank)")
         if t.export_hf:
             check_exportable(model)
         if t.dense_sharding == "fsdp2" and world > 1:  # one process: nothing to shard or reduce
-            shard_dense(model, [m for e in cfg.parallel.plan for m in e.decision.modules], world, device)
+            shard_dense(model, [m for e in cfg.parallel.plan for m in e.decision.modules], world, device,
+                        mp_policy=precision.fsdp_policy(t.precision))
         check_plan_consistent(cfg.parallel)
         return run_loop(cfg, model, mesh, Run(out, rank, world, device, resume_from, composed))
     finally:
@@ -174,10 +178,10 @@ def _model_identity(model_cfg) -> dict:
 
 
 def report_resume(state: dict, cfg: DictConfig, world: int) -> None:
-    """Say what changed since the checkpoint was saved: steps, world size, global batch (rank 0 logs)."""
+    """Say what changed since the checkpoint was saved: steps, world size, global batch, precision (rank 0 logs)."""
     saved = state.get("run") or {}
     now = {"trainer.steps": cfg.trainer.steps, "world size": world, "global batch": global_batch(cfg, world),
-           "data": data_identity(cfg)}
+           "data": data_identity(cfg), "trainer.precision": cfg.trainer.precision}
     for key, value in now.items():
         before = saved.get(key)
         if before is not None and before != value and key in ("global batch", "data"):
@@ -227,10 +231,11 @@ def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig, first: boo
     for micro in range(t.grad_accum):
         set_grad_sync(parts.model, micro == t.grad_accum - 1)  # FSDP2: reduce-scatter once, after the last
         batch = parts.loader.next().to(run.device)
-        if first and micro == 0:
-            loss = first_forward(parts.model, batch, parts.balance)
-        else:
-            loss = loop.causal_lm_loss(parts.model, batch, parts.balance.local_aux_coef, parts.balance.router_losses)
+        with precision.forward(parts.model, t.precision, run.device):  # fp32 | autocast | bf16 weight copies
+            if first and micro == 0:
+                loss = first_forward(parts.model, batch, parts.balance, t.precision)
+            else:
+                loss = loop.causal_lm_loss(parts.model, batch, parts.balance.local_aux_coef, parts.balance.router_losses)
         die_if_fault_injected(run.rank, step + 1)
         (loss / (run.world * t.grad_accum)).backward()
         loss_sum += loss.detach().double().cpu()
@@ -248,7 +253,7 @@ def train_step(parts: Parts, *, run: Run, step: int, cfg: DictConfig, first: boo
     return step_loss, grad_norm, lr, applied
 
 
-def first_forward(model, batch, balancing: balance.Balance):
+def first_forward(model, batch, balancing: balance.Balance, precision_name: str = "fp32"):
     """The run's first forward: where model config values that do not fit together (a hidden size the
     heads do not divide, ...) show up. Such an error is a ``ConfigError`` naming the model; a failed
     collective is not (a peer failed)."""
@@ -260,7 +265,8 @@ def first_forward(model, batch, balancing: balance.Balance):
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"model: the first forward of {type(model).__name__} failed ({type(e).__name__}: {first}); "
                           f"its config values probably do not fit together: check the model.* values (traceback in "
-                          f"train.log)") from e
+                          f"train.log)" + (f"; or it does not compute in trainer.precision={precision_name}: try "
+                                           f"trainer.precision=fp32" if precision_name != "fp32" else "")) from e
 
 
 def run_loop(cfg: DictConfig, model, mesh, run: Run) -> dict:
@@ -351,7 +357,8 @@ def run_steps(cfg: DictConfig, parts: Parts, run: Run, start: int, metrics, load
             if applied and parts.balance.bias is not None:
                 parts.balance.bias.step(load.step_LE)  # the step's global counts: the same bias on every rank
             if parts.val is not None and ((step + 1) % t.val_every == 0 or step + 1 == t.steps):
-                row["val_loss"] = loop.validation_loss(parts.model, parts.val.batches(), parts.groups[0], run.device)
+                with precision.forward(parts.model, t.precision, run.device):  # validated as it trains
+                    row["val_loss"] = loop.validation_loss(parts.model, parts.val.batches(), parts.groups[0], run.device)
                 if load:
                     load.discard()  # the validation tokens are no step's load
             if metrics:
@@ -366,7 +373,8 @@ def run_steps(cfg: DictConfig, parts: Parts, run: Run, start: int, metrics, load
                 checkpoint.save(ckpt_root, step + 1, parts.model, parts.optimizer, {
                     "step": step + 1, "schedule": parts.schedule.state_dict(), "data": parts.loader.state_dict(),
                     "run": {"model": _model_identity(cfg.model), "trainer.steps": t.steps, "world size": run.world,
-                            "global batch": global_batch(cfg, run.world), "data": data_identity(cfg)}})
+                            "global batch": global_batch(cfg, run.world), "data": data_identity(cfg),
+                            "trainer.precision": t.precision}})
     except RuntimeError as exc:
         if run.world == 1 or isinstance(exc, (NonFiniteLoss, checkpoint.CheckpointError)):
             raise

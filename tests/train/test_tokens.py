@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import spawn
 from hydra import compose, initialize_config_dir
 from torch.distributed.tensor import DTensor
@@ -187,6 +188,9 @@ def train_run(data: str, *overrides: str) -> dict:
 
     result = train(_compose(*SMALL, f"data.path={data}", *overrides))
     model = result.pop("model")
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 writes metrics.jsonl: every rank reads it after rank 0's last row (ep_size=1 has no
+        # expert DTensor whose gather below would wait for it)
     result["weights"] = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                          for n, p in model.named_parameters()}  # NOTE: gathers expert shards (collective)
     rows = [json.loads(line) for line in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

@@ -275,15 +275,23 @@ def detect_moe_structure(module: nn.Module, *, replay: bool = False) -> MoeStruc
     return _detected(module, replay=replay)
 
 
+def replay_structure(module: nn.Module) -> MoeStructure:
+    """``module`` run by record/exchange/replay even where a fast path is proven too (``PlanEntry.execution=
+    replay``): its module experts proven as the fallback proves them; refusals as ``detect_moe_structure``'s."""
+    return _detected(module, replay=True, fast=False)
+
+
 def fast_path_structure(module: nn.Module) -> MoeStructure:
     """``detect_moe_structure`` without the record/exchange/replay fallback: the fast paths' proofs alone
     (their refusal names the construct they do not read)."""
     return _detected(module, replay=False)
 
 
-def _detected(module: nn.Module, replay: bool) -> MoeStructure:
+def _detected(module: nn.Module, replay: bool, fast: bool = True) -> MoeStructure:
     try:
         try:
+            if not fast:
+                raise Refusal("execution=replay needs module experts of one container its forward calls")
             return _structure(module)
         except Refusal as exc:
             if not replay:

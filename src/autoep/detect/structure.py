@@ -195,6 +195,8 @@ def _structure(module: nn.Module) -> MoeStructure:
         facts, roles = experts_proof.batched_proof(experts)
         facts = dict(facts, idle_experts=(roles.idle,))
         guards = routing_proof.experts_call(module, path)
+    elif block_expert_params(module):
+        raise _block_params_refusal(module)
     else:
         raise Refusal("no experts: no ModuleList/ModuleDict its forward loops over by expert id, no child holding "
                       "3-D expert parameters, no `experts` submodule")
@@ -210,6 +212,27 @@ def _structure(module: nn.Module) -> MoeStructure:
     if router not in ROUTER_KINDS or storage not in STORAGE_KINDS or structure.expert_kind not in EXPERT_KINDS:
         raise Refusal(f"router={router} with expert_storage={storage} is outside the detector's vocabulary")
     return structure
+
+
+_BLOCK_PARAMS = ("experts are 3-D parameters on the block itself ({}); record/replay needs expert modules (a call "
+                 "to move), and autoep's batched proofs read an experts submodule the block calls, not slices of the "
+                 "block's own weights; move the weights into an experts module, or opt out")
+
+
+def block_expert_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The block's own (E, ., .) parameters, E >= 2 and the same for all, beside a submodule holding parameters
+    (its router): expert weights held on the block itself, no experts module to call. [] where it has none, 3-D
+    parameters of different leading sizes, or no such submodule (batched experts themselves: the block's
+    ``experts``, which the routing reaches as arguments)."""
+    own = [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() == 3]
+    sizes = {p.shape[0] for _, p in own}
+    routed = any(m is not None and next(m.parameters(), None) is not None for m in module._modules.values())
+    return own if routed and len(sizes) == 1 and sizes.pop() >= 2 else []
+
+
+def _block_params_refusal(module: nn.Module) -> Refusal | None:
+    own = block_expert_params(module)
+    return Refusal(_BLOCK_PARAMS.format(", ".join(f"{n} {tuple(p.shape)}" for n, p in own))) if own else None
 
 
 def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
@@ -290,8 +313,9 @@ def fast_path_structure(module: nn.Module) -> MoeStructure:
 def _detected(module: nn.Module, replay: bool, fast: bool = True) -> MoeStructure:
     try:
         try:
-            if not fast:
-                raise Refusal("execution=replay needs module experts of one container its forward calls")
+            if not fast:  # the reason replay gives where it finds no container
+                raise _block_params_refusal(module) or Refusal("execution=replay needs module experts of one "
+                                                               "container its forward calls")
             return _structure(module)
         except Refusal as exc:
             if not replay:
@@ -364,7 +388,7 @@ def has_experts(module: nn.Module, *, replay: bool = False) -> bool:
     try:
         name = find_experts(module)
         if name is None:
-            return False
+            return bool(block_expert_params(module))  # detection refuses it, naming them
         # a lone ModuleList no loop indexes (a decoder's ``layers``) is returned for the refusal's sake only
         return type(module._modules.get(name)) is not nn.ModuleList or module_list_proof.expert_container(module) == name
     except Refusal:

@@ -126,7 +126,8 @@ def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str
     matched = match_modules(key, entry["match"], modules)
     skipped: list[str] = []
     if entry.get("moe_only"):
-        replay = bool(entry.get("record_replay")) or entry.get("execution") == "replay"
+        # an explicit execution takes every block replay finds too, so a block it does not fit is refused naming why
+        replay = bool(entry.get("record_replay")) or entry.get("execution", AUTO) != AUTO
         matched, skipped = split_moe(key, entry["match"], matched, modules, replay=replay)
     if entry.get("decision") is not None:
         return replay_entry(key, entry, parallel, modules, matched, skipped)
@@ -214,12 +215,12 @@ def check_execution(key: str, entry: dict) -> None:
     if execution not in EXECUTIONS:
         raise PlanError(f"{key}.execution={execution!r} is not one of {list(EXECUTIONS)}; e.g. {key}.execution=auto "
                         f"(the fastest execution autoep proves)")
-    fn = entry.get("local_compute_fn", AUTO)
-    if execution != AUTO and fn != AUTO:
+    fn, decision = entry.get("local_compute_fn", AUTO), entry.get("decision")
+    if execution != AUTO and fn != AUTO and (decision is None or decision.get("source") != "auto"):
         raise PlanError(f"{key}.execution={execution} chooses among autoep's own executions, but {key}.local_compute_fn "
                         f"names a factory, which runs as written; set {key}.execution=auto or "
                         f"{key}.local_compute_fn=auto")
-    frozen = ((entry.get("decision") or {}).get("structure") or {}).get("execution")
+    frozen = ((decision or {}).get("structure") or {}).get("execution")
     if execution != AUTO and frozen is not None and frozen != execution:
         raise PlanError(f"{key}.execution={execution}, but its frozen decision runs execution={frozen}; a resolved "
                         f"plan keeps the execution it was resolved with: drop the decision ({key}.decision=null) "

@@ -84,3 +84,15 @@ def test_batched_experts_module_itself_is_not_a_block():
 
     block = blocks.TitanMoE()
     assert has_experts(block) and not has_experts(block.experts)
+
+
+def test_batched_experts_with_a_norm_of_their_own_are_not_a_block():
+    """MuseSpark's experts hold a post-expert norm (a submodule with parameters) beside their 3-D weights; the
+    routing reaches them as arguments, so they are experts, not a block with weights of its own."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.muse_spark import modeling_muse_spark as family
+
+    from autoep.tools.tiny import build_block, family_configs
+
+    block, _ = build_block(family.MuseSparkMoE, family_configs(transformers.models.muse_spark), tiny=True)
+    assert has_experts(block) and not has_experts(block.experts)

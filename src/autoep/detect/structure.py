@@ -6,6 +6,7 @@ than guess. Source parsing and proofs are cached per class.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass
 
 import torch.nn as nn
@@ -220,14 +221,26 @@ _BLOCK_PARAMS = ("experts are 3-D parameters on the block itself ({}); record/re
 
 
 def block_expert_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The block's own (E, ., .) parameters, E >= 2 and the same for all, beside a submodule holding parameters
-    (its router): expert weights held on the block itself, no experts module to call. [] where it has none, 3-D
-    parameters of different leading sizes, or no such submodule (batched experts themselves: the block's
-    ``experts``, which the routing reaches as arguments)."""
+    """The block's own (E, ., .) parameters, E >= 2 and the same for all, in a block that routes itself (a
+    submodule holding parameters, its router, and a forward taking the rows alone): expert weights held on the
+    block itself, no experts module to call. [] where it has none, 3-D parameters of different leading sizes,
+    or a module that is batched experts itself (the routing reaches it as arguments, or it has no router)."""
     own = [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() == 3]
     sizes = {p.shape[0] for _, p in own}
+    if not own or len(sizes) != 1 or sizes.pop() < 2:
+        return []
     routed = any(m is not None and next(m.parameters(), None) is not None for m in module._modules.values())
-    return own if routed and len(sizes) == 1 and sizes.pop() >= 2 else []
+    return own if routed and _rows_alone(type(module)) else []
+
+
+def _rows_alone(cls: type) -> bool:
+    """``cls.forward`` takes one required argument besides ``self`` (the block's rows)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1
 
 
 def _block_params_refusal(module: nn.Module) -> Refusal | None:

@@ -6,7 +6,9 @@ and activation checkpointing around record / exchange / replay, on 2 gloo ranks.
 - ``torch.utils.checkpoint`` (reentrant and not) around a layer holding a replay block: the recomputation in
   backward runs the block's two passes and the exchange again, the RNG restored by the checkpoint and by the
   replay alike; output, input, router, norm and expert grads equal the same layer's own under the same
-  checkpointing (each rank on its own tokens: dense grads summed over ranks, expert grads from their owner).
+  checkpointing (each rank on its own tokens: dense grads summed over ranks, expert grads from their owner);
+  also with a rank that has no tokens (non-reentrant: its recomputation must start before the exchange's
+  backward, and an early stop inside pass 2 must not count as a failed check).
 """
 
 from __future__ import annotations
@@ -72,8 +74,16 @@ def _ep_layer(ref: nn.Module, world_size: int, entry: dict) -> tuple[nn.Module, 
     return model["layer"], resolved.plan[0]
 
 
-def _check(rank: int, world_size: int, mlp: str, use_reentrant: bool | None, entry: dict) -> None:
-    slices = _data(world_size)
+def _slices(batches: list[int]):
+    """Each rank's (x, grad_out): ``batches[r]`` sequences for rank r (0: a rank without tokens)."""
+    x, grad_out = _data(1)[0]
+    bounds = [sum(batches[:r]) for r in range(len(batches) + 1)]
+    return [(x[lo:hi], grad_out[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _check(rank: int, world_size: int, mlp: str, use_reentrant: bool | None, entry: dict,
+           batches: list[int] = (1, 3)) -> None:
+    slices = _slices(list(batches))
     ref = _layer(mlp, use_reentrant)
     layer, resolved = _ep_layer(ref, world_size, entry)
     assert resolved.decision.structure.execution == "replay", resolved.decision.structure.execution
@@ -116,13 +126,16 @@ CASES = {
     **{f"checkpoint/{mlp}/reentrant={r}": (mlp, r, {"execution": "replay"} if mlp == "mixtral_forced"
                                            else {"record_replay": True})
        for mlp in MLPS for r in (False, True)},
+    # a rank without tokens recomputes (and exchanges) in step with its peer
+    **{f"checkpoint/empty_rank/reentrant={r}": ("dropout_between_calls", r, {"record_replay": True}, [0, 4])
+       for r in (False, True)},
 }
 
 
 def execution_cases(rank: int, world_size: int) -> dict:
     results = {}
-    for name, (mlp, reentrant, entry) in CASES.items():
-        guarded(results, name, _check, rank, world_size, mlp, reentrant, entry)
+    for name, case in CASES.items():
+        guarded(results, name, _check, rank, world_size, *case)
     return results
 
 

@@ -27,7 +27,7 @@ Executions side by side (``--interleave ml-own ml-replay ml-fast autoep``): repl
 experts' own forward; ml-fast: with the grouped GEMM) vs grouped (autoep: the batched twin's grouped recipe).
 Memory per layer (interleaved comparison): the bytes autograd saves for backward in one forward of the layer
 (``torch.autograd.graph.saved_tensors_hooks``, counted once per storage, parameters excluded): "packed" is every
-tensor saved during the forward, "held" what the graph still holds when backward starts (replay's pass-1 graph
+tensor saved during the forward (a lower bound: a freed storage's address may be reused), "held" what the graph still holds when backward starts (replay's pass-1 graph
 outside the experts' rows is freed with pass 1's output).
 The interleaved comparison (``--interleave``, on by default) builds its contenders in ONE process group and runs
 ``--rounds`` rounds of one timed fwd+bwd step of each, in an order shuffled every round; each round's ratio is

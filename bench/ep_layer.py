@@ -27,8 +27,8 @@ Executions side by side (``--interleave ml-own ml-replay ml-fast autoep``): repl
 experts' own forward; ml-fast: with the grouped GEMM) vs grouped (autoep: the batched twin's grouped recipe).
 Memory per layer (interleaved comparison): the bytes autograd saves for backward in one forward of the layer
 (``torch.autograd.graph.saved_tensors_hooks``, counted once per storage, parameters excluded): "packed" is every
-tensor saved during the forward (a lower bound: a freed storage's address may be reused), "held" what the graph still holds when backward starts (replay's pass-1 graph
-outside the experts' rows is freed with pass 1's output).
+tensor saved during the forward (a lower bound: a freed storage's address may be reused), "held" what the graph
+still holds when backward starts (replay's pass-1 graph outside the experts' rows is freed with pass 1's output).
 The interleaved comparison (``--interleave``, on by default) builds its contenders in ONE process group and runs
 ``--rounds`` rounds of one timed fwd+bwd step of each, in an order shuffled every round; each round's ratio is
 ml-stacked's step time over the contender's (the slowest rank's times, same round), and the median ratio and its
@@ -390,7 +390,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     # batched_mm gathers a (2F x D) weight per (token, expert) pair: ~100x slower here; opt in by name.
     p.add_argument("--hf-impls", nargs="*", default=["eager", "grouped_mm"])
-    p.add_argument("--interleave", nargs="*", default=["ml-stacked", "ml-copy", "ml-fast", "ml-own", "ml-replay", "autoep"],
+    p.add_argument("--interleave", nargs="*",
+                   default=["ml-stacked", "ml-copy", "ml-fast", "ml-own", "ml-replay", "autoep"],
                    help="contenders compared in one process group, one step of each per round; ratios are to the "
                         "first ([] to skip)")
     p.add_argument("--rounds", type=int, default=15, help="rounds of the interleaved comparison")

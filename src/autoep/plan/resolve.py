@@ -217,8 +217,8 @@ def check_execution(key: str, entry: dict) -> None:
                         f"(the fastest execution autoep proves)")
     fn, decision = entry.get("local_compute_fn", AUTO), entry.get("decision")
     if execution != AUTO and fn != AUTO and (decision is None or decision.get("source") != "auto"):
-        raise PlanError(f"{key}.execution={execution} chooses among autoep's own executions, but {key}.local_compute_fn "
-                        f"names a factory, which runs as written; set {key}.execution=auto or "
+        raise PlanError(f"{key}.execution={execution} chooses among autoep's own executions, but "
+                        f"{key}.local_compute_fn names a factory, which runs as written; set {key}.execution=auto or "
                         f"{key}.local_compute_fn=auto")
     frozen = ((decision or {}).get("structure") or {}).get("execution")
     if execution != AUTO and frozen is not None and frozen != execution:

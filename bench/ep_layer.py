@@ -20,7 +20,15 @@ MixtralStyleSparseMoeBlock, softmax top-k renormalised, as Qwen3-MoE with norm_t
                path of the first own-forward increment)
   ml-fast      the fast path: the grouped GEMM reading the experts' own parameters in place (their memory lives
                in one stacked buffer per projection; gradients handed back as views)
-  ml-own       the experts' own forward (fast_path=False), one nn.Linear chain per local expert
+  ml-own       the experts' own forward (fast_path=False), one nn.Linear chain per local expert (execution=spliced)
+  ml-replay    the same block with execution=replay (plan entry ``execution: replay``): record / exchange / replay,
+               the block's forward twice, each local expert's own forward on its owner
+Executions side by side (``--interleave ml-own ml-replay ml-fast autoep``): replay vs spliced (ml-own: the same
+experts' own forward; ml-fast: with the grouped GEMM) vs grouped (autoep: the batched twin's grouped recipe).
+Memory per layer (interleaved comparison): the bytes autograd saves for backward in one forward of the layer
+(``torch.autograd.graph.saved_tensors_hooks``, counted once per storage, parameters excluded): "packed" is every
+tensor saved during the forward (a lower bound: a freed storage's address may be reused), "held" what the graph
+still holds when backward starts (replay's pass-1 graph outside the experts' rows is freed with pass 1's output).
 The interleaved comparison (``--interleave``, on by default) builds its contenders in ONE process group and runs
 ``--rounds`` rounds of one timed fwd+bwd step of each, in an order shuffled every round; each round's ratio is
 ml-stacked's step time over the contender's (the slowest rank's times, same round), and the median ratio and its
@@ -92,14 +100,17 @@ def module_list_block(block, top_k: int) -> nn.Module:
     return twin
 
 
-def autoep_block(block, mesh, **fn_kwargs):
-    from autoep.detect.structure import detect_moe_structure
+def autoep_block(block, mesh, execution: str = "auto", **fn_kwargs):
+    """``block`` under EP as the plan runs it: the detector's structure (``execution="replay"``: the plan entry's
+    ``execution: replay``, record/exchange/replay although the fast path is proven too)."""
+    from autoep.detect.structure import detect_moe_structure, replay_structure
     from autoep.plan.archetypes import compute_fn_config
     from autoep.runtime.apply import apply_plan
 
     holder = nn.Module()
     holder.mlp = copy.deepcopy(block)
-    s = detect_moe_structure(holder.mlp)
+    s = replay_structure(holder.mlp) if execution == "replay" else detect_moe_structure(holder.mlp)
+    assert execution in ("auto", s.execution), (execution, s.execution)
     fn = {**compute_fn_config(s), **fn_kwargs}
     plan = {"plan": [{"match": "mlp", "local_compute_fn": fn, "decision": {"modules": ["mlp"]}}]}
     apply_plan(holder, plan, mesh)
@@ -259,6 +270,8 @@ def build(name: str, block, ep_mesh, args) -> nn.Module:
         return stack_once(b) if name == "ml-stacked" else copy_each_step(b) if name == "ml-copy" else b
     if name == "ml-own":
         return autoep_block(module_list_block(block, args.top_k), ep_mesh, fast_path=False)
+    if name == "ml-replay":
+        return autoep_block(module_list_block(block, args.top_k), ep_mesh, execution="replay")
     raise ValueError(f"--interleave takes autoep and ml-* contenders, not {name!r}")
 
 
@@ -276,7 +289,46 @@ def interleaved(block, ep_mesh, x, grad, args, names: list[str]) -> dict:
             c0 = time.process_time()
             times[n].append(time_step(blocks[n], x, grad, 1, warmup=False)[0])
             cpu[n].append(time.process_time() - c0)
-    return {"wall": times, "cpu": cpu}
+    return {"wall": times, "cpu": cpu, "saved": {n: saved_bytes(b, x, grad) for n, b in blocks.items()}}
+
+
+class _Saved:
+    """One tensor autograd saved for backward (a weak-referenceable holder: alive while the graph holds it)."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+def saved_bytes(block, x, grad) -> tuple[int, int]:
+    """(bytes packed during one forward, bytes the graph still holds when backward starts) of the tensors
+    autograd saves, each storage counted once, the block's parameters excluded; then the backward runs."""
+    import weakref
+
+    def storage(t):  # (data pointer, bytes) of the storage behind ``t`` (a DTensor: its local shard's)
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return (None, 0) if t.device.type == "meta" else (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+    params = {storage(p)[0] for p in block.parameters()}
+    live: weakref.WeakSet = weakref.WeakSet()
+    packed: dict[int, int] = {}
+
+    def pack(t):
+        holder = _Saved(t)
+        ptr, nbytes = storage(t)
+        if ptr not in params:
+            live.add(holder)
+            packed[ptr] = nbytes
+        return holder
+
+    xi = x.clone().requires_grad_()
+    dist.barrier()  # NOTE: collective; every rank measures the same step
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda holder: holder.t):
+        out = block(xi)
+    out = out[0] if isinstance(out, tuple) else out
+    held = dict(storage(h.t) for h in list(live))
+    out.backward(grad)
+    block.zero_grad(set_to_none=True)
+    return sum(packed.values()), sum(held.values())
 
 
 def profiled(block, x, grad, steps: int = 3) -> str:
@@ -316,6 +368,12 @@ def report_interleaved(per_rank: list[dict], args) -> None:
         print(f"{n:<12}{args.tokens / _quantile(wall[n], 0.5):>11.0f}{_quantile(rw, 0.5):>19.3f}x"
               f"  [{_quantile(rw, 0.25):.3f}, {_quantile(rw, 0.75):.3f}]{_quantile(cpu[n], 0.5):>12.3f}"
               f"{_quantile(rc, 0.5):>18.3f}x  [{_quantile(rc, 0.25):.3f}, {_quantile(rc, 0.75):.3f}]", flush=True)
+    print("saved for backward per layer, rank 0 (MB, parameters excluded): packed during the forward / held when "
+          "backward starts; ratio of held to " + base)
+    saved = per_rank[0]["saved"]
+    for n in names:
+        print(f"{n:<12}{saved[n][0] / 2**20:>11.2f}{saved[n][1] / 2**20:>11.2f}{saved[n][1] / saved[base][1]:>9.2f}x",
+              flush=True)
 
 
 def main(argv=None) -> None:
@@ -332,7 +390,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     # batched_mm gathers a (2F x D) weight per (token, expert) pair: ~100x slower here; opt in by name.
     p.add_argument("--hf-impls", nargs="*", default=["eager", "grouped_mm"])
-    p.add_argument("--interleave", nargs="*", default=["ml-stacked", "ml-copy", "ml-fast", "ml-own", "autoep"],
+    p.add_argument("--interleave", nargs="*",
+                   default=["ml-stacked", "ml-copy", "ml-fast", "ml-own", "ml-replay", "autoep"],
                    help="contenders compared in one process group, one step of each per round; ratios are to the "
                         "first ([] to skip)")
     p.add_argument("--rounds", type=int, default=15, help="rounds of the interleaved comparison")
@@ -348,7 +407,7 @@ def main(argv=None) -> None:
     if args.profile:
         return
     names = ["plain", "autoep"] + [f"hf-{impl}" for impl in args.hf_impls]
-    names += ["ml-plain", "ml-stacked", "ml-copy", "ml-fast", "ml-own"]
+    names += ["ml-plain", "ml-stacked", "ml-copy", "ml-fast", "ml-own", "ml-replay"]
     names = names if args.contenders is None else args.contenders
     if args.interleave:
         per_rank = spawn(args.world_size, "ep_layer:worker", args, "interleaved:" + ",".join(args.interleave))
@@ -383,7 +442,7 @@ def report(results: dict[str, list[dict]], args) -> None:
     if "ml-stacked" in results:
         today = min(r["tok_s"] for r in results["ml-stacked"])
         ratios = ", ".join(f"{n} {min(r['tok_s'] for r in results[n]) / today:.2f}x"
-                           for n in ("ml-copy", "ml-fast", "ml-own", "ml-plain") if n in results)
+                           for n in ("ml-copy", "ml-fast", "ml-own", "ml-replay", "ml-plain") if n in results)
         print(f"ModuleList experts vs ml-stacked (weights stacked once, the recipe before): {ratios}")
 
 

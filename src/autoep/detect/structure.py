@@ -6,6 +6,7 @@ than guess. Source parsing and proofs are cached per class.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass
 
 import torch.nn as nn
@@ -195,6 +196,8 @@ def _structure(module: nn.Module) -> MoeStructure:
         facts, roles = experts_proof.batched_proof(experts)
         facts = dict(facts, idle_experts=(roles.idle,))
         guards = routing_proof.experts_call(module, path)
+    elif block_expert_params(module):
+        raise _block_params_refusal(module)
     else:
         raise Refusal("no experts: no ModuleList/ModuleDict its forward loops over by expert id, no child holding "
                       "3-D expert parameters, no `experts` submodule")
@@ -210,6 +213,39 @@ def _structure(module: nn.Module) -> MoeStructure:
     if router not in ROUTER_KINDS or storage not in STORAGE_KINDS or structure.expert_kind not in EXPERT_KINDS:
         raise Refusal(f"router={router} with expert_storage={storage} is outside the detector's vocabulary")
     return structure
+
+
+_BLOCK_PARAMS = ("experts are 3-D parameters on the block itself ({}); record/replay needs expert modules (a call "
+                 "to move), and autoep's batched proofs read an experts submodule the block calls, not slices of the "
+                 "block's own weights; move the weights into an experts module, or opt out")
+
+
+def block_expert_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The block's own (E, ., .) parameters, E >= 2 and the same for all, in a block that routes itself (a
+    submodule holding parameters, its router, and a forward taking the rows alone): expert weights held on the
+    block itself, no experts module to call. [] where it has none, 3-D parameters of different leading sizes,
+    or a module that is batched experts itself (the routing reaches it as arguments, or it has no router)."""
+    own = [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() == 3]
+    sizes = {p.shape[0] for _, p in own}
+    if not own or len(sizes) != 1 or sizes.pop() < 2:
+        return []
+    routed = any(m is not None and next(m.parameters(), None) is not None for m in module._modules.values())
+    return own if routed and _rows_alone(type(module)) else []
+
+
+def _rows_alone(cls: type) -> bool:
+    """``cls.forward`` takes one required argument besides ``self`` (the block's rows)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1
+
+
+def _block_params_refusal(module: nn.Module) -> Refusal | None:
+    own = block_expert_params(module)
+    return Refusal(_BLOCK_PARAMS.format(", ".join(f"{n} {tuple(p.shape)}" for n, p in own))) if own else None
 
 
 def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
@@ -275,15 +311,24 @@ def detect_moe_structure(module: nn.Module, *, replay: bool = False) -> MoeStruc
     return _detected(module, replay=replay)
 
 
+def replay_structure(module: nn.Module) -> MoeStructure:
+    """``module`` run by record/exchange/replay even where a fast path is proven too (``PlanEntry.execution=
+    replay``): its module experts proven as the fallback proves them; refusals as ``detect_moe_structure``'s."""
+    return _detected(module, replay=True, fast=False)
+
+
 def fast_path_structure(module: nn.Module) -> MoeStructure:
     """``detect_moe_structure`` without the record/exchange/replay fallback: the fast paths' proofs alone
     (their refusal names the construct they do not read)."""
     return _detected(module, replay=False)
 
 
-def _detected(module: nn.Module, replay: bool) -> MoeStructure:
+def _detected(module: nn.Module, replay: bool, fast: bool = True) -> MoeStructure:
     try:
         try:
+            if not fast:  # the reason replay gives where it finds no container
+                raise _block_params_refusal(module) or Refusal("execution=replay needs module experts of one "
+                                                               "container its forward calls")
             return _structure(module)
         except Refusal as exc:
             if not replay:
@@ -356,7 +401,7 @@ def has_experts(module: nn.Module, *, replay: bool = False) -> bool:
     try:
         name = find_experts(module)
         if name is None:
-            return False
+            return bool(block_expert_params(module))  # detection refuses it, naming them
         # a lone ModuleList no loop indexes (a decoder's ``layers``) is returned for the refusal's sake only
         return type(module._modules.get(name)) is not nn.ModuleList or module_list_proof.expert_container(module) == name
     except Refusal:

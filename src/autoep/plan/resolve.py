@@ -26,7 +26,7 @@ from autoep.errors import (OPT_OUT_HINT, OPT_OUT_SPELLING, DriftError, PlanError
 from autoep.plan import archetypes, replay
 from autoep.plan.artifact import load_plan
 from autoep.plan.fingerprint import class_hashes, seal
-from autoep.plan.schema import ON_DRIFT, ParallelConfig, PlanEntry
+from autoep.plan.schema import EXECUTIONS, ON_DRIFT, ParallelConfig, PlanEntry
 from autoep.targets import FACTORY_KEY, check_not_moved, factory_key, factory_mapping, factory_spec, import_object
 
 log = logging.getLogger(__name__)
@@ -122,10 +122,13 @@ def _plain(node, where: str = "plan entry") -> dict:
 
 
 def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str, nn.Module]) -> dict:
+    check_execution(key, entry)
     matched = match_modules(key, entry["match"], modules)
     skipped: list[str] = []
     if entry.get("moe_only"):
-        matched, skipped = split_moe(key, entry["match"], matched, modules, replay=bool(entry.get("record_replay")))
+        # an explicit execution takes every block replay finds too, so a block it does not fit is refused naming why
+        replay = bool(entry.get("record_replay")) or entry.get("execution", AUTO) != AUTO
+        matched, skipped = split_moe(key, entry["match"], matched, modules, replay=replay)
     if entry.get("decision") is not None:
         return replay_entry(key, entry, parallel, modules, matched, skipped)
     return decide_entry(key, entry, parallel, modules, matched, skipped)
@@ -176,7 +179,8 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
             raise PlanError(f"{key}.local_compute_fn=auto but parallel.detect=false, so nothing may be detected. "
                             f"Name the factory ('{key}.local_compute_fn={{{FACTORY_KEY}:pkg.fn}}') or remove the entry")
         structure_dict, num_experts = _detect_group(key, entry["match"], modules, matched,
-                                                   replay=bool(entry.get("record_replay", False)))
+                                                   replay=bool(entry.get("record_replay", False)),
+                                                   execution=entry.get("execution", AUTO))
         cls_name = type(modules[matched[0]]).__name__
         fn = archetypes.compute_fn_config(structure.MoeStructure(**structure_dict), cls_name)
         source = "auto"
@@ -199,7 +203,28 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
     decision["fingerprint"] = seal_entry(entry["match"], fn, decision)
     out = {"match": entry["match"], "local_compute_fn": fn, "decision": decision}
     flags = {k: True for k in ("moe_only", "record_replay") if entry.get(k)}
+    if entry.get("execution", AUTO) != AUTO:
+        flags["execution"] = entry["execution"]
     return out | flags
+
+
+def check_execution(key: str, entry: dict) -> None:
+    """``execution`` is one of ``schema.EXECUTIONS``, and other than auto only where autoep decides (an explicit
+    factory runs as it is written); a frozen decision's execution is the one the entry asks for."""
+    execution = entry.get("execution", AUTO)
+    if execution not in EXECUTIONS:
+        raise PlanError(f"{key}.execution={execution!r} is not one of {list(EXECUTIONS)}; e.g. {key}.execution=auto "
+                        f"(the fastest execution autoep proves)")
+    fn, decision = entry.get("local_compute_fn", AUTO), entry.get("decision")
+    if execution != AUTO and fn != AUTO and (decision is None or decision.get("source") != "auto"):
+        raise PlanError(f"{key}.execution={execution} chooses among autoep's own executions, but "
+                        f"{key}.local_compute_fn names a factory, which runs as written; set {key}.execution=auto or "
+                        f"{key}.local_compute_fn=auto")
+    frozen = ((decision or {}).get("structure") or {}).get("execution")
+    if execution != AUTO and frozen is not None and frozen != execution:
+        raise PlanError(f"{key}.execution={execution}, but its frozen decision runs execution={frozen}; a resolved "
+                        f"plan keeps the execution it was resolved with: drop the decision ({key}.decision=null) "
+                        f"to decide afresh, or set {key}.execution={frozen}")
 
 
 def as_factory(fn: Mapping) -> dict:
@@ -216,13 +241,14 @@ def seal_entry(match: str, fn, decision: Mapping) -> str:
 
 
 def _detect_group(key: str, pattern: str, modules: dict, matched: list[str], *,
-                  replay: bool = False) -> tuple[dict, int]:
+                  replay: bool = False, execution: str = AUTO) -> tuple[dict, int]:
     """One (structure, expert count) for every matched module, or an error naming the groups (``replay``: the
-    record/exchange/replay fallback for module experts is allowed, ``PlanEntry.record_replay``)."""
+    record/exchange/replay fallback for module experts is allowed, ``PlanEntry.record_replay``; ``execution``:
+    ``PlanEntry.execution``, auto or the one asked for)."""
     groups: dict[tuple[structure.MoeStructure, int], list[str]] = {}
     for name in matched:
         try:
-            found = structure.detect_moe_structure(modules[name], replay=replay)
+            found = _detect_execution(key, name, modules[name], replay, execution)
             n = structure.count_experts(modules[name], found)
         except UnsupportedModuleStructure as e:
             raise UnsupportedPlanEntry(
@@ -236,6 +262,21 @@ def _detect_group(key: str, pattern: str, modules: dict, matched: list[str], *,
                         f"Split the glob into one entry per group, or declare {key}.local_compute_fn explicitly")
     (found, n), = groups
     return found.as_dict(), n
+
+
+def _detect_execution(key: str, name: str, module: nn.Module, replay: bool, execution: str) -> structure.MoeStructure:
+    """The block's structure under ``execution``: auto, the fastest proven one (the detector's order, grouped or
+    spliced where a fast path is proven, else replay where ``replay`` allows it: docs/benchmarks.md says why);
+    replay, record/exchange/replay even where a fast path is proven too; grouped | spliced, the fast path's
+    structure if it is that execution, else a ``PlanError`` naming the key."""
+    if execution == "replay":
+        return structure.replay_structure(module)
+    found = structure.detect_moe_structure(module, replay=replay and execution == AUTO)
+    if execution not in (AUTO, found.execution):
+        raise PlanError(f"{key}.execution={execution}: {name} ({type(module).__name__}) is proven for "
+                        f"execution={found.execution} (expert_storage={found.expert_storage}), not {execution}; set "
+                        f"{key}.execution={found.execution}, or auto")
+    return found
 
 
 def _count_explicit(modules: dict, matched: list[str]) -> int | None:
@@ -340,7 +381,7 @@ def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
                              f"Run the code it was resolved against, or set parallel.on_drift=redetect to decide afresh")
         log.warning("%s: drift (%s); parallel.on_drift=redetect, deciding afresh", where, "; ".join(drift))
         fresh = {"match": entry["match"], "local_compute_fn": AUTO if decision["source"] == "auto" else fn,
-                 "moe_only": entry.get("moe_only", False)}
+                 **{k: entry[k] for k in ("moe_only", "record_replay", "execution") if k in entry}}
         return decide_entry(key, fresh, parallel, modules, matched, skipped)
     check_compute_fn(key, fn, parallel.allowed_targets)
     check_ep_size(parallel.ep_size, decision["num_experts"], matched)

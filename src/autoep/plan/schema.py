@@ -20,6 +20,9 @@ from omegaconf.errors import OmegaConfBaseException
 from autoep.errors import ConfigError
 
 ON_DRIFT = ("error", "redetect")
+# How a plan entry's blocks run their expert work (``MoeStructure.execution``): auto = the fastest proven one,
+# grouped > spliced > replay (docs/benchmarks.md, "Execution"); any other: that one, or the entry is refused.
+EXECUTIONS = ("auto", "grouped", "spliced", "replay")
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,11 @@ class PlanEntry:
     # block's forward twice, autoep.runtime.recipes.replay). Off by default until the soundness fuzzer runs it
     # clean on every target (README, "Record, exchange, replay")
     record_replay: bool = False
+    # auto: the fastest execution autoep proves for the blocks (grouped > spliced > replay; replay only with
+    # record_replay). grouped | spliced | replay: that execution (replay: record / exchange / replay even where a
+    # fast path is proven too), refused naming this key where it is not proven; kept in resolved.yaml and
+    # checked against the frozen decision when the artifact is replayed.
+    execution: str = field(default="auto", metadata=one_of(EXECUTIONS, "how the blocks' expert work runs"))
     decision: Optional[Decision] = None
 
 

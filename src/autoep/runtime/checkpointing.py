@@ -16,10 +16,23 @@ the token exchange (collectives), and the checkpoint runs it a second time in ba
   exchanges; a non-reentrant recomputation stops early only after the last tensor the block saved, which
   comes after its last exchange (the combine saves its indices), so no rank leaves an exchange out.
 
+A record / exchange / replay block (``autoep.runtime.recipes.replay``) is exact under it too: the
+recomputation runs both passes and the exchange again, the RNG restored by the checkpoint before it and by the
+replay between its passes, so pass 1 records the same calls and pass 2 draws what the block's own call drew.
+Two things keep the ranks in step under non-reentrant checkpointing: its recomputation stops early at the
+last tensor the forward saved, which is in pass 2 (after both exchanges) on one rank and may be past the block
+on another, so the replay treats that stop as no failure and still joins its agreement all-reduce before
+stopping; and a rank whose block output reaches nothing saved (no tokens: the returned rows are joined to
+the output by ``dispatch._Join``) starts its recomputation in ``_Join``'s backward, which reads a saved
+tensor, rather than entering the exchange's backward while its peers recompute. Replay blocks are
+checkpointed from around them (a decoder layer's checkpoint): a block that is itself a checkpointing layer is
+refused at detection (its ``__call__`` wrapper), so this guard never sees one.
+
 ``tests/runtime/test_checkpointing.py`` shows it on 2 ranks against the block's own forward, for both
-modes. Any other ``_gradient_checkpointing_func`` (a partial with ``context_fn``, HF's CPU-offload closure,
-a user function) is code autoep has not read: the block's call raises, naming ``gradient_checkpointing`` and
-the fix, before anything runs.
+modes; ``tests/runtime/test_replay_execution.py`` for replay blocks (against the layer's own forward under
+the same checkpointing). Any other ``_gradient_checkpointing_func`` (a partial with ``context_fn``, HF's
+CPU-offload closure, a user function) is code autoep has not read: the block's call raises, naming
+``gradient_checkpointing`` and the fix, before anything runs.
 """
 from __future__ import annotations
 

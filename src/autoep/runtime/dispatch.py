@@ -216,10 +216,15 @@ class _Join(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: Tensor, *dropped: Tensor) -> Tensor:
         ctx.dropped = [(d.shape, d.dtype, d.device) for d in dropped]
+        # Saved, and read in backward, so that under a non-reentrant activation checkpoint the block's
+        # recomputation (its forward exchanges) runs here, before the dropped exchange's backward, on a rank
+        # whose block output reaches nothing else that was saved (a rank without tokens), as on its peers.
+        ctx.save_for_backward(out)
         return out.clone()  # not a view: the model may edit its block's output in place
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        ctx.saved_tensors  # noqa: B018 - the unpack that triggers a checkpoint's recomputation (forward)
         return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.dropped))
 
 

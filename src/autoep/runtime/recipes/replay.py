@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from autoep.detect import replay_proof
@@ -170,8 +171,16 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         failure = None
     except Exception as exc:  # noqa: BLE001 - agreed with every peer first, then raised
         failure = exc
-    _agree(failure, group, cls.__name__, _device(args, kwargs, self))
+    # A non-reentrant checkpoint's recomputation stops at the last tensor the forward saved, which may be in
+    # pass 2 on one rank and past the block on another: no failure; this rank still joins the agreement.
+    stop = failure if isinstance(failure, _CHECKPOINT_STOP) else None
+    _agree(None if stop else failure, group, cls.__name__, _device(args, kwargs, self))
+    if stop is not None:
+        raise stop
     return _needing_grad(output, returned) if group is not None else output
+
+
+_CHECKPOINT_STOP = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 
 def _needing_grad(output, returned: Tensor):

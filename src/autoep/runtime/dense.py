@@ -50,7 +50,9 @@ def shard_dense(model: nn.Module, block_names: list[str], world: int, device: to
 
 
 def set_grad_sync(model: nn.Module, sync: bool) -> None:
-    """FSDP2: reduce-scatter dense grads in this backward (the last micro-batch) or keep accumulating
-    them unsharded (earlier micro-batches). No-op for a replicated model."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
+    """FSDP2: reduce-scatter grads in this backward (the last micro-batch) or keep accumulating them unsharded
+    (earlier micro-batches), in every FSDP2 unit (dense layers, and experts under ``expert_sharding=fsdp2``).
+    No-op for a replicated model."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(sync, recurse=False)

@@ -31,6 +31,7 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 PLAN_CONF_DIR = str(Path(__file__).resolve().parents[1] / "plan" / "conf")
 DEVICES = ("auto", "cpu", "cuda")
 DENSE_SHARDING = ("replicate", "fsdp2")
+EXPERT_SHARDING = ("replicate", "fsdp2")
 ON_NONFINITE = ("error", "skip")
 DATA_SOURCES = ("synthetic", "text")
 
@@ -84,6 +85,8 @@ class TrainerConfig:
     join_timeout_s: int = field(default=60, metadata=at_least(1, "seconds the ranks wait for each other at launch", 60))
     # replicate (all-reduce) | fsdp2 (fully_shard over the world; experts stay on ep)
     dense_sharding: str = field(default="replicate", metadata=one_of(DENSE_SHARDING, "how dense params live"))
+    # replicate (experts whole on each edp replica) | fsdp2 (each rank's experts FSDP2-sharded over edp)
+    expert_sharding: str = field(default="replicate", metadata=one_of(EXPERT_SHARDING, "how expert params live"))
     # error: a non-finite loss or grad norm stops the run (exit 5); skip: that step is skipped and logged
     on_nonfinite: str = field(default="error", metadata=one_of(ON_NONFINITE, "what a non-finite loss does"))
     export_hf: bool = False  # at the end, write <run_dir>/hf: config.json + model.safetensors (from_pretrained)

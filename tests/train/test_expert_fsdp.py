@@ -1,9 +1,17 @@
-"""Expert FSDP (``trainer.expert_sharding=fsdp2``, ``autoep.runtime.expert_fsdp``) on 4 ranks, (edp, ep) = (2, 2)."""
+"""Expert FSDP (``trainer.expert_sharding=fsdp2``, ``autoep.runtime.expert_fsdp``) on 4 ranks, (edp, ep) = (2, 2):
+training equals one process (losses, grad norms, every final weight), for batched 3-D experts (the default
+Qwen3-MoE) and module experts (a v4-style ModuleList model), alone and with dense FSDP2; its DCP checkpoint resumes
+at (1, 4) and at (2, 2) replicated and continues the same curve.
+
+One spawned group runs every 4-rank case; the single-process references run in the test process.
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+import torch
 from distributed import spawn
 from module_list_lm import model_config
 from test_train_worlds import GLOBAL_ROWS, assert_same_training, run
@@ -17,17 +25,70 @@ def grad_norms(result: dict) -> list[float]:
 
 
 def worker(rank: int, world_size: int, tmp: str) -> dict:
+    from autoep.runtime.expert_fsdp import sharded_over_edp
+    from autoep.train import trainer
+
     rows = f"data.batch_size={GLOBAL_ROWS // world_size}"
-    out = {"batched": run("parallel.ep_size=2", rows, FSDP, f"run_dir={tmp}/batched")}
+    seen = {}
+    shard = trainer.shard_experts_over_edp
+
+    def spy(model, blocks, mesh):  # what a rank holds after sharding: its 1/(ep*edp) of every expert tensor
+        shard(model, blocks, mesh)
+        seen[len(seen)] = sorted(n for n, p in model.named_parameters() if sharded_over_edp(p))
+        return model
+
+    trainer.shard_experts_over_edp = spy
+    ckpt = "checkpoints/step_00000002"
+    out = {"batched": run("parallel.ep_size=2", rows, FSDP, "trainer.ckpt_every=2", f"run_dir={tmp}/batched")}
+    out["batched_dense"] = run("parallel.ep_size=2", rows, FSDP, "trainer.dense_sharding=fsdp2",
+                               f"run_dir={tmp}/batched_dense")
+    out["to_ep4"] = run("parallel.ep_size=4", rows, FSDP, f"trainer.resume={tmp}/batched/{ckpt}",
+                        f"run_dir={tmp}/to_ep4")
+    out["to_replicate"] = run("parallel.ep_size=2", rows, f"trainer.resume={tmp}/batched/{ckpt}",
+                              f"run_dir={tmp}/to_replicate")
+    out["modules"] = run("parallel.ep_size=2", rows, FSDP, "trainer.dense_sharding=fsdp2", "trainer.ckpt_every=2",
+                         f"run_dir={tmp}/modules", model=model_config())
+    out["modules_to_replicate"] = run("parallel.ep_size=2", rows, f"trainer.resume={tmp}/modules/{ckpt}",
+                                      f"run_dir={tmp}/modules_to_replicate", model=model_config())
+    out["sharded"] = seen
     return out
 
 
-def test_try(tmp_path):
-    import time
-    t = time.time()
-    ranks = spawn(4, "test_expert_fsdp:worker", str(tmp_path))
-    print("spawn", time.time() - t)
-    single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp_path}/single")
-    print(single["losses"], ranks[0]["batched"]["losses"], grad_norms(single), grad_norms(ranks[0]["batched"]))
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("expert_fsdp")
+    return tmp, spawn(4, "test_expert_fsdp:worker", str(tmp))
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert_same_training(a, b)
+    torch.testing.assert_close(torch.tensor(grad_norms(a)), torch.tensor(grad_norms(b)))  # the gradient's scale
+
+
+def test_batched_experts_fsdp2_equal_single_process(four_ranks):
+    tmp, ranks = four_ranks
+    single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/single")
     for r in ranks:
-        assert_same_training(r["batched"], single)
+        assert_same(r["batched"], single)
+        assert_same(r["batched_dense"], single)
+        assert r["sharded"][0] == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1)
+                                   for w in ("down_proj", "gate_up_proj")]
+
+
+def test_module_experts_fsdp2_with_dense_fsdp2_equal_single_process(four_ranks):
+    tmp, ranks = four_ranks
+    single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/ml_single", model=model_config())
+    for r in ranks:
+        assert_same(r["modules"], single)
+    print(ranks[0]["sharded"])
+
+
+def test_fsdp2_checkpoint_resumes_at_ep4_and_replicated(four_ranks):
+    tmp, ranks = four_ranks
+    single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/single_r")
+    ml_single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/ml_single_r", model=model_config())
+    for r in ranks:
+        for case in ("to_ep4", "to_replicate"):
+            assert_same_training(r[case], {"losses": single["losses"][2:], "weights": single["weights"]})
+        assert_same_training(r["modules_to_replicate"], {"losses": ml_single["losses"][2:],
+                                                         "weights": ml_single["weights"]})

@@ -75,7 +75,9 @@ def _placement(experts: list[torch.Tensor], mesh, name: str) -> dict:
                         f"trainer.expert_sharding=replicate")
     names = meshes.pop()
     if names == tuple(mesh.mesh_dim_names):  # batched experts on the (edp, ep) mesh: FSDP2's SPMD path
-        return {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(shard="edp")}
+        # The parameters' own mesh object: FSDP2 wants that very object, and DTensor may hold an equal one
+        # interned from an earlier mesh over the same ranks.
+        return {"mesh": experts[0].device_mesh, "dp_mesh_dims": DataParallelMeshDims(shard="edp")}
     return {"mesh": mesh["edp"]}  # plain module experts, or DTensors on the 1-D ep mesh (FSDP2's EP path)
 
 

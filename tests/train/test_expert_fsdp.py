@@ -34,7 +34,9 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
 
     def spy(model, blocks, mesh):  # what a rank holds after sharding: its 1/(ep*edp) of every expert tensor
         shard(model, blocks, mesh)
-        seen[len(seen)] = sorted(n for n, p in model.named_parameters() if sharded_over_edp(p))
+        sharded = {n: p for n, p in model.named_parameters() if sharded_over_edp(p)}
+        seen[len(seen)] = {"names": sorted(sharded), "local": sum(p.to_local().numel() for p in sharded.values()),
+                           "global": sum(p.numel() for p in sharded.values())}
         return model
 
     trainer.shard_experts_over_edp = spy
@@ -60,33 +62,57 @@ def four_ranks(tmp_path_factory):
     return tmp, spawn(4, "test_expert_fsdp:worker", str(tmp))
 
 
+@pytest.fixture(scope="module")
+def singles(four_ranks):
+    tmp, _ = four_ranks
+    return {"batched": run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/single"),
+            "modules": run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/ml_single", model=model_config())}
+
+
 def assert_same(a: dict, b: dict) -> None:
     assert_same_training(a, b)
     torch.testing.assert_close(torch.tensor(grad_norms(a)), torch.tensor(grad_norms(b)))  # the gradient's scale
 
 
-def test_batched_experts_fsdp2_equal_single_process(four_ranks):
-    tmp, ranks = four_ranks
-    single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/single")
+def test_batched_experts_fsdp2_equal_single_process(four_ranks, singles):
+    _, ranks = four_ranks
+    single = singles["batched"]
     for r in ranks:
         assert_same(r["batched"], single)
         assert_same(r["batched_dense"], single)
-        assert r["sharded"][0] == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1)
-                                   for w in ("down_proj", "gate_up_proj")]
+    for r in ranks:  # each rank keeps a quarter of every 3-D expert tensor: (E / ep) / edp experts
+        sharded = r["sharded"][0]
+        assert sharded["names"] == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1)
+                                    for w in ("down_proj", "gate_up_proj")]
+        assert sharded["local"] * 4 == sharded["global"]
+        assert r["sharded"][2]["names"] == []  # (1, 4): no edp to shard over, a no-op
 
 
-def test_module_experts_fsdp2_with_dense_fsdp2_equal_single_process(four_ranks):
-    tmp, ranks = four_ranks
-    single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/ml_single", model=model_config())
+def test_module_experts_fsdp2_with_dense_fsdp2_equal_single_process(four_ranks, singles):
+    _, ranks = four_ranks
+    single = singles["modules"]
     for r in ranks:
         assert_same(r["modules"], single)
-    print(ranks[0]["sharded"])
+        # This rank's half of the ModuleList's experts, each Linear weight halved over edp; the names kept.
+        sharded = r["sharded"][3]
+        assert len(sharded["names"]) == 2 * 3 * 2 and sharded["local"] * 2 == sharded["global"]
 
 
-def test_fsdp2_checkpoint_resumes_at_ep4_and_replicated(four_ranks):
-    tmp, ranks = four_ranks
-    single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/single_r")
-    ml_single = run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/ml_single_r", model=model_config())
+def test_unknown_expert_sharding_is_refused():
+    from hydra import compose, initialize_config_dir
+
+    from autoep.errors import ConfigError
+    from autoep.train.config import CONF_DIR, check_config
+
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["trainer.expert_sharding=zero3"])
+    with pytest.raises(ConfigError, match=r"trainer.expert_sharding=zero3: must be one of replicate, fsdp2"):
+        check_config(cfg)
+
+
+def test_fsdp2_checkpoint_resumes_at_ep4_and_replicated(four_ranks, singles):
+    _, ranks = four_ranks
+    single, ml_single = singles["batched"], singles["modules"]
     for r in ranks:
         for case in ("to_ep4", "to_replicate"):
             assert_same_training(r[case], {"losses": single["losses"][2:], "weights": single["weights"]})

@@ -1,7 +1,8 @@
 """Expert FSDP (``trainer.expert_sharding=fsdp2``, ``autoep.runtime.expert_fsdp``) on 4 ranks, (edp, ep) = (2, 2):
 training equals one process (losses, grad norms, every final weight), for batched 3-D experts (the default
-Qwen3-MoE) and module experts (a v4-style ModuleList model), alone and with dense FSDP2; its DCP checkpoint resumes
-at (1, 4) and at (2, 2) replicated and continues the same curve.
+Qwen3-MoE; alone, and with dense FSDP2 and gradient accumulation) and module experts (a v4-style ModuleList
+model, with dense FSDP2); its DCP checkpoint resumes at (1, 4) and at (2, 2) replicated and continues the same
+curve.
 
 One spawned group runs every 4-rank case; the single-process references run in the test process.
 """
@@ -17,6 +18,8 @@ from module_list_lm import model_config
 from test_train_worlds import GLOBAL_ROWS, assert_same_training, run
 
 FSDP = "trainer.expert_sharding=fsdp2"
+STEPS = "trainer.steps=3"  # a checkpoint at step 2, one step resumed from it
+ACCUM = ("trainer.grad_accum=2",)  # two micro-batches per step: one reduce-scatter, after the last
 
 
 def grad_norms(result: dict) -> list[float]:
@@ -28,7 +31,7 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
     from autoep.runtime.expert_fsdp import sharded_over_edp
     from autoep.train import trainer
 
-    rows = f"data.batch_size={GLOBAL_ROWS // world_size}"
+    rows = (f"data.batch_size={GLOBAL_ROWS // world_size}", STEPS)
     seen = {}
     shard = trainer.shard_experts_over_edp
 
@@ -41,16 +44,16 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
 
     trainer.shard_experts_over_edp = spy
     ckpt = "checkpoints/step_00000002"
-    out = {"batched": run("parallel.ep_size=2", rows, FSDP, "trainer.ckpt_every=2", f"run_dir={tmp}/batched")}
-    out["batched_dense"] = run("parallel.ep_size=2", rows, FSDP, "trainer.dense_sharding=fsdp2",
+    out = {"batched": run("parallel.ep_size=2", *rows, FSDP, "trainer.ckpt_every=2", f"run_dir={tmp}/batched")}
+    out["batched_dense"] = run("parallel.ep_size=2", *rows, FSDP, "trainer.dense_sharding=fsdp2", *ACCUM,
                                f"run_dir={tmp}/batched_dense")
-    out["to_ep4"] = run("parallel.ep_size=4", rows, FSDP, f"trainer.resume={tmp}/batched/{ckpt}",
+    out["to_ep4"] = run("parallel.ep_size=4", *rows, FSDP, f"trainer.resume={tmp}/batched/{ckpt}",
                         f"run_dir={tmp}/to_ep4")
-    out["to_replicate"] = run("parallel.ep_size=2", rows, f"trainer.resume={tmp}/batched/{ckpt}",
+    out["to_replicate"] = run("parallel.ep_size=2", *rows, f"trainer.resume={tmp}/batched/{ckpt}",
                               f"run_dir={tmp}/to_replicate")
-    out["modules"] = run("parallel.ep_size=2", rows, FSDP, "trainer.dense_sharding=fsdp2", "trainer.ckpt_every=2",
+    out["modules"] = run("parallel.ep_size=2", *rows, FSDP, "trainer.dense_sharding=fsdp2", "trainer.ckpt_every=2",
                          f"run_dir={tmp}/modules", model=model_config())
-    out["modules_to_replicate"] = run("parallel.ep_size=2", rows, f"trainer.resume={tmp}/modules/{ckpt}",
+    out["modules_to_replicate"] = run("parallel.ep_size=2", *rows, f"trainer.resume={tmp}/modules/{ckpt}",
                                       f"run_dir={tmp}/modules_to_replicate", model=model_config())
     out["sharded"] = seen
     return out
@@ -65,8 +68,9 @@ def four_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def singles(four_ranks):
     tmp, _ = four_ranks
-    return {"batched": run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/single"),
-            "modules": run(f"data.batch_size={GLOBAL_ROWS}", f"run_dir={tmp}/ml_single", model=model_config())}
+    return {"batched": run(f"data.batch_size={GLOBAL_ROWS}", STEPS, f"run_dir={tmp}/single"),
+            "accum": run(f"data.batch_size={GLOBAL_ROWS}", STEPS, *ACCUM, f"run_dir={tmp}/single_accum"),
+            "modules": run(f"data.batch_size={GLOBAL_ROWS}", STEPS, f"run_dir={tmp}/ml_single", model=model_config())}
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -79,7 +83,7 @@ def test_batched_experts_fsdp2_equal_single_process(four_ranks, singles):
     single = singles["batched"]
     for r in ranks:
         assert_same(r["batched"], single)
-        assert_same(r["batched_dense"], single)
+        assert_same(r["batched_dense"], singles["accum"])  # with dense FSDP2 and gradient accumulation
     for r in ranks:  # each rank keeps a quarter of every 3-D expert tensor: (E / ep) / edp experts
         sharded = r["sharded"][0]
         assert sharded["names"] == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import spawn
+from safetensors.torch import load_file
 from module_list_lm import model_config
 from test_train_worlds import GLOBAL_ROWS, assert_same_training, run
 
@@ -46,7 +47,7 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
     ckpt = "checkpoints/step_00000002"
     out = {"batched": run("parallel.ep_size=2", *rows, FSDP, "trainer.ckpt_every=2", f"run_dir={tmp}/batched")}
     out["batched_dense"] = run("parallel.ep_size=2", *rows, FSDP, "trainer.dense_sharding=fsdp2", *ACCUM,
-                               f"run_dir={tmp}/batched_dense")
+                               "trainer.export_hf=true", f"run_dir={tmp}/batched_dense")
     out["to_ep4"] = run("parallel.ep_size=4", *rows, FSDP, f"trainer.resume={tmp}/batched/{ckpt}",
                         f"run_dir={tmp}/to_ep4")
     out["to_replicate"] = run("parallel.ep_size=2", *rows, f"trainer.resume={tmp}/batched/{ckpt}",
@@ -84,6 +85,12 @@ def test_batched_experts_fsdp2_equal_single_process(four_ranks, singles):
     for r in ranks:
         assert_same(r["batched"], single)
         assert_same(r["batched_dense"], singles["accum"])  # with dense FSDP2 and gradient accumulation
+    # trainer.export_hf=true gathers the FSDP2 expert shards: the file holds the trained weights, every one.
+    exported = load_file(Path(ranks[0]["batched_dense"]["run_dir"]) / "hf" / "model.safetensors")
+    weights = ranks[0]["batched_dense"]["weights"]
+    assert exported.keys() == weights.keys()
+    for name, value in exported.items():
+        torch.testing.assert_close(value, weights[name], msg=lambda m, n=name: f"{n}: {m}")
     for r in ranks:  # each rank keeps a quarter of every 3-D expert tensor: (E / ep) / edp experts
         sharded = r["sharded"][0]
         assert sharded["names"] == [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1)

@@ -1,7 +1,7 @@
 """Expert FSDP (``trainer.expert_sharding=fsdp2``, ``autoep.runtime.expert_fsdp``) on 4 ranks, (edp, ep) = (2, 2):
 training equals one process (losses, grad norms, every final weight), for batched 3-D experts (the default
 Qwen3-MoE; alone, and with dense FSDP2 and gradient accumulation) and module experts (a v4-style ModuleList
-model, with dense FSDP2); its DCP checkpoint resumes at (1, 4) and at (2, 2) replicated and continues the same
+model; alone and with dense FSDP2); its DCP checkpoint resumes at (1, 4) and at (2, 2) replicated and continues the same
 curve.
 
 One spawned group runs every 4-rank case; the single-process references run in the test process.
@@ -52,8 +52,10 @@ def worker(rank: int, world_size: int, tmp: str) -> dict:
                         f"run_dir={tmp}/to_ep4")
     out["to_replicate"] = run("parallel.ep_size=2", *rows, f"trainer.resume={tmp}/batched/{ckpt}",
                               f"run_dir={tmp}/to_replicate")
-    out["modules"] = run("parallel.ep_size=2", *rows, FSDP, "trainer.dense_sharding=fsdp2", "trainer.ckpt_every=2",
-                         f"run_dir={tmp}/modules", model=model_config())
+    out["modules"] = run("parallel.ep_size=2", *rows, FSDP, "trainer.ckpt_every=2", f"run_dir={tmp}/modules",
+                         model=model_config())
+    out["modules_dense"] = run("parallel.ep_size=2", *rows, FSDP, "trainer.dense_sharding=fsdp2",
+                               f"run_dir={tmp}/modules_dense", model=model_config())
     out["modules_to_replicate"] = run("parallel.ep_size=2", *rows, f"trainer.resume={tmp}/modules/{ckpt}",
                                       f"run_dir={tmp}/modules_to_replicate", model=model_config())
     out["sharded"] = seen
@@ -99,11 +101,12 @@ def test_batched_experts_fsdp2_equal_single_process(four_ranks, singles):
         assert r["sharded"][2]["names"] == []  # (1, 4): no edp to shard over, a no-op
 
 
-def test_module_experts_fsdp2_with_dense_fsdp2_equal_single_process(four_ranks, singles):
+def test_module_experts_fsdp2_equal_single_process(four_ranks, singles):
     _, ranks = four_ranks
     single = singles["modules"]
     for r in ranks:
         assert_same(r["modules"], single)
+        assert_same(r["modules_dense"], single)
         # This rank's half of the ModuleList's experts, each Linear weight halved over edp; the names kept.
         sharded = r["sharded"][3]
         assert len(sharded["names"]) == 2 * 3 * 2 and sharded["local"] * 2 == sharded["global"]

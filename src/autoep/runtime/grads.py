@@ -6,7 +6,9 @@ Why the sums (what makes EP training equal single-process training on the concat
 back-propagate its loss ``loss_r``. A dense parameter's grad on rank r is then the gradient of ``loss_r`` alone,
 so dense grads are *summed* over the world. An expert shard's grad already holds the contributions of every
 rank of its ``ep`` group (the all-to-all backward brought them home), so expert grads are *summed* over
-``edp`` only; averaging over ``edp`` instead would be ``ep`` times too large.
+``edp`` only; averaging over ``edp`` instead would be ``ep`` times too large. Under
+``trainer.expert_sharding=fsdp2`` FSDP2 does that sum itself (a reduce-scatter over ``edp``,
+``autoep.runtime.expert_fsdp``) and ``reduce_grads`` skips those experts.
 
 The gradient convention says what the global loss is (``finish_grads``):
   - ``"sum"``: the global loss is the sum of what the ranks back-propagated (autoep's trainer back-propagates

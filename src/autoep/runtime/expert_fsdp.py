@@ -18,7 +18,8 @@ rank's tokens missed may be reached by its peer's. An expert no rank reached thu
 Layouts, per kind of expert storage:
   - batched 3-D experts (``Shard(0)`` DTensors on the ``(edp, ep)`` mesh, ``Replicate()`` on ``edp``): FSDP2's
     SPMD path (``dp_mesh_dims=shard edp``); the shard is ``_StridedShard(0)`` on ``edp`` and ``Shard(0)`` on ``ep``.
-  - flattened experts (``Shard(0)`` on the 1-D ``ep`` mesh): FSDP2's EP path on the ``edp`` sub-mesh.
+  - flattened experts (DBRX; ``Shard(0)`` on the 1-D ``ep`` mesh): FSDP2's EP path on the ``edp`` sub-mesh
+    (not yet covered by a test).
   - module experts (plain tensors of this rank's experts, ``meta`` stand-ins of the others): FSDP2 on the ``edp``
     sub-mesh; each becomes a ``Shard(0)`` DTensor on ``edp`` between steps, keeping its name.
 
@@ -60,7 +61,8 @@ def shard_experts_over_edp(model: nn.Module, block_names: list[str], mesh) -> nn
         experts = [p for n, p in block.named_parameters() if is_expert(p) or prefix + n in local_modules]
         if not experts:
             continue
-        ignored = {p for p in block.parameters() if not any(p is q for q in experts)}
+        managed = {id(p) for p in experts}
+        ignored = {p for p in block.parameters() if id(p) not in managed}  # router, shared experts, stand-ins
         fully_shard(block, **_placement(experts, mesh, name), ignored_params=ignored)
         _sum_not_mean(block)
     return model

@@ -12,6 +12,12 @@ excluded). The checkpoint is a Qwen3-MoE written once by ``save_pretrained`` (fp
 
     python bench/load_memory.py                          # 4 layers, 32 experts, hidden 256, expert FFN 512
     python bench/load_memory.py --layers 8 --experts 64
+    python bench/load_memory.py --only state --world 4 --ep 2   # training state, (edp, ep) = (2, 2)
+
+Training state (``--only state``, also printed after the load table): bytes each rank holds after one AdamW step,
+for params + grads + optimizer moments, experts and dense apart, ``trainer.expert_sharding`` replicate vs fsdp2
+(``autoep.runtime.expert_fsdp``) on ``--world`` gloo ranks at ``ep = --ep``, against the 1/(ep*edp) limit of the
+experts' total. Counted from the tensors' local storage (not RSS): what the rank keeps between steps.
 """
 from __future__ import annotations
 
@@ -94,6 +100,97 @@ def rank_main(rank: int, world: int, port: int, variant: str, path: str, out_dir
     dist.destroy_process_group()
 
 
+SHARDINGS = ("replicate", "fsdp2")
+
+
+def state_main(rank: int, world: int, port: int, ep: int, sharding: str, config: dict, out_dir: str) -> None:
+    """One rank: the model at ``(world // ep, ep)``, experts ``sharding``; one AdamW step; local bytes to json."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    from hydra import compose, initialize_config_dir
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from autoep.plan.resolve import resolve_plan
+    from autoep.runtime import grads
+    from autoep.runtime.apply import apply_plan
+    from autoep.runtime.expert_fsdp import shard_experts_over_edp
+    from autoep.runtime.recipes import local_tensor
+    from autoep.train.config import CONF_DIR
+    from autoep.train.loop import causal_lm_loss
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("edp", "ep"))
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        parallel = compose("train", overrides=[f"parallel.ep_size={ep}"]).parallel
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**config))
+    parallel = resolve_plan(parallel, model)
+    apply_plan(model, parallel, mesh)
+    if sharding == "fsdp2":
+        shard_experts_over_edp(model, [m for e in parallel.plan for m in e.decision.modules], mesh)
+    dense, expert = grads.split_params(model)
+    optimizer = torch.optim.AdamW(dense + expert, lr=1e-3, foreach=False)
+    batch = torch.randint(config["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(rank))
+    (causal_lm_loss(model, batch) / world).backward()
+    grads.reduce_grads(dense, expert, dist.group.WORLD, mesh["edp"].get_group())
+    optimizer.step()
+
+    def nbytes(params) -> dict:
+        local = [(local_tensor(p), p) for p in params]
+        moments = [local_tensor(v) for _, p in local for k, v in optimizer.state[p].items() if k != "step"]
+        return {"params": sum(t.nbytes for t, _ in local), "global": sum(p.numel() * p.element_size() for _, p in local),
+                "grads": sum(local_tensor(p.grad).nbytes for _, p in local if p.grad is not None),
+                "optim": sum(t.nbytes for t in moments)}
+
+    with open(f"{out_dir}/state_{sharding}_rank{rank}.json", "w") as f:
+        json.dump({"expert": nbytes(expert), "dense": nbytes(dense)}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_state(sharding: str, out_dir: str, world: int, ep: int, config: dict) -> None:
+    """In this (fresh) process: spawn ``world`` ranks measuring the training state with experts ``sharding``."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(state_main, args=(world, port, ep, sharding, config, out_dir), nprocs=world, join=True)
+
+
+def state_table(args, tmp: str) -> None:
+    """Bytes per rank of params + grads + AdamW moments, replicate vs fsdp2, against the 1/(ep*edp) limit."""
+    config = qwen3_config(args)
+    for sharding in SHARDINGS:
+        subprocess.run([sys.executable, __file__, "--state", sharding, "--out", tmp, "--world", str(args.world),
+                        "--ep", str(args.ep), "--config", json.dumps(config)], check=True)
+    rows = {s: [json.load(open(f"{tmp}/state_{s}_rank{r}.json")) for r in range(args.world)] for s in SHARDINGS}
+    mib = 2**20
+    # The experts' total over the model: each global expert tensor once (a DTensor's numel is the global one),
+    # times four: params + grads + two AdamW moments.
+    expert_total = rows["replicate"][0]["expert"]["global"] * 4 / mib
+    limit = expert_total / args.world
+    print(f"\ntraining state after one AdamW step, fp32, (edp, ep) = ({args.world // args.ep}, {args.ep}) gloo ranks: "
+          f"experts {expert_total:.1f} MiB in all (params + grads + 2 moments), 1/(ep*edp) = {limit:.2f} MiB per rank")
+    print(f"{'rank':>4}{'experts replicate':>19}{'experts fsdp2':>15}{'fsdp2 / limit':>15}{'dense (both)':>14}")
+    for r in range(args.world):
+        rep, fsdp = (sum(rows[s][r]["expert"][k] for k in ("params", "grads", "optim")) / mib for s in SHARDINGS)
+        dense = sum(rows["fsdp2"][r]["dense"][k] for k in ("params", "grads", "optim")) / mib
+        print(f"{r:>4}{rep:>19.2f}{fsdp:>15.2f}{fsdp / limit:>15.3f}{dense:>14.2f}")
+
+
+def qwen3_config(args) -> dict:
+    return dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                moe_intermediate_size=args.expert_ffn, num_hidden_layers=args.layers, num_attention_heads=4,
+                num_key_value_heads=2, num_experts=args.experts, num_experts_per_tok=2)
+
+
 def run_variant(variant: str, path: str, out_dir: str, world: int) -> None:
     """In this (fresh) process: spawn ``world`` ranks that load ``path`` the ``variant`` way."""
     import socket
@@ -111,9 +208,7 @@ def write_checkpoint(path: str, args) -> float:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                            moe_intermediate_size=args.expert_ffn, num_hidden_layers=args.layers, num_attention_heads=4,
-                            num_key_value_heads=2, num_experts=args.experts, num_experts_per_tok=2)
+    config = Qwen3MoeConfig(**qwen3_config(args))
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
     return sum(p.nbytes for p in model.parameters()) / 2**20
@@ -127,12 +222,26 @@ def main() -> None:
     parser.add_argument("--expert-ffn", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--ep", type=int, default=2, help="ep size of the training-state table (world // ep = edp)")
+    parser.add_argument("--only", choices=("load", "state"), help="print one of the two tables")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: one fresh process
+    parser.add_argument("--state", choices=SHARDINGS, help=argparse.SUPPRESS)  # internal: one fresh process
+    parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
         return run_variant(args.variant, args.path, args.out, args.world)
+    if args.state:
+        return run_state(args.state, args.out, args.world, args.ep, json.loads(args.config))
+    if args.only != "state":
+        load_table(args)
+    if args.only != "load":
+        with tempfile.TemporaryDirectory() as tmp:
+            state_table(args, tmp)
+
+
+def load_table(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         total = write_checkpoint(f"{tmp}/ckpt", args)
         for variant in VARIANTS:

@@ -422,3 +422,10 @@ def test_missing_or_edited_record_is_refused(tmp_path):
     path.write_text(path.read_text().replace("ep_size: 1", "ep_size: 2"))
     with pytest.raises(PlanError, match=r"artifact.plan_hash=.*does not match its parallel section"):
         load_plan(path)
+
+
+def test_expert_sharding_is_refused_naming_the_trainer_key():
+    """Expert FSDP2 lives in autoep-train (``trainer.expert_sharding``); the handle has no FSDP2 path: refused."""
+    with pytest.raises(PlanError, match=r"parallel.expert_sharding=fsdp2: .*drop parallel.expert_sharding, or train "
+                                        r"with autoep-train trainer.expert_sharding=fsdp2"):
+        ExpertParallel(tiny_moe(), OmegaConf.create({"ep_size": 1, "plan": PLAN, "expert_sharding": "fsdp2"}))

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import os
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -69,6 +70,12 @@ class ExpertParallel:
         if grad_convention not in grads.CONVENTIONS:
             raise PlanError(f"grad_convention={grad_convention!r} is not one of {list(grads.CONVENTIONS)}: 'mean' "
                             f"when the global loss is the mean of the ranks' losses (DDP), 'sum' when they add up to it")
+        if isinstance(parallel, Mapping) and "expert_sharding" in parallel:
+            raise PlanError(f"parallel.expert_sharding={parallel['expert_sharding']}: expert FSDP2 is autoep-train's "
+                            f"trainer.expert_sharding; ExpertParallel (and the Lightning and HF adapters on it) keeps "
+                            f"the experts whole on each edp replica, with a DDP-wrapped dense part (no FSDP2 path "
+                            f"here yet); drop parallel.expert_sharding, or train with autoep-train "
+                            f"trainer.expert_sharding=fsdp2")
         if isinstance(parallel, (str, os.PathLike)):
             parallel = load_plan(parallel)
         elif dataclasses.is_dataclass(parallel):

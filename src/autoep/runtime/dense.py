@@ -5,8 +5,10 @@ world with one all-reduce after backward. ``fsdp2``: ``fully_shard`` each decode
 every planned MoE block) and then the root over a 1-D ``dp`` mesh of the whole world; dense parameters
 become ``Shard(0)`` DTensors on ``dp``, gathered per layer for forward/backward and reduce-scattered in
 backward. Expert parameters (``Shard(0)`` on ``ep``, or ModuleList experts placed by ``apply_plan``) are handed
-to FSDP as ``ignored_params``: FSDP never gathers or reduces them, and ``grads.reduce_grads`` still sums their grads
-over ``edp``.
+to FSDP as ``ignored_params``: this FSDP never gathers or reduces them; ``grads.reduce_grads`` sums their grads
+over ``edp``, or, under ``trainer.expert_sharding=fsdp2``, their own FSDP2 units over ``edp`` reduce-scatter them
+(``autoep.runtime.expert_fsdp``; those blocks are sharded first and this FSDP leaves nested units alone, so a
+block's router and shared-expert parameters stay replicated there and are summed by ``grads.reduce_grads``).
 
 Gradient scale: each rank backpropagates ``loss_r / (W * accum)`` (see ``autoep.runtime.grads``), so dense grads
 must be *summed* over the world, not averaged. FSDP2 averages by default; the divide factor is set to 1
@@ -53,7 +55,9 @@ def shard_dense(model: nn.Module, block_names: list[str], world: int, device: to
 
 
 def set_grad_sync(model: nn.Module, sync: bool) -> None:
-    """FSDP2: reduce-scatter dense grads in this backward (the last micro-batch) or keep accumulating
-    them unsharded (earlier micro-batches). No-op for a replicated model."""
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
+    """FSDP2: reduce-scatter grads in this backward (the last micro-batch) or keep accumulating them unsharded
+    (earlier micro-batches), in every FSDP2 unit (dense layers, and experts under ``expert_sharding=fsdp2``).
+    No-op for a replicated model."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(sync, recurse=False)

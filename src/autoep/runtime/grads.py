@@ -6,7 +6,9 @@ Why the sums (what makes EP training equal single-process training on the concat
 back-propagate its loss ``loss_r``. A dense parameter's grad on rank r is then the gradient of ``loss_r`` alone,
 so dense grads are *summed* over the world. An expert shard's grad already holds the contributions of every
 rank of its ``ep`` group (the all-to-all backward brought them home), so expert grads are *summed* over
-``edp`` only; averaging over ``edp`` instead would be ``ep`` times too large.
+``edp`` only; averaging over ``edp`` instead would be ``ep`` times too large. Under
+``trainer.expert_sharding=fsdp2`` FSDP2 does that sum itself (a reduce-scatter over ``edp``,
+``autoep.runtime.expert_fsdp``) and ``reduce_grads`` skips those experts.
 
 The gradient convention says what the global loss is (``finish_grads``):
   - ``"sum"``: the global loss is the sum of what the ranks back-propagated (autoep's trainer back-propagates
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from autoep.runtime.apply import unsharded_expert_names
 from autoep.runtime.dense import is_expert
+from autoep.runtime.expert_fsdp import sharded_over_edp
 from autoep.runtime.recipes import local_tensor
 from autoep.runtime.recipes.local_experts import expert_owners
 
@@ -57,9 +60,11 @@ def reduce_grads(dense: list[nn.Parameter], expert: list[nn.Parameter], world_gr
 
     Dense parameters FSDP2 sharded (``trainer.dense_sharding=fsdp2``, ``autoep.runtime.dense``) are skipped: FSDP
     already reduce-scattered their grads over the world in backward. Replicated dense params (the
-    default, and the only choice for one process) take the plain all-reduce here.
+    default, and the only choice for one process) take the plain all-reduce here. Likewise expert parameters
+    FSDP2 shards over ``edp`` (``trainer.expert_sharding=fsdp2``, ``autoep.runtime.expert_fsdp``).
     """
     dense = [p for p in dense if not isinstance(p, DTensor)]
+    expert = [p for p in expert if not sharded_over_edp(p)]
     for params, group in ((dense, world_group), (expert, edp_group)):
         if not params or group is None or dist.get_world_size(group) == 1:
             continue
@@ -117,7 +122,8 @@ def dense_grads_agree(dense: list[nn.Parameter], world_group, rtol: float = 1e-5
 @torch.no_grad()
 def grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], ep_group, norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm (float64, the same on every rank): replicated dense grads counted once, FSDP2
-    dense shards combined over their ``dp`` mesh, expert shards combined over ``ep``. ``norm_type`` 2 or inf."""
+    dense shards combined over their ``dp`` mesh, expert shards combined over ``ep`` (over the whole world where
+    FSDP2 also shards them over ``edp``). ``norm_type`` 2 or inf."""
     norm_type = float(norm_type)
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type={norm_type} is not supported by the EP gradient norm; use 2.0 or inf")
@@ -142,12 +148,18 @@ def grad_norm(dense: list[nn.Parameter], expert: list[nn.Parameter], ep_group, n
             replicated = combine(replicated, part(p.grad))
     if sharded_group is not None:
         dist.all_reduce(sharded, op=op, group=sharded_group)  # NOTE: collective; each rank holds 1/W of every dense grad
+    edp_sharded = torch.zeros((), dtype=torch.float64)
     for p in expert:
-        if p.grad is not None:
+        if p.grad is not None and sharded_over_edp(p):
+            edp_sharded = combine(edp_sharded, part(p.grad))
+        elif p.grad is not None:
             experts = combine(experts, part(p.grad))
     if ep_group is not None and dist.get_world_size(ep_group) > 1:
         dist.all_reduce(experts, op=op, group=ep_group)  # NOTE: collective; each ep rank holds other experts
-    total = combine(combine(replicated, sharded), experts)
+    if any(sharded_over_edp(p) for p in expert):  # the same on every rank: FSDP2 sharded the same blocks
+        # NOTE: collective; each rank holds 1/(ep * edp) of the experts (the (edp, ep) mesh spans the world)
+        dist.all_reduce(edp_sharded, op=op)
+    total = combine(combine(combine(replicated, sharded), experts), edp_sharded)
     return total if inf else total.sqrt()
 
 

@@ -32,6 +32,7 @@ PLAN_CONF_DIR = str(Path(__file__).resolve().parents[1] / "plan" / "conf")
 DEVICES = ("auto", "cpu", "cuda")
 DENSE_SHARDING = ("replicate", "fsdp2")
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")  # autoep.train.precision says what each computes in
+EXPERT_SHARDING = ("replicate", "fsdp2")
 ON_NONFINITE = ("error", "skip")
 DATA_SOURCES = ("synthetic", "text", "tokens")
 AUX_SCOPES = ("global", "local")
@@ -99,6 +100,8 @@ class TrainerConfig:
     dense_sharding: str = field(default="replicate", metadata=one_of(DENSE_SHARDING, "how dense params live"))
     # fp32 | bf16-mixed (autocast, fp32 weights) | bf16 (bf16 copies of the weights); fp32 masters in all
     precision: str = field(default="fp32", metadata=one_of(PRECISIONS, "what forward and backward compute in"))
+    # replicate (experts whole on each edp replica) | fsdp2 (each rank's experts FSDP2-sharded over edp)
+    expert_sharding: str = field(default="replicate", metadata=one_of(EXPERT_SHARDING, "how expert params live"))
     # error: a non-finite loss or grad norm stops the run (exit 5); skip: that step is skipped and logged
     on_nonfinite: str = field(default="error", metadata=one_of(ON_NONFINITE, "what a non-finite loss does"))
     # validation loss every N steps (and at the last); 0: never. Needs data.val_fraction or data.val_path
@@ -167,6 +170,11 @@ def _check_across(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.device=cuda: this machine has no usable CUDA device (torch "
                               f"{torch.__version__}, torch.cuda.is_available() is False); use trainer.device=cpu "
                               f"or trainer.device=auto")
+    t = cfg.trainer
+    if t.expert_sharding == "fsdp2" and t.precision != "fp32":
+        # bf16 weight copies (autoep.train.precision) and FSDP2's own gathers of the experts were never run together
+        raise ConfigError(f"trainer.expert_sharding=fsdp2 with trainer.precision={t.precision} is not supported yet; "
+                          f"use trainer.precision=fp32, or trainer.expert_sharding=replicate for {t.precision}")
     _check_data(cfg.data, cfg.trainer.val_every)
 
 

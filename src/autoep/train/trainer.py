@@ -12,6 +12,7 @@ Commands (any Hydra override works)::
     torchrun --nproc-per-node 4 -m autoep.train parallel.ep_size=2            # (edp, ep) = (2, 2)
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2 trainer.dense_sharding=fsdp2   # dense: FSDP2
     torchrun --nproc-per-node 2 -m autoep.train parallel.ep_size=2 trainer.precision=bf16-mixed  # or bf16
+    torchrun --nproc-per-node 4 -m autoep.train parallel.ep_size=2 trainer.expert_sharding=fsdp2  # experts: FSDP2 on edp
     autoep-train run_dir=runs/a trainer.ckpt_every=50                       # a run, checkpointed ...
     autoep-train run_dir=runs/a trainer.ckpt_every=50 trainer.resume=latest # ... continued where it stopped
     autoep-train data.source=tokens data.path=data/train.bin data.val_fraction=0.01 trainer.val_every=50  # real data
@@ -48,6 +49,7 @@ from autoep.plan.table import format_table, plan_rows
 from autoep.runtime import grads
 from autoep.runtime.apply import apply_plan
 from autoep.runtime.dense import set_grad_sync, shard_dense
+from autoep.runtime.expert_fsdp import shard_experts_over_edp
 from autoep.runtime.export import export_hf
 from autoep.runtime.mesh import check_world, make_mesh
 from autoep.train import balance, checkpoint, launch, loop, plot, precision, rundir
@@ -141,9 +143,11 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
             log.warning("parallel.plan is empty: no module gets expert parallelism (every expert on every rank)")
         if t.export_hf:
             check_exportable(model)
+        blocks = [m for e in cfg.parallel.plan for m in e.decision.modules]
+        if t.expert_sharding == "fsdp2":  # before the dense layers: FSDP2 goes bottom-up
+            shard_experts_over_edp(model, blocks, mesh)
         if t.dense_sharding == "fsdp2" and world > 1:  # one process: nothing to shard or reduce
-            shard_dense(model, [m for e in cfg.parallel.plan for m in e.decision.modules], world, device,
-                        mp_policy=precision.fsdp_policy(t.precision))
+            shard_dense(model, blocks, world, device, mp_policy=precision.fsdp_policy(t.precision))
         check_plan_consistent(cfg.parallel)
         return run_loop(cfg, model, mesh, Run(out, rank, world, device, resume_from, composed))
     finally:

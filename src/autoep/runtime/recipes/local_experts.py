@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.utils.hooks import RemovableHandle
@@ -438,13 +439,20 @@ def gather_experts(block: nn.Module, *, grad: bool = False) -> dict[str, Tensor]
             if owner != spec.ep_rank:
                 values.append(torch.empty(p.shape, dtype=p.dtype, device=_device_of(block)))
             elif grad:
-                values.append(p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p).detach())
+                values.append(_whole(p.grad).detach().clone() if p.grad is not None else
+                              torch.zeros(p.shape, dtype=p.dtype, device=_device_of(block)))
             else:
-                values.append(p.detach().clone())
+                values.append(_whole(p).detach().clone())
         if spec.ep_size > 1:
             _broadcast(values, owner, group)
         out.update((n, v) for (n, _), v in zip(named, values))
     return out
+
+
+def _whole(t: Tensor) -> Tensor:
+    """An expert tensor at its full shape: FSDP2's ``edp`` shard (``trainer.expert_sharding=fsdp2``) gathered (a
+    collective over ``edp``: every peer of this ep rank gathers the same experts in the same order)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def full_state_dict_of_experts(model: nn.Module, state: dict | None = None) -> dict:

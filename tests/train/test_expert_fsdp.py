@@ -132,3 +132,18 @@ def test_fsdp2_checkpoint_resumes_at_ep4_and_replicated(four_ranks, singles):
             assert_same_training(r[case], {"losses": single["losses"][2:], "weights": single["weights"]})
         assert_same_training(r["modules_to_replicate"], {"losses": ml_single["losses"][2:],
                                                          "weights": ml_single["weights"]})
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
+def test_fsdp2_experts_with_bf16_are_refused_before_torch(precision):
+    """bf16 weight copies and FSDP2's gathers of the experts were never run together: refused, naming both keys."""
+    from hydra import compose, initialize_config_dir
+
+    from autoep.errors import ConfigError
+    from autoep.train.config import CONF_DIR, check_config
+
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["trainer.expert_sharding=fsdp2", f"trainer.precision={precision}"])
+    with pytest.raises(ConfigError, match=rf"trainer.expert_sharding=fsdp2 with trainer.precision={precision} is not "
+                                          r"supported yet; use trainer.precision=fp32"):
+        check_config(cfg)

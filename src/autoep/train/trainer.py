@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import autoep.train.config  # noqa: F401  (registers train_schema / resolved_schema before Hydra composes)
 from autoep.errors import ConfigError, NonFiniteLoss, PeerFailure
+from autoep.plan.ep_size import is_auto
 from autoep.plan.artifact import check_complete, check_plan_consistent, write_resolved
 from autoep.plan.resolve import resolve_plan
 from autoep.plan.table import format_table, plan_rows
@@ -85,6 +86,12 @@ def build_model(cfg: DictConfig, mesh, device: torch.device):
     return model, parallel
 
 
+def resolve_on_meta(cfg: DictConfig, world: int) -> DictConfig:
+    """``cfg.parallel`` resolved on a meta model for ``world`` ranks (``parallel.ep_size: auto`` becomes a number)."""
+    with torch.device("meta"):
+        return resolve_plan(cfg.parallel, instantiate_model(cfg.model), world_size=world)
+
+
 def pretrained_path_of(model_cfg: DictConfig) -> str | None:
     """``model.pretrained_path`` (a local HF checkpoint directory), or None for seeded init."""
     if "pretrained_path" in model_cfg.keys() and OmegaConf.is_missing(model_cfg, "pretrained_path"):
@@ -127,6 +134,8 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
     t = cfg.trainer
     rank, world, device, created = launch.init_distributed(t.device, t.timeout_s, t.join_timeout_s)
     try:
+        if is_auto(cfg.parallel.ep_size):  # NOTE: the mesh needs the number: decided on meta, replayed below
+            cfg.parallel = resolve_on_meta(cfg, world)
         check_world(cfg.parallel.ep_size, world)
         out = launch.agree_run_dir(out)
         mesh = make_mesh(world, cfg.parallel.ep_size, device)

@@ -87,6 +87,10 @@ class TrainerConfig:
     # error: a non-finite loss or grad norm stops the run (exit 5); skip: that step is skipped and logged
     on_nonfinite: str = field(default="error", metadata=one_of(ON_NONFINITE, "what a non-finite loss does"))
     export_hf: bool = False  # at the end, write <run_dir>/hf: config.json + model.safetensors (from_pretrained)
+    # true: torch.compile each decoder layer's dense modules (attention, norms); EP blocks stay eager
+    # (autoep.runtime.compile)
+    compile: bool = False
+    compile_backend: str = "inductor"  # torch.compile backend of trainer.compile (aot_eager: fast, no fusion)
 
 
 @dataclass
@@ -149,6 +153,10 @@ def _check_across(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.device=cuda: this machine has no usable CUDA device (torch "
                               f"{torch.__version__}, torch.cuda.is_available() is False); use trainer.device=cpu "
                               f"or trainer.device=auto")
+    if cfg.trainer.compile:
+        from autoep.runtime.compile import check_backend
+
+        check_backend("trainer.compile_backend", cfg.trainer.compile_backend)
     data = cfg.data
     if data.source == "text":
         check_text_file(data.path, data.seq_len)

@@ -45,6 +45,7 @@ from autoep.plan.resolve import resolve_plan
 from autoep.plan.table import format_table, plan_rows
 from autoep.runtime import grads
 from autoep.runtime.apply import apply_plan
+from autoep.runtime.compile import compile_dense
 from autoep.runtime.dense import set_grad_sync, shard_dense
 from autoep.runtime.export import export_hf
 from autoep.runtime.mesh import check_world, make_mesh
@@ -90,6 +91,12 @@ def resolve_on_meta(cfg: DictConfig, world: int) -> DictConfig:
     """``cfg.parallel`` resolved on a meta model for ``world`` ranks (``parallel.ep_size: auto`` becomes a number)."""
     with torch.device("meta"):
         return resolve_plan(cfg.parallel, instantiate_model(cfg.model), world_size=world)
+
+
+def planned_and_skipped(parallel: DictConfig) -> tuple[list[str], list[str]]:
+    """(the planned EP blocks, the dense modules ``moe_only`` skipped), over every plan entry."""
+    return ([m for e in parallel.plan for m in e.decision.modules],
+            [m for e in parallel.plan for m in e.decision.get("skipped") or []])
 
 
 def pretrained_path_of(model_cfg: DictConfig) -> str | None:
@@ -144,6 +151,10 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
             log.warning("parallel.plan is empty: no module gets expert parallelism (every expert on every rank)")
         if t.export_hf:
             check_exportable(model)
+        if t.compile:  # before FSDP2, as torchtitan orders them
+            compiled = compile_dense(model, *planned_and_skipped(cfg.parallel), backend=t.compile_backend)
+            log.info("trainer.compile: %d dense modules compiled (%s); the EP blocks run eager", len(compiled),
+                     t.compile_backend)
         if t.dense_sharding == "fsdp2" and world > 1:  # one process: nothing to shard or reduce
             shard_dense(model, [m for e in cfg.parallel.plan for m in e.decision.modules], world, device)
         check_plan_consistent(cfg.parallel)

@@ -39,8 +39,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import autoep.train.config  # noqa: F401  (registers train_schema / resolved_schema before Hydra composes)
 from autoep.errors import ConfigError, NonFiniteLoss, PeerFailure
-from autoep.plan.ep_size import is_auto
 from autoep.plan.artifact import check_complete, check_plan_consistent, write_resolved
+from autoep.plan.ep_size import is_auto
 from autoep.plan.resolve import resolve_plan
 from autoep.plan.table import format_table, plan_rows
 from autoep.runtime import grads

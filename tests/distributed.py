@@ -28,13 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, target: str, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, target: str, out_dir: str, args: tuple, backend: str = "gloo") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank (tests marked gpu)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
@@ -59,11 +61,11 @@ def _entry(rank: int, world_size: int, port: int, target: str, out_dir: str, arg
     os._exit(0)
 
 
-def spawn(world_size: int, target: str, *args) -> list:
-    """Run ``target`` ("module:function", importable from the tests dir) on ``world_size`` gloo ranks;
-    return each rank's return value."""
+def spawn(world_size: int, target: str, *args, backend: str = "gloo") -> list:
+    """Run ``target`` ("module:function", importable from the tests dir) on ``world_size`` gloo ranks (``backend``:
+    nccl for the gpu-marked tests, one GPU per rank); return each rank's return value."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, free_port(), target, out_dir, args), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(world_size, free_port(), target, out_dir, args, backend), nprocs=world_size, join=True)
         results = []
         for r in range(world_size):
             with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
@@ -71,10 +73,10 @@ def spawn(world_size: int, target: str, *args) -> list:
     return results
 
 
-def run_cases(world_size: int, target: str, *args) -> dict[str, list[str]]:
+def run_cases(world_size: int, target: str, *args, backend: str = "gloo") -> dict[str, list[str]]:
     """Spawn once; return ``{case: [error texts of failing ranks]}`` (empty list = passed on all ranks)."""
     merged: dict[str, list[str]] = {}
-    for rank, cases in enumerate(spawn(world_size, target, *args)):
+    for rank, cases in enumerate(spawn(world_size, target, *args, backend=backend)):
         for name, err in cases.items():
             merged.setdefault(name, [])
             if err is not None:

@@ -151,6 +151,23 @@ def test_a_refused_precision_stops_the_trainer_before_it_runs():
         L.Trainer(accelerator="cpu", devices=1, precision="bf16-true", strategy=ExpertParallelStrategy({"ep_size": 1}))
 
 
+def test_a_compiled_module_is_refused_before_a_step(tmp_path):
+    """The real Lightning Trainer, one process: ``fit(torch.compile(module))`` stops in the strategy's setup."""
+    import lightning as L
+    from lightning_moe import MoeLM, Tokens
+
+    from autoep.errors import PlanError
+    from autoep.integrations.lightning import ExpertParallelStrategy
+
+    module = MoeLM()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        default_root_dir=str(tmp_path), strategy=ExpertParallelStrategy(
+                            {"ep_size": 1, "plan": [{"match": "model.model.layers.*.mlp"}]}))
+    with pytest.raises(PlanError, match=r"torch.compile\(module\).*whole training_step.*pass the module uncompiled"):
+        trainer.fit(torch.compile(module, backend="aot_eager"), torch.utils.data.DataLoader(Tokens(2), batch_size=1))
+    assert module.losses == []  # no step ran
+
+
 def test_spawn_is_refused():
     from autoep.errors import PlanError
     from autoep.integrations.lightning import ExpertParallelStrategy

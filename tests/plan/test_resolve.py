@@ -115,7 +115,7 @@ def swap_in_qwen2_block(model):
     (plan(ep_size=3), r"parallel.ep_size=3 does not divide num_experts=8 of model.layers.0.mlp; "
                       r"pick one of \[1, 2, 4, 8\]"),
     ({"ep_sise": 2}, r"parallel.ep_sise: Key 'ep_sise' not in 'ParallelConfig'; valid keys of parallel: ep_size"),
-    ({"ep_size": "two"}, r"parallel.ep_size: Value 'two' .* could not be converted to Integer; give a value"),
+    ({"ep_size": "two"}, r"parallel.ep_size='two' must be a positive integer or auto; use 1"),
     ({"detect": "maybe"}, r"parallel.detect: Value 'maybe'"),
     ({"plan": [{"match": MLP, "local_fn": "auto"}]}, r"parallel.plan.0.local_fn: Key 'local_fn' not in"),
     ({"plan": "model.layers.*.mlp"}, r"parallel.plan='model.layers.\*.mlp' must be a list"),

@@ -101,7 +101,7 @@ def test_documented_overrides_are_in_the_doc_and_compose():
 
 @pytest.mark.parametrize("override, message", [
     ("parallel.foo=1", "foo"),
-    ("parallel.ep_size=two", "ep_size"),
+    ("parallel.detect=maybe", "detect"),  # ep_size takes auto too: check_config refuses 'two' (test_ep_size)
     ("parallel.plan.0.mtch=x", "mtch"),
 ])
 def test_composition_rejects_unknown_keys_and_wrong_types(override, message):

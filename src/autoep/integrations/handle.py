@@ -41,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autoep.errors import GradientsNotFinished, PlanError
 from autoep.plan.artifact import load_plan, plan_hash, write_plan
+from autoep.plan.ep_size import is_auto
 from autoep.plan.resolve import resolve_plan, typed_parallel
 from autoep.plan.table import format_table, plan_rows
 from autoep.runtime import grads, state
@@ -82,17 +83,14 @@ class ExpertParallel:
             parallel = OmegaConf.structured(parallel)
         with _info_on_rank_zero():  # NOTE: every rank reads a replayed file; rank 0 alone says so
             parallel = typed_parallel(parallel)
-        ep_size = parallel.ep_size
-        check_distributed(ep_size)
         self.rank, self.world = world_of()
-        check_world(ep_size, self.world)
-        if ep_size > 1 and not parallel.plan:
-            raise PlanError(f"parallel.ep_size={ep_size} but parallel.plan is empty, so no module would be sharded "
-                            f"and every rank would hold every expert; add an entry (e.g. parallel.plan=[{{match: "
-                            f"'model.layers.*.mlp', local_compute_fn: auto}}]) or set parallel.ep_size=1")
+        if not is_auto(parallel.ep_size):  # before any detection; auto is checked once it is a number
+            _check_ep_size(parallel, self.world)
         self.model = model
         self.grad_convention = grad_convention
         self.resolved = resolve_once(parallel, model, self.rank, self.world)
+        _check_ep_size(self.resolved, self.world)
+        ep_size = self.resolved.ep_size
         if mesh is None:
             mesh = make_mesh(self.world, ep_size, torch.device(_device_type()))
         else:
@@ -299,16 +297,27 @@ class _BackwardSignal:
         return (_BackwardSignal, ())
 
 
+def _check_ep_size(parallel: DictConfig, world: int) -> None:
+    """``parallel.ep_size`` (a number) fits the process group and shards something."""
+    ep_size = parallel.ep_size
+    check_distributed(ep_size)
+    check_world(ep_size, world)
+    if ep_size > 1 and not parallel.plan:
+        raise PlanError(f"parallel.ep_size={ep_size} but parallel.plan is empty, so no module would be sharded "
+                        f"and every rank would hold every expert; add an entry (e.g. parallel.plan=[{{match: "
+                        f"'model.layers.*.mlp', local_compute_fn: auto}}]) or set parallel.ep_size=1")
+
+
 def resolve_once(parallel: DictConfig, model: nn.Module, rank: int, world: int) -> DictConfig:
     """Rank 0 resolves (detection runs once per run), the decision is broadcast, and every other rank replays it
     on its own model (fingerprints re-checked, nothing detected). Every rank learns whether every rank succeeded
     before anyone raises, so a refusal on one rank is an error on all of them instead of a hang."""
     if world == 1:
-        return resolve_plan(parallel, model)
+        return resolve_plan(parallel, model, world_size=1)
     resolved, error = None, None
     if rank == 0:
         try:
-            resolved = resolve_plan(parallel, model)
+            resolved = resolve_plan(parallel, model, world_size=world)  # ep_size auto: decided here, once
         except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
             error = e
     decided = [OmegaConf.to_container(resolved) if resolved is not None else None]

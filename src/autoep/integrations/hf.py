@@ -160,7 +160,10 @@ def check_args(args: TrainingArguments) -> None:
         "load_best_model_at_end": (args.load_best_model_at_end, "load_best_model_at_end=True (not supported yet); "
                                    "load the best checkpoint with trainer.train(resume_from_checkpoint=...) or "
                                    "from_pretrained"),
-        "torch_compile": (args.torch_compile, "torch_compile=True (not tested with EP); drop it"),
+        "torch_compile": (args.torch_compile, "torch_compile=True: accelerate compiles the whole model, the EP "
+                          "blocks' token exchange included (a host sync for the split sizes, all-to-all on expert "
+                          "shards), which no test runs; drop it (autoep-train's trainer.compile=true compiles the dense "
+                          "layers only, autoep.runtime.compile; this adapter does not pass that through yet)"),
     }
     for key, (value, why) in refused.items():
         if value:

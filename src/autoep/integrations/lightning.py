@@ -115,6 +115,12 @@ class ExpertParallelStrategy(DDPStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
+        if getattr(module, "_compiler_ctx", None) is not None:  # Lightning's mark of trainer.fit(torch.compile(m))
+            raise PlanError("trainer.fit(torch.compile(module)) with ExpertParallelStrategy: Lightning compiles the "
+                            "whole training_step, the EP blocks' token exchange included (a host sync for the split "
+                            "sizes, all-to-all on expert shards), which no test runs; pass the module uncompiled "
+                            "(autoep-train's trainer.compile=true compiles the dense layers only, "
+                            "autoep.runtime.compile; this adapter does not pass that through yet)")
         if self.expert_parallel is None or self.expert_parallel.model is not module:
             from autoep.integrations.handle import ExpertParallel
 

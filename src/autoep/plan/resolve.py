@@ -24,9 +24,11 @@ from autoep.detect import row_local, sharing, structure
 from autoep.errors import (OPT_OUT_HINT, OPT_OUT_SPELLING, DriftError, PlanError, UnsupportedModuleStructure,
                            UnsupportedPlanEntry)
 from autoep.plan import archetypes, replay
+from autoep.plan import ep_size as auto_ep
 from autoep.plan.artifact import load_plan
 from autoep.plan.fingerprint import class_hashes, seal
 from autoep.plan.schema import EXECUTIONS, ON_DRIFT, ParallelConfig, PlanEntry
+from autoep.plan.table import param_bytes
 from autoep.targets import FACTORY_KEY, check_not_moved, factory_key, factory_mapping, factory_spec, import_object
 
 log = logging.getLogger(__name__)
@@ -36,11 +38,14 @@ DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 SEALED_FIELDS = ("source", "structure", "modules", "num_experts", "classes", "detector_version")
 
 
-def resolve_plan(parallel_cfg, model: nn.Module) -> DictConfig:
-    """The ``parallel`` section with every plan entry frozen; raises ``PlanError`` naming key, value, fix."""
+def resolve_plan(parallel_cfg, model: nn.Module, *, world_size: int | None = None) -> DictConfig:
+    """The ``parallel`` section with every plan entry frozen; raises ``PlanError`` naming key, value, fix.
+    ``world_size``: the ranks the run has, needed only where ``parallel.ep_size`` is ``auto`` (which becomes
+    the number ``autoep.plan.ep_size`` decides)."""
     cfg = typed_parallel(parallel_cfg)
-    if cfg.ep_size < 1:
-        raise PlanError(f"parallel.ep_size={cfg.ep_size} must be a positive integer; use 1 to run without EP")
+    if not auto_ep.valid_ep_size(cfg.ep_size):
+        raise PlanError(f"parallel.ep_size={cfg.ep_size!r} must be a positive integer or auto; use 1 to run "
+                        f"without EP")
     if cfg.on_drift not in ON_DRIFT:
         raise PlanError(f"parallel.on_drift={cfg.on_drift!r} is not one of {list(ON_DRIFT)}")
     modules = dict(model.named_modules())
@@ -56,7 +61,20 @@ def resolve_plan(parallel_cfg, model: nn.Module) -> DictConfig:
         plan.append(resolved)
     check_sharing(model, modules, {n: (entry["decision"].get("structure") or {}).get("experts_path") or "experts"
                                    for entry in plan for n in entry["decision"]["modules"]})
-    return OmegaConf.merge(cfg, {"plan": plan})  # merge, not assignment: validates the dicts as PlanEntry
+    resolved = OmegaConf.merge(cfg, {"plan": plan})  # merge, not assignment: validates the dicts as PlanEntry
+    per_rank = _bytes_per_rank(model, resolved)
+    if auto_ep.is_auto(cfg.ep_size):
+        counts = {e["decision"]["modules"][0]: e["decision"]["num_experts"] for e in plan}
+        resolved.ep_size = auto_ep.decide(world_size, counts, per_rank, cfg.memory_gb)
+    else:
+        auto_ep.check_fits(cfg.ep_size, per_rank, cfg.memory_gb)
+    return resolved
+
+
+def _bytes_per_rank(model: nn.Module, parallel: DictConfig):
+    """``d -> parameter bytes one rank holds at ep_size=d`` (the plan table's count, computed once)."""
+    expert_bytes, dense_bytes = param_bytes(model, parallel)
+    return lambda d: dense_bytes + expert_bytes // d
 
 
 def check_sharing(model: nn.Module, modules: dict, experts_paths: dict[str, str]) -> None:
@@ -290,8 +308,8 @@ def _count_explicit(modules: dict, matched: list[str]) -> int | None:
     return counts.pop() if len(counts) == 1 else None
 
 
-def check_ep_size(ep_size: int, num_experts: int | None, matched: list[str]) -> None:
-    if num_experts is None or num_experts % ep_size == 0:
+def check_ep_size(ep_size, num_experts: int | None, matched: list[str]) -> None:
+    if num_experts is None or auto_ep.is_auto(ep_size) or num_experts % ep_size == 0:
         return
     valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
     raise PlanError(f"parallel.ep_size={ep_size} does not divide num_experts={num_experts} of {matched[0]}; "

@@ -18,6 +18,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from autoep.errors import ConfigError
+from autoep.plan.ep_size import valid_ep_size
 
 ON_DRIFT = ("error", "redetect")
 # How a plan entry's blocks run their expert work (``MoeStructure.execution``): auto = the fastest proven one,
@@ -94,7 +95,14 @@ class PlanEntry:
 
 @dataclass
 class ParallelConfig:
-    ep_size: int = field(default=1, metadata=at_least(1, "ranks that share one copy of the experts; 1: no EP", 2))
+    # ranks that share one copy of the experts (1: no EP), or auto: decided once at resolve time from the world
+    # size, the expert counts and memory_gb, and frozen as a number in resolved.yaml (autoep.plan.ep_size)
+    ep_size: Any = field(default=1, metadata=_rule(
+        valid_ep_size, "an integer >= 1 (ranks that share one copy of the experts; 1: no EP) or auto", "auto"))
+    # GB (10^9 bytes) of parameters a rank may hold; with ep_size=auto the smallest degree that fits is taken,
+    # with a number that number must fit; null: no limit
+    memory_gb: Optional[float] = field(default=None, metadata=_rule(
+        lambda v: v is None or (math.isfinite(v) and v > 0), "a finite number > 0 (GB per rank) or null", 80))
     on_drift: str = field(default="error", metadata=one_of(ON_DRIFT, "what a replay does when the model's code changed"))
     detect: bool = True  # false: never run structure detection; every entry must name its _factory_
     allowed_targets: List[str] = field(default_factory=list)  # import prefixes allowed besides autoep.runtime.recipes

@@ -41,11 +41,30 @@ def plan_rows(model: nn.Module, parallel: DictConfig) -> list[tuple]:
                          per_rank, total // parallel.ep_size))
         rows += [(name, "skipped: no experts (dense, moe_only)", "-", "-", "-", "-")
                  for name in decision.get("skipped") or []]
-    expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in expert_ids)
-    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_ids)
+    expert_bytes, dense_bytes = _split_bytes(model, expert_ids)
     rows.append(("total per rank", f"dense bytes {dense_bytes} (replicated)", "-", "-", "-",
                  expert_bytes // parallel.ep_size))
     return rows
+
+
+def param_bytes(model: nn.Module, parallel: DictConfig) -> tuple[int, int]:
+    """(expert bytes, dense bytes) of the parameters as built: the planned blocks' experts, and every other one.
+    A rank holds ``dense + expert // ep_size`` (what ``parallel.ep_size: auto`` weighs against ``memory_gb``)."""
+    expert_ids = set()
+    for entry in parallel.plan:
+        s = entry.decision.structure
+        path = s.get("experts_path", "experts") if s is not None else "experts"
+        for name in entry.decision.modules:
+            block = model.get_submodule(name)
+            if _has(block, path):
+                expert_ids |= {id(p) for p in block.get_submodule(path).parameters()}
+    return _split_bytes(model, expert_ids)
+
+
+def _split_bytes(model: nn.Module, expert_ids: set[int]) -> tuple[int, int]:
+    expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in expert_ids)
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_ids)
+    return expert_bytes, dense_bytes
 
 
 def _has(block: nn.Module, path: str) -> bool:

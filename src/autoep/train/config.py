@@ -108,6 +108,10 @@ class TrainerConfig:
     val_every: int = field(default=0, metadata=at_least(0, "steps between validation losses; 0: never", 50))
     val_batches: int = field(default=8, metadata=at_least(0, "global batches per validation; 0: the whole split", 8))
     export_hf: bool = False  # at the end, write <run_dir>/hf: config.json + model.safetensors (from_pretrained)
+    # true: torch.compile each decoder layer's dense modules (attention, norms); EP blocks stay eager
+    # (autoep.runtime.compile)
+    compile: bool = False
+    compile_backend: str = "inductor"  # torch.compile backend of trainer.compile (aot_eager: fast, no fusion)
 
 
 @dataclass
@@ -175,7 +179,14 @@ def _check_across(cfg: DictConfig) -> None:
         # bf16 weight copies (autoep.train.precision) and FSDP2's own gathers of the experts were never run together
         raise ConfigError(f"trainer.expert_sharding=fsdp2 with trainer.precision={t.precision} is not supported yet; "
                           f"use trainer.precision=fp32, or trainer.expert_sharding=replicate for {t.precision}")
-    _check_data(cfg.data, cfg.trainer.val_every)
+    if t.compile:
+        from autoep.runtime.compile import check_backend
+
+        check_backend("trainer.compile_backend", t.compile_backend)
+        if t.precision != "fp32":  # bf16 weight copies swap the parameters a compiled module guards on: never run
+            raise ConfigError(f"trainer.compile=true with trainer.precision={t.precision} is not supported yet; use "
+                              f"trainer.precision=fp32, or trainer.compile=false for {t.precision}")
+    _check_data(cfg.data, t.val_every)
 
 
 def _check_data(data: DictConfig, val_every: int) -> None:

@@ -7,6 +7,7 @@ no process group. Commands (any Hydra override works; see docs/overrides.md)::
     autoep-plan                                         # default model (tiny Qwen3-MoE), ep_size 1
     python -m autoep.train.dry_run model=mixtral parallel.ep_size=2
     autoep-plan model=deepseek_v3 parallel.ep_size=4 run_dir=runs/dsv3
+    WORLD_SIZE=8 autoep-plan model=deepseek_v3 parallel.ep_size=auto   # auto: decided for 8 ranks
     autoep-plan --config-dir runs/dsv3 --config-name resolved   # replay: no detection, drift check
 
 Exit status 2 with ``autoep-plan: error: ...`` on a config or plan error (the message names key, value,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 
 import hydra
 import torch
@@ -52,7 +54,8 @@ def plan(cfg: DictConfig, run_dir: str, source: str = "the composed config") -> 
                           f"so autoep-plan does not replace it: plan into another run_dir")
     with torch.device("meta"):  # NOTE: parameters get shapes and dtypes only; nothing is allocated
         model = instantiate_model(cfg.model)
-    cfg.parallel = resolve_plan(cfg.parallel, model)
+    # parallel.ep_size=auto is decided for the world a launcher would give (WORLD_SIZE, as torchrun sets it)
+    cfg.parallel = resolve_plan(cfg.parallel, model, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     check_top_k(model, cfg.parallel.plan)
     log.info("%s", format_table(plan_rows(model, cfg.parallel)))
     path = write_resolved(cfg, out)

@@ -44,10 +44,12 @@ from omegaconf import DictConfig, OmegaConf
 import autoep.train.config  # noqa: F401  (registers train_schema / resolved_schema before Hydra composes)
 from autoep.errors import ConfigError, NonFiniteLoss, PeerFailure
 from autoep.plan.artifact import check_complete, check_plan_consistent, write_resolved
+from autoep.plan.ep_size import is_auto
 from autoep.plan.resolve import resolve_plan
 from autoep.plan.table import format_table, plan_rows
 from autoep.runtime import grads
 from autoep.runtime.apply import apply_plan
+from autoep.runtime.compile import compile_dense
 from autoep.runtime.dense import set_grad_sync, shard_dense
 from autoep.runtime.expert_fsdp import shard_experts_over_edp
 from autoep.runtime.export import export_hf
@@ -89,6 +91,18 @@ def build_model(cfg: DictConfig, mesh, device: torch.device):
         model = instantiate_model(cfg.model)
     apply_plan(model, parallel, mesh)
     return model, parallel
+
+
+def resolve_on_meta(cfg: DictConfig, world: int) -> DictConfig:
+    """``cfg.parallel`` resolved on a meta model for ``world`` ranks (``parallel.ep_size: auto`` becomes a number)."""
+    with torch.device("meta"):
+        return resolve_plan(cfg.parallel, instantiate_model(cfg.model), world_size=world)
+
+
+def planned_and_skipped(parallel: DictConfig) -> tuple[list[str], list[str]]:
+    """(the planned EP blocks, the dense modules ``moe_only`` skipped), over every plan entry."""
+    return ([m for e in parallel.plan for m in e.decision.modules],
+            [m for e in parallel.plan for m in e.decision.get("skipped") or []])
 
 
 def pretrained_path_of(model_cfg: DictConfig) -> str | None:
@@ -133,6 +147,8 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
     t = cfg.trainer
     rank, world, device, created = launch.init_distributed(t.device, t.timeout_s, t.join_timeout_s)
     try:
+        if is_auto(cfg.parallel.ep_size):  # NOTE: the mesh needs the number: decided on meta, replayed below
+            cfg.parallel = resolve_on_meta(cfg, world)
         check_world(cfg.parallel.ep_size, world)
         precision.check_supported(t.precision, device)
         out = launch.agree_run_dir(out)
@@ -143,6 +159,10 @@ def train(cfg: DictConfig, run_dir: str | None = None) -> dict:
             log.warning("parallel.plan is empty: no module gets expert parallelism (every expert on every rank)")
         if t.export_hf:
             check_exportable(model)
+        if t.compile:  # before FSDP2, as torchtitan orders them
+            compiled = compile_dense(model, *planned_and_skipped(cfg.parallel), backend=t.compile_backend)
+            log.info("trainer.compile: %d dense modules compiled (%s); the EP blocks run eager", len(compiled),
+                     t.compile_backend)
         blocks = [m for e in cfg.parallel.plan for m in e.decision.modules]
         if t.expert_sharding == "fsdp2":  # before the dense layers: FSDP2 goes bottom-up
             shard_experts_over_edp(model, blocks, mesh)

@@ -9,6 +9,7 @@ of magnitude 1e-1), and fp32 ``assert_close`` defaults hold. ``trainer.compile=t
 """
 import copy
 
+import pytest
 import torch
 from distributed import guarded, run_cases
 from hydra.utils import instantiate

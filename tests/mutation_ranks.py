@@ -80,7 +80,7 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
     import torch.distributed as dist
 
     block = mutant.build()
-    structure, why = detect(block)
+    structure, why = detect(block, mutant.target.replay)
     if why:
         return why.split(":")[0], why, False
     x, flat = inputs(block), mutant.target.flat

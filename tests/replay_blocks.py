@@ -492,7 +492,7 @@ TWINS = {
     "branch_on_output": (BranchOnOutputTwin, "depends on an expert's output"),
     "autocast_around_experts": (AutocastTwin, "cpu autocast"),
     "no_grad_around_experts": (NoGradTwin, "grad mode"),
-    "buffer": (BufferTwin, "edits buffer tokens_per_expert in place"),
+    "buffer": (BufferTwin, "BufferTwin.forward wrote self.tokens_per_expert in place during the record pass"),
     "rng_from_output": (RngFromOutputTwin, "depends on an expert's output"),
-    "in_place_input": (InPlaceInputTwin, "edits its input in place"),
+    "in_place_input": (InPlaceInputTwin, "InPlaceInputTwin.forward wrote its input hidden_states in place"),
 }

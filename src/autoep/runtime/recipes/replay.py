@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import random
 import types
 from dataclasses import dataclass
 
@@ -56,13 +55,10 @@ from autoep.runtime.recipes import (
     watching_folded,
 )
 from autoep.runtime.recipes.local_experts import GROUP, container_of, expert_modules, place_experts, spec_of
+from autoep.runtime.recipes.replay_state import ReplayError, Snapshot, rng_state, set_rng_state
 
 REPLAY = "_autoep_replay"  # the block attribute holding its ``_Replay``
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # the rows' dtypes the exchange sends
-
-
-class ReplayError(RuntimeError):
-    """A check of record/exchange/replay failed: the block's run is not the model's own computation."""
 
 
 @dataclass(frozen=True)
@@ -146,9 +142,9 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
     spec = spec_of(self)
     experts = expert_modules(container_of(self, spec))
     group = getattr(self, GROUP).value if spec.ep_size > 1 else None
-    rng = _rng_state()
+    rng = rng_state()
     recorder = _Recorder(self, replay, experts, _context())
-    before = _snapshot(self, args, kwargs)
+    before = Snapshot(self, args, kwargs)
     try:
         with _answering(experts, recorder.record):
             cls.forward(self, *args, **kwargs)
@@ -156,9 +152,10 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
     except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
         failure = exc
     finally:
-        _set_rng_state(rng)
+        set_rng_state(rng)
     try:
-        _undo(self, before, recorder)
+        before.undo(cls.__name__)
+        _rows_unchanged(recorder)
     except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
         failure = failure or exc
     outputs, returned = _exchange(self, spec, experts, recorder.calls, failure, group, _device(args, kwargs, self))
@@ -331,7 +328,7 @@ def _same(a: Tensor, b: Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pass 1 leaves nothing behind
+# Pass 1 leaves nothing behind: ``replay_state``
 # ---------------------------------------------------------------------------------------------
 
 
@@ -347,95 +344,16 @@ def _tensors(value, out: list) -> list:
     return out
 
 
-def _items(value):
-    """One level of a plain list/dict/set attribute's contents (a cache filled in place), else None."""
-    if type(value) is dict:
-        return tuple(value.items())
-    if type(value) in (list, set):
-        return tuple(value)
-    return None
-
-
-def _snapshot(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    named = [("its input", t) for t in _tensors((args, kwargs), [])]
-    named += [(f"parameter {n}", t) for n, t in block.named_parameters()]
-    named += [(f"buffer {n}", t) for n, t in block.named_buffers()]
-    versions = [(what, t, t._version) for what, t in named]
-    states = []
-    for m in block.modules():
-        plain = dict(vars(m))
-        inner = {k: _items(v) for k, v in plain.items() if _items(v) is not None}
-        inner.update({k: tuple(getattr(m, k).items()) for k in ("_parameters", "_buffers", "_modules")})
-        states.append((m, plain, inner))
-    return versions, states
-
-
-def _undo(block: nn.Module, before: tuple, recorder: _Recorder) -> None:
-    """Put back what pass 1 wrote, so pass 2 runs from the state the block was called in (its writes then
-    happen once, as in the block's own call): attributes of the block and its submodules rebound, added or
-    deleted (a counter, ``self.aux_loss``, a router's ``self.input_dtype``), plain list/dict/set attributes
-    filled in place (a Python-side cache), parameters/buffers/submodules replaced. What cannot be put back
-    raises: a tensor edited in place (its input, a parameter, a buffer), rows given to an expert edited after."""
-    versions, states = before
-    for m, plain, inner in states:
-        now = vars(m)
-        for k in [k for k in now if k not in plain]:
-            del now[k]
-        for k, v in plain.items():
-            if now.get(k, _MISSING) is not v:
-                now[k] = v
-        for k, items in inner.items():
-            value = now[k]
-            if not _same_items(tuple(value.items()) if isinstance(value, dict) else tuple(value), items):
-                value.clear()
-                if isinstance(value, dict):
-                    value.update(items)
-                elif isinstance(value, list):
-                    value.extend(items)
-                else:
-                    value.update(items)
-    cls = type(block).__name__
-    for what, t, version in versions:
-        if t._version != version:
-            raise ReplayError(f"{cls}.forward edits {what} in place ({tuple(t.shape)} {t.dtype}); running it twice "
-                              "would not be running it once: autoep cannot record and replay it")
-    for i, call in enumerate(recorder.calls):
-        if call.rows._version != call.version:
-            raise ReplayError(f"{cls}.forward edits the rows it gave {recorder.replay.keys[call.expert]} (expert call "
-                              f"{i}) in place after the call")
-
-
-_MISSING = object()
-
-
-def _same_items(now: tuple, then: tuple) -> bool:
-    """The same contents by identity (dict items pairwise; equal keys that are other objects count as a
-    change, whose undo changes nothing)."""
-    if len(now) != len(then):
-        return False
-    for a, b in zip(now, then):
-        pair = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
-        if (pair and any(x is not y for x, y in zip(a, b))) or (not pair and a is not b):
-            return False
-    return True
-
-
-def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda, random.getstate()
-
-
-def _set_rng_state(state: tuple) -> None:
-    cpu, cuda, py = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    random.setstate(py)
-
-
 # ---------------------------------------------------------------------------------------------
 # The exchange
 # ---------------------------------------------------------------------------------------------
+
+
+def _rows_unchanged(recorder: _Recorder) -> None:
+    for i, call in enumerate(recorder.calls):
+        if call.rows._version != call.version:
+            raise ReplayError(f"{type(recorder.block).__name__}.forward edits the rows it gave "
+                              f"{recorder.replay.keys[call.expert]} (expert call {i}) in place after the call")
 
 
 def _device(args: tuple, kwargs: dict, block: nn.Module) -> torch.device:

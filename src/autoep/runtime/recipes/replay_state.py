@@ -1,0 +1,206 @@
+"""What pass 1 of record/exchange/replay may write, and its undo (``autoep.runtime.recipes.replay``).
+
+Pass 1 runs the block's forward with placeholder expert outputs; pass 2 must start from the state the block was
+called in, so that its writes happen once, as in the block's own call. ``Snapshot`` records, before pass 1:
+
+- the attributes of the block and of every submodule, and of the plain Python objects, dicts, lists and sets
+  they hold (a counter, ``self.aux_loss``, a cache dict, an ``OrderedDict``, a list inside a dict, a
+  ``SimpleNamespace``'s field), followed ``DEPTH`` levels down; the module globals the forwards of the
+  block's classes read by name (``_CALLS[0] += 1``, ``global step``), followed the same way;
+- the states of the random generators found there (a ``torch.Generator``, a ``random.Random``, numpy's) and of
+  the global ones (torch CPU and CUDA, Python's, numpy's);
+- the version counter of every tensor found there, of the block's inputs, parameters and buffers.
+
+``undo`` puts back attributes, globals, container contents and generator states, and raises ``ReplayError``
+naming what was written where a tensor was edited in place (no undo can restore its old values):
+``BufferTwin.forward wrote self.tokens_per_expert in place during the record pass``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import sys
+import types
+
+import torch
+from torch import Tensor, nn
+
+DEPTH = 3  # how far below an attribute (or global) the snapshot follows plain containers and objects
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, nn.Module)
+_MISSING = object()
+
+
+class ReplayError(RuntimeError):
+    """A check of record/exchange/replay failed: the block's run is not the model's own computation."""
+
+
+def rng_state() -> tuple:
+    """The global generators' states: torch CPU, CUDA (where initialised), Python's, numpy's (where imported)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    np = sys.modules.get("numpy")
+    return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state() if np is not None else None
+
+
+def set_rng_state(state: tuple) -> None:
+    cpu, cuda, py, np_state = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+    if np_state is not None:
+        sys.modules["numpy"].random.set_state(np_state)
+
+
+def _generator_state(value):
+    """``(get, set)`` of a random generator object, or None: torch's, Python's, numpy's."""
+    if isinstance(value, torch.Generator):
+        return value.get_state, value.set_state
+    if isinstance(value, random.Random):
+        return value.getstate, value.setstate
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.random.Generator):
+        bits = value.bit_generator
+        return (lambda: bits.state), (lambda s: setattr(bits, "state", s))
+    if np is not None and isinstance(value, np.random.RandomState):
+        return value.get_state, value.set_state
+    return None
+
+
+_GLOBALS_READ: dict = {}  # code object -> the global names its function (and nested code) reads
+
+
+def _names(code: types.CodeType) -> set[str]:
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            out |= _names(const)
+    return out
+
+
+def _globals_read(cls: type) -> tuple[dict, tuple[str, ...]] | None:
+    """The globals dict of ``cls.forward`` and the names of it that the forward reads (cached by code object)."""
+    fn = inspect.unwrap(getattr(cls, "forward", None))
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    if code not in _GLOBALS_READ:
+        _GLOBALS_READ[code] = tuple(sorted(_names(code)))  # attribute names too: those are not globals, no matter
+    return fn.__globals__, _GLOBALS_READ[code]
+
+
+def _named_inputs(block: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
+    """The block's arguments by the forward's parameter names (``its input hidden_states``)."""
+    try:
+        bound = inspect.signature(type(block).forward).bind(block, *args, **kwargs).arguments
+        return [(f"its input {k}", v) for k, v in list(bound.items())[1:]]
+    except (TypeError, ValueError):
+        return [("its input", (args, kwargs))]
+
+
+class Snapshot:
+    """The state before pass 1 (module docstring); ``undo(name)`` after it."""
+
+    def __init__(self, block: nn.Module, args: tuple, kwargs: dict):
+        self.versions: list[tuple[str, Tensor, int]] = []
+        self.attrs: list[tuple[object, dict]] = []  # (object, its attributes)
+        self.items: list[tuple[object, tuple]] = []  # (dict/list/set, its contents)
+        self.globals: list[tuple[dict, dict]] = []  # (globals dict, the names read: their values)
+        self.rngs: list[tuple[object, object]] = []  # (setter, state)
+        self._seen: set[int] = set()
+        for name, value in _named_inputs(block, args, kwargs):
+            self._walk(name, value, DEPTH)
+        classes = {}
+        for prefix, m in block.named_modules():
+            where = "self" + (f".{prefix}" if prefix else "")
+            self._seen.add(id(m))
+            self.attrs.append((m, dict(vars(m))))
+            for k, v in vars(m).items():
+                # parameters and buffers by their attribute names (``self.gate.weight``)
+                holder = k in ("_parameters", "_buffers")
+                self._walk(where if holder else f"{where}.{k}", v, DEPTH, attributes=holder)
+            classes.setdefault(type(m), None)
+        for cls in classes:
+            found = _globals_read(cls)
+            if found is not None:
+                g, names = found
+                read = {n: g.get(n, _MISSING) for n in names if not isinstance(g.get(n), _OPAQUE)}
+                self.globals.append((g, read))
+                for n, v in read.items():
+                    self._walk(f"the global {n}", v, DEPTH)
+
+    def _walk(self, name: str, value, depth: int, attributes: bool = False) -> None:
+        if id(value) in self._seen or value is None or value is _MISSING or isinstance(value, (str, bytes, int, float)):
+            return
+        self._seen.add(id(value))
+        if isinstance(value, Tensor):
+            self.versions.append((name, value, value._version))
+            return
+        state = _generator_state(value)
+        if state is not None:
+            self.rngs.append((state[1], state[0]()))
+            return
+        if depth == 0 or isinstance(value, _OPAQUE):
+            return
+        if isinstance(value, dict):
+            self.items.append((value, tuple(value.items())))
+            for k, v in list(value.items()):
+                self._walk(f"{name}.{k}" if attributes else f"{name}[{k!r}]", v, depth - 1)
+        elif isinstance(value, (list, set, tuple)):
+            if not isinstance(value, tuple):
+                self.items.append((value, tuple(value)))
+            for i, v in enumerate(value):
+                self._walk(f"{name}[{i}]", v, depth - 1)
+        elif hasattr(value, "__dict__") and type(value).__module__ != "builtins":
+            self.attrs.append((value, dict(vars(value))))
+            for k, v in list(vars(value).items()):
+                self._walk(f"{name}.{k}", v, depth - 1)
+
+    def undo(self, cls_name: str) -> None:
+        """Put back what pass 1 wrote (attributes rebound, added or deleted; globals rebound; containers filled
+        in place; generators' states); raise ``ReplayError`` naming a tensor it edited in place."""
+        for obj, before in self.attrs:
+            _rebind(vars(obj), before)
+        for g, before in self.globals:
+            for n, v in before.items():
+                if v is _MISSING:
+                    g.pop(n, None)
+                elif g.get(n, _MISSING) is not v:
+                    g[n] = v
+        for value, before in self.items:
+            now = tuple(value.items()) if isinstance(value, dict) else tuple(value)
+            if not _same_items(now, before):
+                value.clear()
+                if isinstance(value, list):
+                    value.extend(before)
+                else:
+                    value.update(before)
+        for set_state, state in self.rngs:
+            set_state(state)
+        for name, t, version in self.versions:
+            if t._version != version:
+                raise ReplayError(
+                    f"{cls_name}.forward wrote {name} in place during the record pass ({tuple(t.shape)} {t.dtype}); "
+                    "record/exchange/replay runs the forward twice per call and cannot undo an in-place edit of a "
+                    "tensor: write it out of place (a new tensor), move the write outside the block, or opt out "
+                    "(an explicit local_compute_fn._target_)")
+
+
+def _rebind(now: dict, before: dict) -> None:
+    for k in [k for k in now if k not in before]:
+        del now[k]
+    for k, v in before.items():
+        if now.get(k, _MISSING) is not v:
+            now[k] = v
+
+
+def _same_items(now: tuple, then: tuple) -> bool:
+    """The same contents by identity (dict items pairwise; equal keys that are other objects count as a
+    change, whose undo changes nothing)."""
+    if len(now) != len(then):
+        return False
+    for a, b in zip(now, then):
+        pair = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+        if (pair and any(x is not y for x, y in zip(a, b))) or (not pair and a is not b):
+            return False
+    return True

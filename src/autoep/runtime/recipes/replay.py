@@ -246,26 +246,49 @@ class _Replayer:
         i, name, keys = self.position, type(self.block).__name__, self.replay.keys
         rows = _rows_of(self.block, keys[e], i, args, kwargs)
         if i >= len(self.calls):
-            raise ReplayError(f"{name}: {keys[e]} (expert call {i}) was not called when the block ran with "
-                              f"placeholder expert outputs ({len(self.calls)} calls): which experts the block calls "
-                              "depends on an expert's output; autoep cannot run it as one exchange")
+            raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) was not called when the experts answered "
+                              f"placeholders ({len(self.calls)} calls): which experts the block calls depends on an "
+                              f"earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
         recorded = self.calls[i]
         if recorded.expert != e:
-            raise ReplayError(f"{name}: expert call {i} went to {keys[recorded.expert]} with placeholder expert "
-                              f"outputs and to {keys[e]} with the true ones: the block's choice of expert depends on "
-                              f"an expert's output{_last(self.calls, i, keys)}")
+            raise ReplayError(f"{name}.forward: expert call {i} went to {keys[recorded.expert]} when the experts "
+                              f"answered placeholders and to {keys[e]} with their true outputs: which expert the block "
+                              f"calls depends on an earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
         if not _same(rows, recorded.rows):
-            raise ReplayError(f"{name}: {keys[e]} (expert call {i}) got another input with the true expert outputs "
-                              f"than with placeholders: its input is computed from an expert's output"
-                              f"{_last(self.calls, i, keys)}; autoep cannot run it as one exchange")
+            j = _source_call(rows, self.outputs, i)
+            source = f"{keys[self.calls[j].expert]}'s output (expert call {j})" if j is not None else \
+                f"an earlier expert's output{_last(self.calls, i, keys)}"
+            raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) got its input from {source}; "
+                              f"{_ONE_EXCHANGE}")
         self.position += 1
         return self.outputs[i]
 
     def finish(self) -> None:
         if self.position != len(self.calls):
-            raise ReplayError(f"{type(self.block).__name__}: the block made {self.position} expert calls with the "
-                              f"true expert outputs and {len(self.calls)} with placeholders: which experts it calls "
-                              "depends on an expert's output; autoep cannot run it as one exchange")
+            raise ReplayError(f"{type(self.block).__name__}.forward made {self.position} expert calls with the experts' "
+                              f"true outputs and {len(self.calls)} with placeholders: which experts it calls depends "
+                              f"on an earlier expert's output; {_ONE_EXCHANGE}")
+
+
+_ONE_EXCHANGE = ("record/exchange/replay runs all of a call's experts in one exchange, so no expert's input or "
+                 "choice may depend on another expert's output (opt out: an explicit local_compute_fn._target_)")
+
+
+def _source_call(rows: Tensor, outputs: list[Tensor], upto: int) -> int | None:
+    """The latest expert call before ``upto`` whose output ``rows`` were computed from, found in the autograd
+    graph of ``rows`` (None where the outputs carry no graph: no_grad, frozen experts)."""
+    held = {id(n): j for j in range(upto) if (n := outputs[j].grad_fn) is not None}
+    nodes = [outputs[j].grad_fn for j in range(upto)]  # noqa: F841 - alive while their ids are compared
+    stack, seen, found = [rows.grad_fn], {}, []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node  # held: an id is not reused while the walk compares ids
+        if id(node) in held:
+            found.append(held[id(node)])
+        stack += [next_node for next_node, _ in node.next_functions]
+    return max(found) if found else None
 
 
 _CONTEXT = ("grad mode", "inference mode", "cpu autocast", "cpu autocast dtype", "cuda autocast",

@@ -49,6 +49,7 @@ from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.dispatch import _exchanged, _Join, all_to_all
 from autoep.runtime.recipes import (
     as_structure,
+    check_proven,
     experts_of,
     join_backward_exchanges,
     watching_facts,
@@ -146,6 +147,9 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
     recorder = _Recorder(self, replay, experts, _context())
     before = Snapshot(self, args, kwargs)
     try:
+        # After every pre-hook (a user's, registered after apply, may change a value the proofs folded): raised
+        # through the exchange's counts, so every peer stops too.
+        check_proven(self)
         with _answering(experts, recorder.record):
             cls.forward(self, *args, **kwargs)
         failure = None

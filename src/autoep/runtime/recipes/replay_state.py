@@ -5,8 +5,9 @@ called in, so that its writes happen once, as in the block's own call. ``Snapsho
 
 - the attributes of the block and of every submodule, and of the plain Python objects, dicts, lists and sets
   they hold (a counter, ``self.aux_loss``, a cache dict, an ``OrderedDict``, a list inside a dict, a
-  ``SimpleNamespace``'s field), followed ``DEPTH`` levels down; the module globals the forwards of the
-  block's classes read by name (``_CALLS[0] += 1``, ``global step``), followed the same way;
+  ``SimpleNamespace``'s field), followed ``DEPTH`` levels down; the module globals that the methods of the
+  block's classes, and the module-level functions they call, read by name (``_CALLS[0] += 1``, ``global
+  step``), followed the same way;
 - the states of the random generators found there (a ``torch.Generator``, a ``random.Random``, numpy's) and of
   the global ones (torch CPU and CUDA, Python's, numpy's);
 - the version counter of every tensor found there, of the block's inputs, parameters and buffers.
@@ -67,7 +68,7 @@ def _generator_state(value):
     return None
 
 
-_GLOBALS_READ: dict = {}  # code object -> the global names its function (and nested code) reads
+_GLOBALS_READ: dict = {}  # code objects of a class's functions -> [(globals dict, names read)]
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -78,15 +79,37 @@ def _names(code: types.CodeType) -> set[str]:
     return out
 
 
-def _globals_read(cls: type) -> tuple[dict, tuple[str, ...]] | None:
-    """The globals dict of ``cls.forward`` and the names of it that the forward reads (cached by code object)."""
-    fn = inspect.unwrap(getattr(cls, "forward", None))
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return None
-    if code not in _GLOBALS_READ:
-        _GLOBALS_READ[code] = tuple(sorted(_names(code)))  # attribute names too: those are not globals, no matter
-    return fn.__globals__, _GLOBALS_READ[code]
+def _functions(cls: type) -> list[types.FunctionType]:
+    """The functions the model's classes define on ``cls`` (its MRO below ``nn.Module``, torch's own left out)."""
+    out = []
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or klass.__module__.startswith("torch."):
+            continue
+        for value in vars(klass).values():
+            fn = inspect.unwrap(getattr(value, "__func__", value))
+            if isinstance(fn, types.FunctionType):
+                out.append(fn)
+    return out
+
+
+def _globals_read(cls: type) -> list[tuple[dict, tuple[str, ...]]]:
+    """The module globals ``cls``'s methods read by name, and those the module-level functions they call read
+    (two calls deep): ``[(globals dict, names)]``, cached by the functions' code objects."""
+    fns = _functions(cls)
+    key = tuple(fn.__code__ for fn in fns)
+    if key not in _GLOBALS_READ:
+        read: dict[int, tuple[dict, set]] = {}
+        todo, seen = [(fn, 2) for fn in fns], set()
+        while todo:
+            fn, depth = todo.pop()
+            if fn.__code__ in seen:
+                continue
+            seen.add(fn.__code__)
+            g, names = fn.__globals__, _names(fn.__code__)  # attribute names too: not globals, no matter
+            read.setdefault(id(g), (g, set()))[1].update(names)
+            todo += [(g[n], depth - 1) for n in names if depth and isinstance(g.get(n), types.FunctionType)]
+        _GLOBALS_READ[key] = [(g, tuple(sorted(names))) for g, names in read.values()]
+    return _GLOBALS_READ[key]
 
 
 def _named_inputs(block: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
@@ -121,9 +144,7 @@ class Snapshot:
                 self._walk(where if holder else f"{where}.{k}", v, DEPTH, attributes=holder)
             classes.setdefault(type(m), None)
         for cls in classes:
-            found = _globals_read(cls)
-            if found is not None:
-                g, names = found
+            for g, names in _globals_read(cls):
                 read = {n: g.get(n, _MISSING) for n in names if not isinstance(g.get(n), _OPAQUE)}
                 self.globals.append((g, read))
                 for n, v in read.items():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import collections
 import copy
+import inspect
 import random
 import types
 
@@ -154,7 +155,7 @@ def _experts_calling(site) -> bool:
 
 def _per_call(fn, site, variants: list, mutate) -> list[Edit]:
     """One edit per (expert call, variant): ``mutate(tree, call, variant)`` on a copy whose calls are kept,
-    returning ``(tweak, after_apply, around)`` or None."""
+    returning ``(tweak, after_apply)`` or None."""
     if not _experts_calling(site):
         return []
     edits = []
@@ -162,8 +163,8 @@ def _per_call(fn, site, variants: list, mutate) -> list[Edit]:
         for variant in variants:
             tree = copy.deepcopy(fn)
             call = _kept(tree)[k]
-            hooks = mutate(tree, call, variant) or (None, None, None)
-            edits.append(Edit(tree, PRELUDE, tweak=hooks[0], after_apply=hooks[1], around=hooks[2]))
+            tweak, after_apply = mutate(tree, call, variant) or (None, None)
+            edits.append(Edit(tree, PRELUDE, tweak=tweak, after_apply=after_apply))
     return edits
 
 
@@ -244,19 +245,14 @@ STATE_WRITES = {
                          _holder("autoep_state", lambda: types.SimpleNamespace(calls=0)),
                          lambda m: setattr(m.__dict__["autoep_state"], "calls", 0) if "autoep_state" in m.__dict__
                          else None),
-    "module_global": ("_AUTOEP_CALLS[0] += 1", "_AUTOEP_CALLS[0]", None, None),
+    "module_global": ("_AUTOEP_CALLS[0] += 1", "_AUTOEP_CALLS[0]", None, lambda m: _reset_global_counter(m)),
 }
 
 
-def _reset_global(globals_: dict):
-    class Reset:
-        def __enter__(self):
-            globals_["_AUTOEP_CALLS"][0] = 0
-
-        def __exit__(self, *exc):
-            return False
-
-    return Reset()
+def _reset_global_counter(m: nn.Module) -> None:
+    g = getattr(inspect.unwrap(type(m).forward), "__globals__", {})
+    if "_AUTOEP_CALLS" in g:
+        g["_AUTOEP_CALLS"][0] = 0
 
 
 def op_state_write(fn, site):
@@ -268,10 +264,7 @@ def op_state_write(fn, site):
         tree = copy.deepcopy(fn)
         tree.body.insert(_after_docstring(tree), stmt(write)[0])
         _scale_returns(tree, f"1.0 + 0.1 * {count}")
-        after_apply = _reset_before_each_call(reset) if reset is not None else None
-        # The global counter: reset around each forward/backward, as the hook resets the others.
-        around = _reset_global if variant == "module_global" else None
-        edits.append(Edit(tree, PRELUDE, tweak=tweak, after_apply=after_apply, around=around))
+        edits.append(Edit(tree, PRELUDE, tweak=tweak, after_apply=_reset_before_each_call(reset)))
     return edits
 
 
@@ -303,7 +296,7 @@ def op_rng_between_calls(fn, site):
         draw, tweak, reset = DRAWS[variant]
         _replace(tree, call, expr(f"__c__ * (1.0 + 0.01 * {draw})", __c__=call))
         after_apply = _reset_before_each_call(reset) if reset is not None else _seed_globals
-        return tweak, after_apply, None
+        return tweak, after_apply
 
     return _per_call(fn, site, list(DRAWS), mutate)
 
@@ -342,7 +335,7 @@ def op_cache_order(fn, site):
             return None
         cache, tweak, reset = CACHES[variant]
         loops[-1].iter = expr(f"_autoep_order({cache}, __i__)", __i__=loops[-1].iter)  # the innermost
-        return tweak, _reset_before_each_call(reset), None
+        return tweak, _reset_before_each_call(reset)
 
     return [e for e in _per_call(fn, site, list(CACHES), mutate) if "_autoep_order" in ast.unparse(e.tree)]
 

@@ -8,6 +8,7 @@ called in, so that its writes happen once, as in the block's own call. ``Snapsho
   ``SimpleNamespace``'s field), followed ``DEPTH`` levels down; the module globals that the methods of the
   block's classes, and the module-level functions they call, read by name (``_CALLS[0] += 1``, ``global
   step``), followed the same way;
+- the plain attributes of the model's classes (a class-level cache or counter), followed the same way;
 - the states of the random generators found there (a ``torch.Generator``, a ``random.Random``, numpy's) and of
   the global ones (torch CPU and CUDA, Python's, numpy's);
 - the version counter of every tensor found there, of the block's inputs, parameters and buffers.
@@ -79,12 +80,21 @@ def _names(code: types.CodeType) -> set[str]:
     return out
 
 
+def _model_classes(cls: type) -> list[type]:
+    """``cls``'s MRO below ``nn.Module``, torch's own classes left out: the model's classes."""
+    return [k for k in cls.__mro__ if k not in (nn.Module, object) and not k.__module__.startswith("torch.")]
+
+
+def _class_state(klass: type) -> dict:
+    """A class's plain attributes (a class-level cache or counter), not its methods, properties or dunders."""
+    return {k: v for k, v in vars(klass).items()
+            if not k.startswith("__") and not isinstance(v, (*_OPAQUE, staticmethod, classmethod, property))}
+
+
 def _functions(cls: type) -> list[types.FunctionType]:
-    """The functions the model's classes define on ``cls`` (its MRO below ``nn.Module``, torch's own left out)."""
+    """The functions the model's classes define on ``cls``."""
     out = []
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object) or klass.__module__.startswith("torch."):
-            continue
+    for klass in _model_classes(cls):
         for value in vars(klass).values():
             fn = inspect.unwrap(getattr(value, "__func__", value))
             if isinstance(fn, types.FunctionType):
@@ -129,6 +139,7 @@ class Snapshot:
         self.attrs: list[tuple[object, dict]] = []  # (object, its attributes)
         self.items: list[tuple[object, tuple]] = []  # (dict/list/set, its contents)
         self.globals: list[tuple[dict, dict]] = []  # (globals dict, the names read: their values)
+        self.classes: list[tuple[type, dict]] = []  # (a model class, its plain attributes)
         self.rngs: list[tuple[object, object]] = []  # (setter, state)
         self._seen: set[int] = set()
         for name, value in _named_inputs(block, args, kwargs):
@@ -143,6 +154,10 @@ class Snapshot:
                 holder = k in ("_parameters", "_buffers")
                 self._walk(where if holder else f"{where}.{k}", v, DEPTH, attributes=holder)
             classes.setdefault(type(m), None)
+        for klass in dict.fromkeys(k for cls in classes for k in _model_classes(cls)):
+            self.classes.append((klass, _class_state(klass)))
+            for k, v in self.classes[-1][1].items():
+                self._walk(f"{klass.__name__}.{k}", v, DEPTH)
         for cls in classes:
             for g, names in _globals_read(cls):
                 read = {n: g.get(n, _MISSING) for n in names if not isinstance(g.get(n), _OPAQUE)}
@@ -182,6 +197,13 @@ class Snapshot:
         in place; generators' states); raise ``ReplayError`` naming a tensor it edited in place."""
         for obj, before in self.attrs:
             _rebind(vars(obj), before)
+        for klass, before in self.classes:
+            now = _class_state(klass)
+            for k in [k for k in now if k not in before]:
+                delattr(klass, k)
+            for k, v in before.items():
+                if now.get(k, _MISSING) is not v:
+                    setattr(klass, k, v)
         for g, before in self.globals:
             for n, v in before.items():
                 if v is _MISSING:

@@ -254,6 +254,13 @@ class _Replayer:
                               f"placeholders ({len(self.calls)} calls): which experts the block calls depends on an "
                               f"earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
         recorded = self.calls[i]
+        if i == 0 and (recorded.expert != e or not _same(rows, recorded.rows)):
+            raise ReplayError(f"{name}.forward: its first expert call went to {keys[recorded.expert]} in the record "
+                              f"pass and to {keys[e]} in the replay{'' if recorded.expert != e else ', on other rows'}"
+                              ": no expert output can explain it, so the forward's state changed between the passes "
+                              "(something pass 1 wrote that autoep does not put back: a write outside the block's "
+                              "modules, classes, the globals its methods read and their plain containers); "
+                              "record/exchange/replay cannot run it (opt out: an explicit local_compute_fn._target_)")
         if recorded.expert != e:
             raise ReplayError(f"{name}.forward: expert call {i} went to {keys[recorded.expert]} when the experts "
                               f"answered placeholders and to {keys[e]} with their true outputs: which expert the block "

@@ -68,6 +68,12 @@ def _autoep_order(cache, items):
     return items
 
 
+def _autoep_cache_of(owner):
+    if not hasattr(owner, "autoep_lazy_cache"):
+        owner.autoep_lazy_cache = {}
+    return owner.autoep_lazy_cache
+
+
 _AUTOEP_CALLS = [0]
 '''
 
@@ -246,6 +252,8 @@ STATE_WRITES = {
                          lambda m: setattr(m.__dict__["autoep_state"], "calls", 0) if "autoep_state" in m.__dict__
                          else None),
     "module_global": ("_AUTOEP_CALLS[0] += 1", "_AUTOEP_CALLS[0]", None, lambda m: _reset_global_counter(m)),
+    "class_attribute": ("type(self).autoep_total = getattr(type(self), 'autoep_total', 0) + 1", "type(self).autoep_total",
+                        None, lambda m: type(m).__dict__.get("autoep_total") and delattr(type(m), "autoep_total")),
 }
 
 
@@ -321,8 +329,9 @@ CACHES = {
              lambda m: m.__dict__["autoep_cache"].clear() if "autoep_cache" in m.__dict__ else None),
     "ordered_dict": ("self.autoep_cache", _holder("autoep_cache", collections.OrderedDict),
                      lambda m: m.__dict__["autoep_cache"].clear() if "autoep_cache" in m.__dict__ else None),
-    "created_on_first_call": ("self.__dict__.setdefault('autoep_cache', {})", None,
-                              lambda m: m.__dict__.pop("autoep_cache", None)),
+    "class_attribute": ("self.autoep_class_cache", lambda obj: setattr(type(obj), "autoep_class_cache", {}),
+                        lambda m: vars(type(m)).get("autoep_class_cache", {}).clear()),
+    "created_on_first_call": ("_autoep_cache_of(self)", None, lambda m: m.__dict__.pop("autoep_lazy_cache", None)),
 }
 
 

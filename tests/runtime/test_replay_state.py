@@ -196,3 +196,42 @@ def test_a_branch_on_an_expert_output_names_the_call():
         "BranchBlock.forward: expert call 1 went to experts[1] when the experts answered placeholders and to "
         "experts[3] with their true outputs: which expert the block calls depends on an earlier expert's output "
         "(the expert called before it: experts[0])"), str(info.value)
+
+
+def _order_cache():
+    """A call order cached in a closure (out of replay's reach): reversed on the first call only."""
+    seen = []
+
+    def order(n: int):
+        seen.append(n)
+        return range(n) if len(seen) > 1 else range(n - 1, -1, -1)
+
+    return order
+
+
+_ORDER = _order_cache()
+
+
+class ClosureOrderBlock(_Moe):
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, rb.D)
+        weights, selected = rb._top_k(self.gate, x, rb.K)
+        y = torch.zeros_like(x)
+        for i in _ORDER(len(self.experts)):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, self.experts[i](x[tok]) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+def test_state_replay_cannot_put_back_is_named_as_such():
+    """A write out of replay's reach (a closure's list) changes the first expert call: no expert output can explain
+    that, and the message says so rather than blaming an expert."""
+    global _ORDER
+    torch.manual_seed(0)
+    block = _ep(ClosureOrderBlock())
+    _ORDER = _order_cache()
+    with pytest.raises(ReplayError) as info:
+        block(_x())
+    assert str(info.value).startswith(
+        "ClosureOrderBlock.forward: its first expert call went to experts[3] in the record pass and to experts[0] in "
+        "the replay: no expert output can explain it"), str(info.value)

@@ -7,7 +7,7 @@ called in, so that its writes happen once, as in the block's own call. ``Snapsho
   they hold (a counter, ``self.aux_loss``, a cache dict, an ``OrderedDict``, a list inside a dict, a
   ``SimpleNamespace``'s field), followed ``DEPTH`` levels down; the module globals that the methods of the
   block's classes, and the module-level functions they call, read by name (``_CALLS[0] += 1``, ``global
-  step``), followed the same way;
+  step``) and the closure variables of those functions, followed the same way;
 - the plain attributes of the model's classes (a class-level cache or counter), followed the same way;
 - the states of the random generators found there (a ``torch.Generator``, a ``random.Random``, numpy's) and of
   the global ones (torch CPU and CUDA, Python's, numpy's);
@@ -69,7 +69,7 @@ def _generator_state(value):
     return None
 
 
-_GLOBALS_READ: dict = {}  # code objects of a class's functions -> [(globals dict, names read)]
+_GLOBALS_READ: dict = {}  # code objects of a class's functions -> ([(globals dict, names read)], closure cells)
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -102,23 +102,25 @@ def _functions(cls: type) -> list[types.FunctionType]:
     return out
 
 
-def _globals_read(cls: type) -> list[tuple[dict, tuple[str, ...]]]:
+def _globals_read(cls: type) -> tuple[list[tuple[dict, tuple[str, ...]]], tuple]:
     """The module globals ``cls``'s methods read by name, and those the module-level functions they call read
-    (two calls deep): ``[(globals dict, names)]``, cached by the functions' code objects."""
+    (two calls deep): ``[(globals dict, names)]``; and the closure cells of those functions. Cached by the
+    functions (their identity: a closure is its function's)."""
     fns = _functions(cls)
-    key = tuple(fn.__code__ for fn in fns)
+    key = tuple(fns)
     if key not in _GLOBALS_READ:
         read: dict[int, tuple[dict, set]] = {}
-        todo, seen = [(fn, 2) for fn in fns], set()
+        todo, seen, cells = [(fn, 2) for fn in fns], set(), []
         while todo:
             fn, depth = todo.pop()
-            if fn.__code__ in seen:
+            if fn in seen:
                 continue
-            seen.add(fn.__code__)
+            seen.add(fn)
+            cells += fn.__closure__ or ()
             g, names = fn.__globals__, _names(fn.__code__)  # attribute names too: not globals, no matter
             read.setdefault(id(g), (g, set()))[1].update(names)
             todo += [(g[n], depth - 1) for n in names if depth and isinstance(g.get(n), types.FunctionType)]
-        _GLOBALS_READ[key] = [(g, tuple(sorted(names))) for g, names in read.values()]
+        _GLOBALS_READ[key] = ([(g, tuple(sorted(names))) for g, names in read.values()], tuple(cells))
     return _GLOBALS_READ[key]
 
 
@@ -140,6 +142,7 @@ class Snapshot:
         self.items: list[tuple[object, tuple]] = []  # (dict/list/set, its contents)
         self.globals: list[tuple[dict, dict]] = []  # (globals dict, the names read: their values)
         self.classes: list[tuple[type, dict]] = []  # (a model class, its plain attributes)
+        self.cells: list[tuple[types.CellType, object]] = []  # (a closure cell, its contents)
         self.rngs: list[tuple[object, object]] = []  # (setter, state)
         self._seen: set[int] = set()
         for name, value in _named_inputs(block, args, kwargs):
@@ -159,11 +162,19 @@ class Snapshot:
             for k, v in self.classes[-1][1].items():
                 self._walk(f"{klass.__name__}.{k}", v, DEPTH)
         for cls in classes:
-            for g, names in _globals_read(cls):
+            read_by_cls, cells = _globals_read(cls)
+            for g, names in read_by_cls:
                 read = {n: g.get(n, _MISSING) for n in names if not isinstance(g.get(n), _OPAQUE)}
                 self.globals.append((g, read))
                 for n, v in read.items():
                     self._walk(f"the global {n}", v, DEPTH)
+            for cell in cells:
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                self.cells.append((cell, value))
+                self._walk("a closure variable", value, DEPTH)
 
     def _walk(self, name: str, value, depth: int, attributes: bool = False) -> None:
         if id(value) in self._seen or value is None or value is _MISSING or isinstance(value, (str, bytes, int, float)):
@@ -204,6 +215,9 @@ class Snapshot:
             for k, v in before.items():
                 if now.get(k, _MISSING) is not v:
                     setattr(klass, k, v)
+        for cell, before in self.cells:
+            if cell.cell_contents is not before:
+                cell.cell_contents = before
         for g, before in self.globals:
             for n, v in before.items():
                 if v is _MISSING:

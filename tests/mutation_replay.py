@@ -9,13 +9,14 @@ calls experts (the block's forward, its helpers, an experts container's own forw
 - ``branch_on_output``: the next expert call skipped when the previous output sums positive, or an expert's
   output doubled when it sums positive (a branch on a value only: exact under replay);
 - ``state_write``: a counter or buffer written in the forward (an attribute, a buffer, a plain tensor attribute,
-  an ``OrderedDict``, a ``defaultdict``, a list inside a dict, a plain object's attribute, a module global),
+  an ``OrderedDict``, a ``defaultdict``, a list inside a dict, a plain object's attribute, a module global, a
+  closure variable of a module-level function, a class attribute),
   the block's output scaled by the count: exact where pass 1's write is undone, else a refusal;
 - ``rng_between_calls``: a random number drawn after each expert call and scaling its output (torch's global
   generator, Python's, numpy's, a ``torch.Generator`` / ``random.Random`` the block holds);
 - ``block_input_inplace``: the block's input edited in place at the top of the forward (unchanged or scaled);
 - ``cache_order``: the loop around an expert call runs reversed on the first call, as a Python-side cache
-  (a dict on the block, an ``OrderedDict``, an attribute created on first call) records.
+  (a dict on the block, an ``OrderedDict``, a class attribute, an attribute created on first call) records.
 
 State that lives across calls is reset before each call of the block by a forward pre-hook registered after
 apply (``Edit.after_apply``, on the reference and the EP copy alike): every call of the block then computes the
@@ -74,6 +75,17 @@ def _autoep_cache_of(owner):
     return owner.autoep_lazy_cache
 
 
+def _autoep_closure_counter():
+    calls = [0]
+
+    def step():
+        calls[0] += 1
+        return calls[0]
+
+    return step
+
+
+_autoep_step = _autoep_closure_counter()
 _AUTOEP_CALLS = [0]
 '''
 
@@ -252,9 +264,16 @@ STATE_WRITES = {
                          lambda m: setattr(m.__dict__["autoep_state"], "calls", 0) if "autoep_state" in m.__dict__
                          else None),
     "module_global": ("_AUTOEP_CALLS[0] += 1", "_AUTOEP_CALLS[0]", None, lambda m: _reset_global_counter(m)),
+    "closure": ("_autoep_count = _autoep_step()", "_autoep_count", None, lambda m: _reset_closure_counter(m)),
     "class_attribute": ("type(self).autoep_total = getattr(type(self), 'autoep_total', 0) + 1", "type(self).autoep_total",
                         None, lambda m: type(m).__dict__.get("autoep_total") and delattr(type(m), "autoep_total")),
 }
+
+
+def _reset_closure_counter(m: nn.Module) -> None:
+    g = getattr(inspect.unwrap(type(m).forward), "__globals__", {})
+    if "_autoep_step" in g:
+        g["_autoep_step"].__closure__[0].cell_contents[0] = 0
 
 
 def _reset_global_counter(m: nn.Module) -> None:

@@ -198,8 +198,22 @@ def test_a_branch_on_an_expert_output_names_the_call():
         "(the expert called before it: experts[0])"), str(info.value)
 
 
+class ClosureOrderBlock(_Moe):
+    """The call order cached by a closure of a module-level function the forward calls: put back (its cell
+    followed), so the block is exact."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, rb.D)
+        weights, selected = rb._top_k(self.gate, x, rb.K)
+        y = torch.zeros_like(x)
+        for i in _ORDER(len(self.experts)):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, self.experts[i](x[tok]) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
 def _order_cache():
-    """A call order cached in a closure (out of replay's reach): reversed on the first call only."""
+    """A call order cached in a closure: reversed on the first call only."""
     seen = []
 
     def order(n: int):
@@ -212,26 +226,43 @@ def _order_cache():
 _ORDER = _order_cache()
 
 
-class ClosureOrderBlock(_Moe):
+class DeepOrderBlock(ClosureOrderBlock):
+    """The same cache deeper in plain objects than replay follows (``replay_state.DEPTH``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ns = types.SimpleNamespace(a=types.SimpleNamespace(b=types.SimpleNamespace(seen=[])))
+
     def forward(self, hidden_states):
         x = hidden_states.reshape(-1, rb.D)
         weights, selected = rb._top_k(self.gate, x, rb.K)
+        seen = self.ns.a.b.seen
+        seen.append(1)
         y = torch.zeros_like(x)
-        for i in _ORDER(len(self.experts)):
+        for i in (range(len(self.experts)) if len(seen) > 1 else range(len(self.experts) - 1, -1, -1)):
             tok, slot = torch.where(selected == i)
             y.index_add_(0, tok, self.experts[i](x[tok]) * weights[tok, slot, None])
         return y.reshape(hidden_states.shape)
 
 
-def test_state_replay_cannot_put_back_is_named_as_such():
-    """A write out of replay's reach (a closure's list) changes the first expert call: no expert output can explain
-    that, and the message says so rather than blaming an expert."""
+def test_a_closure_cache_is_put_back():
     global _ORDER
     torch.manual_seed(0)
-    block = _ep(ClosureOrderBlock())
+    own = ClosureOrderBlock()
+    block = _ep(copy.deepcopy(own))
     _ORDER = _order_cache()
+    want = own(_x())
+    _ORDER = _order_cache()
+    torch.testing.assert_close(block(_x()), want)
+
+
+def test_state_replay_cannot_put_back_is_named_as_such():
+    """A write out of replay's reach changes the first expert call: no expert output can explain that, and the
+    message says so rather than blaming an expert."""
+    torch.manual_seed(0)
+    block = _ep(DeepOrderBlock())
     with pytest.raises(ReplayError) as info:
         block(_x())
     assert str(info.value).startswith(
-        "ClosureOrderBlock.forward: its first expert call went to experts[3] in the record pass and to experts[0] in "
+        "DeepOrderBlock.forward: its first expert call went to experts[3] in the record pass and to experts[0] in "
         "the replay: no expert output can explain it"), str(info.value)

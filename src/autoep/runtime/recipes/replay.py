@@ -5,9 +5,10 @@ exchange, replay"):
 
 1. **Record.** The block's class forward runs with every expert module's call answered by a placeholder of
    the right shape and dtype (zeros; the shape from the expert's forward run on ``meta``) and recorded:
-   ``(expert id, input rows)``. Pass 1 must leave nothing behind: the version counters of the block's inputs,
-   parameters and buffers, the attributes of the block and its submodules and the RNG state (CPU, CUDA,
-   Python's) are as before (the RNG is restored; anything else raises).
+   ``(expert id, input rows)``. Pass 1 must leave nothing behind (``replay_state``): what it wrote in the
+   Python state the block reaches (attributes, containers, class attributes, the globals and closure variables
+   its methods read, random generators) is put back; a tensor it edited in place (an input, a parameter, a
+   buffer, a tensor attribute) raises, naming it.
 2. **Exchange.** Every recorded call's rows go to the expert's owner (experts split contiguously, as
    ``local_experts.LocalExperts`` places them) in ONE differentiable all-to-all; the owner runs each called
    local expert's own forward once on the rows every rank sent it (row-local: concatenation changes nothing),
@@ -288,8 +289,8 @@ _ONE_EXCHANGE = ("record/exchange/replay runs all of a call's experts in one exc
 def _source_call(rows: Tensor, outputs: list[Tensor], upto: int) -> int | None:
     """The latest expert call before ``upto`` whose output ``rows`` were computed from, found in the autograd
     graph of ``rows`` (None where the outputs carry no graph: no_grad, frozen experts)."""
-    held = {id(n): j for j in range(upto) if (n := outputs[j].grad_fn) is not None}
-    nodes = [outputs[j].grad_fn for j in range(upto)]  # noqa: F841 - alive while their ids are compared
+    nodes = [outputs[j].grad_fn for j in range(upto)]  # alive while their ids are compared
+    held = {id(n): j for j, n in enumerate(nodes) if n is not None}
     stack, seen, found = [rows.grad_fn], {}, []
     while stack:
         node = stack.pop()
@@ -378,16 +379,17 @@ def _tensors(value, out: list) -> list:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# The exchange
-# ---------------------------------------------------------------------------------------------
-
-
 def _rows_unchanged(recorder: _Recorder) -> None:
     for i, call in enumerate(recorder.calls):
         if call.rows._version != call.version:
-            raise ReplayError(f"{type(recorder.block).__name__}.forward edits the rows it gave "
-                              f"{recorder.replay.keys[call.expert]} (expert call {i}) in place after the call")
+            raise ReplayError(f"{type(recorder.block).__name__}.forward wrote the rows it gave "
+                              f"{recorder.replay.keys[call.expert]} (expert call {i}) in place after the call, during "
+                              "the record pass")
+
+
+# ---------------------------------------------------------------------------------------------
+# The exchange
+# ---------------------------------------------------------------------------------------------
 
 
 def _device(args: tuple, kwargs: dict, block: nn.Module) -> torch.device:

@@ -54,6 +54,11 @@ def set_rng_state(state: tuple) -> None:
         sys.modules["numpy"].random.set_state(np_state)
 
 
+def _generator_types() -> tuple[type, ...]:
+    np = sys.modules.get("numpy")
+    return (torch.Generator, random.Random) + ((np.random.Generator, np.random.RandomState) if np is not None else ())
+
+
 def _generator_state(value):
     """``(get, set)`` of a random generator object, or None: torch's, Python's, numpy's."""
     if isinstance(value, torch.Generator):
@@ -145,6 +150,7 @@ class Snapshot:
         self.cells: list[tuple[types.CellType, object]] = []  # (a closure cell, its contents)
         self.rngs: list[tuple[object, object]] = []  # (setter, state)
         self._seen: set[int] = set()
+        self._generators = _generator_types()
         for name, value in _named_inputs(block, args, kwargs):
             self._walk(name, value, DEPTH)
         classes = {}
@@ -183,9 +189,9 @@ class Snapshot:
         if isinstance(value, Tensor):
             self.versions.append((name, value, value._version))
             return
-        state = _generator_state(value)
-        if state is not None:
-            self.rngs.append((state[1], state[0]()))
+        if isinstance(value, self._generators):
+            get, set_ = _generator_state(value)
+            self.rngs.append((set_, get()))
             return
         if depth == 0 or isinstance(value, _OPAQUE):
             return

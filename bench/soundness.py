@@ -6,6 +6,8 @@
     python bench/soundness.py --every 10      # every 10th mutant of each target (a quick look)
     python bench/soundness.py --target hf/nemotron_h --target v4/   # only these targets (name prefixes)
     python bench/soundness.py --ranks 2 --operator param_grad_hook --operator patch_f_linear   # only these operators
+    python bench/soundness.py --replay --ranks 2   # the record/exchange/replay targets (``mutation.replay_targets``),
+                                                   # old and replay operators; mutants refused at forward too
 
 Prints one line per accepted-wrong, crash or invalid mutant, then per target and in total
 ``mutants=… refused=… accepted_exact=… accepted_wrong=… crashes=… invalid=…``. Exits 1 when any mutant
@@ -50,6 +52,18 @@ def print_rank_controls(ranks: dict, world_size: int) -> int:
     return failed
 
 
+def print_operator_lines(outcomes) -> None:
+    """One line per operator: its mutants, refused at detection or apply, raised at forward (the run-time
+    checks), accepted and exact, accepted and wrong, crashes, invalid."""
+    for operator in sorted({o.operator for o in outcomes}):
+        mine = [o for o in outcomes if o.operator == operator]
+        c = mutation.counts(mine)
+        raised = sum(o.verdict == "refused" and o.detail.startswith("at forward") for o in mine)
+        print(f"  {operator}: mutants={c['mutants']} refused={c['refused'] - raised} raised={raised} "
+              f"accepted_exact={c['accepted_exact']} accepted_wrong={c['accepted_wrong']} crashes={c['crash']} "
+              f"invalid={c['invalid']}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1,
@@ -62,19 +76,24 @@ def main(argv=None) -> int:
                         help="only mutants of this operator (repeatable; the targets' controls still run on ranks)")
     parser.add_argument("--rank-every", type=int, default=1,
                         help="on several ranks: every run-time and rank-sensitive mutant, every N-th of the others")
+    parser.add_argument("--replay", action="store_true",
+                        help="the record/exchange/replay targets instead; on several ranks, every mutant its run-time "
+                             "checks refused in one process must raise on every rank")
     parser.add_argument("--breaks-per-target", type=int, default=1,
                         help="process groups a target's mutants may break before the rest of it is left unchecked")
     args = parser.parse_args(argv)
 
     failed_controls = 0
     t0 = time.perf_counter()
-    targets = [t for t in mutation.targets() if not args.target or t.name.startswith(tuple(args.target))]
+    every_target = mutation.replay_targets() if args.replay else mutation.targets()
+    targets = [t for t in every_target if not args.target or t.name.startswith(tuple(args.target))]
     mutants = mutation.sample([m for t in targets for m in mutation.target_mutants(t)
                                if not args.operator or m.operator in args.operator], args.every)[: args.limit]
     outcomes = mutation.evaluate_all(mutants)
     t1 = time.perf_counter()
     if args.ranks > 1:
         names = mutation_ranks.rank_sample(outcomes, args.rank_every)
+        names += mutation_ranks.raised_at_forward(outcomes) if args.replay else []
         print(f"rechecking {len(names)} controls and accepted-exact mutants on {args.ranks} gloo ranks", flush=True)
         ranks = mutation_ranks.gloo_check(names, args.ranks, breaks_per_target=args.breaks_per_target)
         mutation_ranks.apply_rank_results(outcomes, ranks, args.ranks)
@@ -85,7 +104,8 @@ def main(argv=None) -> int:
     for target, group in itertools.groupby(outcomes, key=lambda o: o.target):
         print(mutation.summary_line(target, list(group)))
     print(mutation.summary_line("total", outcomes))
-    print(f"operators={len(mutation.OPERATORS)} in-process {t1 - t0:.1f} s, ranks {t2 - t1:.1f} s")
+    print_operator_lines(outcomes)
+    print(f"operators={len(mutation.REPLAY_TARGET_OPERATORS if args.replay else mutation.OPERATORS)} in-process {t1 - t0:.1f} s, ranks {t2 - t1:.1f} s")
     c = mutation.counts(outcomes)
     return 1 if c["accepted_wrong"] or c["crash"] or failed_controls else 0
 

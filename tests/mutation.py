@@ -57,6 +57,7 @@ from typing import Callable
 
 import torch
 from mutation_operators import SOURCE_OPERATORS, Edit
+from mutation_replay import REPLAY_OPERATORS
 from mutation_runtime import (
     RUNTIME_OPERATORS,
     act_roles,
@@ -76,7 +77,9 @@ from autoep.runtime.recipes.replay import ReplayError
 from autoep.plan.archetypes import RUNNABLE_EXPERT_KINDS, compute_fn_config
 
 BATCH, SEQ = 2, 3
-OPERATORS = [*SOURCE_OPERATORS, *RUNTIME_OPERATORS]
+OPERATORS = [*SOURCE_OPERATORS, *RUNTIME_OPERATORS]  # the targets of ``targets()``
+# The record/exchange/replay targets of ``replay_targets()`` get these and ``REPLAY_OPERATORS`` too.
+REPLAY_TARGET_OPERATORS = [*OPERATORS, *REPLAY_OPERATORS]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,6 +95,9 @@ class Target:
     # on several ranks, one rank may get no sequences; False where the block's own forward cannot run an
     # empty batch (DBRX: its experts' ``acc.view(0, -1, D)`` is ambiguous), so no rank of it ever has none
     empty_rank: bool = True
+    # detected with the record/exchange/replay fallback (``detect_moe_structure(replay=True)``, the plan entry's
+    # ``record_replay: True``), and mutated by ``mutation_replay.REPLAY_OPERATORS`` too
+    replay: bool = False
 
 
 def _transformers_4() -> bool:
@@ -268,6 +274,17 @@ def targets() -> list[Target]:
         # transformers 4.57 Switch: rows assigned from a one-hot mask with capacity, ModuleDict experts by getattr.
         Target("v4/selected_rows", _hand_written_block("selected_rows", _selected_rows_block)),
     ]
+
+
+def replay_targets() -> list[Target]:
+    """The blocks of ``tests/replay_blocks.py`` (dispatch loops no fast-path spec reads: comprehension, ``zip``
+    chunks, ``vstack``, a cast-masked assignment, batch rows, a config flag, a container with an optional
+    argument, nested experts, expert choice, capacity dropping, dropout between calls, a counter, a cached
+    order), run by record/exchange/replay. Not in ``targets()``: ``tests/detect/test_replay_soundness.py``
+    samples them, ``bench/soundness.py --replay`` runs them all."""
+    import replay_blocks
+
+    return [Target(f"replay/{n}", _hand_written_block(n, make), replay=True) for n, make in replay_blocks.BLOCKS.items()]
 
 
 def _training_branch_blocks() -> dict[str, Callable[[], nn.Module]]:
@@ -512,9 +529,10 @@ def target_mutants(target: Target) -> list[Mutant]:
     """The target's mutants in their fixed order: site x source operator x location, then run-time."""
     block = target.build()
     out = []
+    operators = SOURCE_OPERATORS | (REPLAY_OPERATORS if target.replay else {})
     for site in source_sites(block):
         tree = function_tree(site.function)
-        for op_name, op in SOURCE_OPERATORS.items():
+        for op_name, op in operators.items():
             for k, edit in enumerate(op(tree, site)):
                 name = f"{target.name}/{site.label}/{op_name}#{k}"
                 out.append(Mutant(name, target, op_name, source_mutator(site, edit)))
@@ -539,7 +557,8 @@ def unmodified(target: Target) -> Mutant:
 def mutants_by_name(names) -> list[Mutant]:
     """The named mutants (or ``<target>/unmodified``), enumerating only their targets."""
     wanted = {n.rsplit("/", 2)[0] if not n.endswith("/unmodified") else n.rsplit("/", 1)[0] for n in names}
-    index = {m.name: m for t in targets() if t.name in wanted for m in [unmodified(t), *target_mutants(t)]}
+    every = targets() + (replay_targets() if any(w.startswith("replay/") for w in wanted) else [])
+    index = {m.name: m for t in every if t.name in wanted for m in [unmodified(t), *target_mutants(t)]}
     return [index[n] for n in names]
 
 
@@ -680,12 +699,12 @@ def short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
 
 
-def detect(block: nn.Module):
+def detect(block: nn.Module, replay: bool = False):
     """``(structure, None)``, ``(None, "refused: ...")`` or ``(None, "crash: ...")``; the table lookup is part
     of detection (a structure without a recipe is a refusal), except for row-local experts while no recipe runs
     them yet: those are held to the simulated own forward (``own_forward_sim``)."""
     try:
-        structure = detect_moe_structure(block)
+        structure = detect_moe_structure(block, replay=replay)
         if structure.expert_kind in RUNNABLE_EXPERT_KINDS:
             compute_fn_config(structure)
         return structure, None
@@ -760,7 +779,7 @@ def evaluate(mutant: Mutant) -> Outcome:
         block = mutant.build()
     except Exception as exc:  # noqa: BLE001 - a mutant that cannot even be built is not a test
         return verdict("invalid", "build: " + short_error(exc))
-    structure, why = detect(block)
+    structure, why = detect(block, mutant.target.replay)
     if why and why.startswith("crash"):
         return verdict("crash", why)
     x, flat = inputs(block), mutant.target.flat

@@ -80,7 +80,7 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
     import torch.distributed as dist
 
     block = mutant.build()
-    structure, why = detect(block)
+    structure, why = detect(block, mutant.target.replay)
     if why:
         return why.split(":")[0], why, False
     x, flat = inputs(block), mutant.target.flat
@@ -190,10 +190,14 @@ def _spawn_twice_on_a_signal(spawn, world_size: int, todo: list[str]) -> list[di
 
 def apply_rank_results(outcomes: list[Outcome], ranks: dict[str, tuple[str, str]], world_size: int) -> None:
     """A mutant exact in one process and wrong on several ranks becomes accepted_wrong; one refused there (state
-    on expert parameters that sharding would replace: ``autoep.runtime.live_state``) becomes refused."""
+    on expert parameters that sharding would replace: ``autoep.runtime.live_state``) becomes refused. A mutant
+    refused at forward in one process (record/exchange/replay's checks) that did not raise on every rank (or
+    hung) is accepted_wrong."""
     for o in outcomes:
         verdict, detail = ranks.get(o.name, (None, ""))
         if o.verdict == "accepted_exact" and verdict in ("accepted_wrong", "refused"):
+            o.verdict, o.detail = verdict, f"on {world_size} ranks: {detail}"
+        elif o.verdict == "refused" and verdict == "accepted_wrong":
             o.verdict, o.detail = verdict, f"on {world_size} ranks: {detail}"
 
 
@@ -207,6 +211,12 @@ RANK_INCOMPARABLE = {"param_post_accumulate"}
 # and a bf16 cast downstream (the router's backward) can round that round-off up to one bf16 ulp. Judged there
 # at bf16's ``assert_close`` tolerances, not on rounding luck (DESIGN.md "Parity"); in one process, exactly.
 LOW_PRECISION = {"autocast": {"rtol": 1.6e-2, "atol": 1e-5}}
+
+
+def raised_at_forward(outcomes: list[Outcome]) -> list[str]:
+    """The mutants refused at forward in one process by record/exchange/replay's checks: on several ranks each
+    must raise on every rank, none left waiting in a collective (``apply_rank_results``)."""
+    return [o.name for o in outcomes if o.verdict == "refused" and o.detail.startswith("at forward: ")]
 
 
 def rank_sample(outcomes: list[Outcome], every: int) -> list[str]:

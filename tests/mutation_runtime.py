@@ -34,17 +34,28 @@ def router_of(block: nn.Module) -> nn.Module | None:
 
 
 def experts_attr(block: nn.Module) -> str:
-    """The block's experts attribute as the detector finds it (by data flow); ``experts`` where it finds none."""
+    """The block's experts attribute as the detector finds it (by data flow; a dotted path where only the
+    record/exchange/replay fallback finds them, ``moe.experts``); ``experts`` where it finds none."""
+    from autoep.detect import replay_proof
     from autoep.detect.structure import find_experts
 
     try:
-        return find_experts(block) or "experts"
+        found = find_experts(block)
     except Exception:  # noqa: BLE001 - an unreadable mutant: the name the fuzzer always used
+        return "experts"
+    if found:
+        return found
+    try:
+        return replay_proof.find_container(block)
+    except Exception:  # noqa: BLE001 - no container either
         return "experts"
 
 
 def experts_of(block: nn.Module) -> nn.Module | None:
-    return getattr(block, experts_attr(block), None)
+    try:
+        return block.get_submodule(experts_attr(block))
+    except AttributeError:
+        return getattr(block, "experts", None)
 
 
 def expert_list(block: nn.Module) -> list[nn.Module]:

@@ -488,11 +488,12 @@ BLOCKS.update(counter_attribute=CounterMoE, cached_order=CacheOrderMoE)  # state
 
 # name -> (builder, the ReplayError text it must raise)
 TWINS = {
-    "chained": (ChainedTwin, "its input is computed from an expert's output"),
-    "branch_on_output": (BranchOnOutputTwin, "depends on an expert's output"),
+    "chained": (ChainedTwin, "ChainedTwin.forward: experts['expert_1'] (expert call 1) got its input from "
+                            "experts['expert_0']'s output (expert call 0)"),
+    "branch_on_output": (BranchOnOutputTwin, "depends on an earlier expert's output"),
     "autocast_around_experts": (AutocastTwin, "cpu autocast"),
     "no_grad_around_experts": (NoGradTwin, "grad mode"),
-    "buffer": (BufferTwin, "edits buffer tokens_per_expert in place"),
-    "rng_from_output": (RngFromOutputTwin, "depends on an expert's output"),
-    "in_place_input": (InPlaceInputTwin, "edits its input in place"),
+    "buffer": (BufferTwin, "BufferTwin.forward wrote self.tokens_per_expert in place during the record pass"),
+    "rng_from_output": (RngFromOutputTwin, "depends on an earlier expert's output"),
+    "in_place_input": (InPlaceInputTwin, "InPlaceInputTwin.forward wrote its input hidden_states in place"),
 }

@@ -5,9 +5,10 @@ exchange, replay"):
 
 1. **Record.** The block's class forward runs with every expert module's call answered by a placeholder of
    the right shape and dtype (zeros; the shape from the expert's forward run on ``meta``) and recorded:
-   ``(expert id, input rows)``. Pass 1 must leave nothing behind: the version counters of the block's inputs,
-   parameters and buffers, the attributes of the block and its submodules and the RNG state (CPU, CUDA,
-   Python's) are as before (the RNG is restored; anything else raises).
+   ``(expert id, input rows)``. Pass 1 must leave nothing behind (``replay_state``): what it wrote in the
+   Python state the block reaches (attributes, containers, class attributes, the globals and closure variables
+   its methods read, random generators) is put back; a tensor it edited in place (an input, a parameter, a
+   buffer, a tensor attribute) raises, naming it.
 2. **Exchange.** Every recorded call's rows go to the expert's owner (experts split contiguously, as
    ``local_experts.LocalExperts`` places them) in ONE differentiable all-to-all; the owner runs each called
    local expert's own forward once on the rows every rank sent it (row-local: concatenation changes nothing),
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import random
 import types
 from dataclasses import dataclass
 
@@ -51,19 +51,17 @@ from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.dispatch import _exchanged, _Join, all_to_all
 from autoep.runtime.recipes import (
     as_structure,
+    check_proven,
     experts_of,
     join_backward_exchanges,
     watching_facts,
     watching_folded,
 )
 from autoep.runtime.recipes.local_experts import GROUP, container_of, expert_modules, place_experts, spec_of
+from autoep.runtime.recipes.replay_state import ReplayError, Snapshot, rng_state, set_rng_state
 
 REPLAY = "_autoep_replay"  # the block attribute holding its ``_Replay``
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # the rows' dtypes the exchange sends
-
-
-class ReplayError(RuntimeError):
-    """A check of record/exchange/replay failed: the block's run is not the model's own computation."""
 
 
 @dataclass(frozen=True)
@@ -147,19 +145,23 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
     spec = spec_of(self)
     experts = expert_modules(container_of(self, spec))
     group = getattr(self, GROUP).value if spec.ep_size > 1 else None
-    rng = _rng_state()
+    rng = rng_state()
     recorder = _Recorder(self, replay, experts, _context())
-    before = _snapshot(self, args, kwargs)
+    before = Snapshot(self, args, kwargs)
     try:
+        # After every pre-hook (a user's, registered after apply, may change a value the proofs folded): raised
+        # through the exchange's counts, so every peer stops too.
+        check_proven(self)
         with _answering(experts, recorder.record):
             cls.forward(self, *args, **kwargs)
         failure = None
     except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
         failure = exc
     finally:
-        _set_rng_state(rng)
+        set_rng_state(rng)
     try:
-        _undo(self, before, recorder)
+        before.undo(cls.__name__)
+        _rows_unchanged(recorder)
     except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
         failure = failure or exc
     outputs, returned = _exchange(self, spec, experts, recorder.calls, failure, group, _device(args, kwargs, self))
@@ -258,26 +260,56 @@ class _Replayer:
         i, name, keys = self.position, type(self.block).__name__, self.replay.keys
         rows = _rows_of(self.block, keys[e], i, args, kwargs)
         if i >= len(self.calls):
-            raise ReplayError(f"{name}: {keys[e]} (expert call {i}) was not called when the block ran with "
-                              f"placeholder expert outputs ({len(self.calls)} calls): which experts the block calls "
-                              "depends on an expert's output; autoep cannot run it as one exchange")
+            raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) was not called when the experts answered "
+                              f"placeholders ({len(self.calls)} calls): which experts the block calls depends on an "
+                              f"earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
         recorded = self.calls[i]
+        if i == 0 and (recorded.expert != e or not _same(rows, recorded.rows)):
+            raise ReplayError(f"{name}.forward: its first expert call went to {keys[recorded.expert]} in the record "
+                              f"pass and to {keys[e]} in the replay{'' if recorded.expert != e else ', on other rows'}"
+                              ": no expert output can explain it, so the forward's state changed between the passes "
+                              "(something pass 1 wrote that autoep does not put back: a write outside the block's "
+                              "modules, classes, the globals its methods read and their plain containers); "
+                              "record/exchange/replay cannot run it (opt out: an explicit local_compute_fn._target_)")
         if recorded.expert != e:
-            raise ReplayError(f"{name}: expert call {i} went to {keys[recorded.expert]} with placeholder expert "
-                              f"outputs and to {keys[e]} with the true ones: the block's choice of expert depends on "
-                              f"an expert's output{_last(self.calls, i, keys)}")
+            raise ReplayError(f"{name}.forward: expert call {i} went to {keys[recorded.expert]} when the experts "
+                              f"answered placeholders and to {keys[e]} with their true outputs: which expert the block "
+                              f"calls depends on an earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
         if not _same(rows, recorded.rows):
-            raise ReplayError(f"{name}: {keys[e]} (expert call {i}) got another input with the true expert outputs "
-                              f"than with placeholders: its input is computed from an expert's output"
-                              f"{_last(self.calls, i, keys)}; autoep cannot run it as one exchange")
+            j = _source_call(rows, self.outputs, i)
+            source = f"{keys[self.calls[j].expert]}'s output (expert call {j})" if j is not None else \
+                f"an earlier expert's output{_last(self.calls, i, keys)}"
+            raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) got its input from {source}; "
+                              f"{_ONE_EXCHANGE}")
         self.position += 1
         return self.outputs[i]
 
     def finish(self) -> None:
         if self.position != len(self.calls):
-            raise ReplayError(f"{type(self.block).__name__}: the block made {self.position} expert calls with the "
-                              f"true expert outputs and {len(self.calls)} with placeholders: which experts it calls "
-                              "depends on an expert's output; autoep cannot run it as one exchange")
+            raise ReplayError(f"{type(self.block).__name__}.forward made {self.position} expert calls with the experts' "
+                              f"true outputs and {len(self.calls)} with placeholders: which experts it calls depends "
+                              f"on an earlier expert's output; {_ONE_EXCHANGE}")
+
+
+_ONE_EXCHANGE = ("record/exchange/replay runs all of a call's experts in one exchange, so no expert's input or "
+                 "choice may depend on another expert's output (opt out: an explicit local_compute_fn._target_)")
+
+
+def _source_call(rows: Tensor, outputs: list[Tensor], upto: int) -> int | None:
+    """The latest expert call before ``upto`` whose output ``rows`` were computed from, found in the autograd
+    graph of ``rows`` (None where the outputs carry no graph: no_grad, frozen experts)."""
+    nodes = [outputs[j].grad_fn for j in range(upto)]  # alive while their ids are compared
+    held = {id(n): j for j, n in enumerate(nodes) if n is not None}
+    stack, seen, found = [rows.grad_fn], {}, []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node  # held: an id is not reused while the walk compares ids
+        if id(node) in held:
+            found.append(held[id(node)])
+        stack += [next_node for next_node, _ in node.next_functions]
+    return max(found) if found else None
 
 
 _CONTEXT = ("grad mode", "inference mode", "cpu autocast", "cpu autocast dtype", "cuda autocast",
@@ -340,7 +372,7 @@ def _same(a: Tensor, b: Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pass 1 leaves nothing behind
+# Pass 1 leaves nothing behind: ``replay_state``
 # ---------------------------------------------------------------------------------------------
 
 
@@ -356,90 +388,12 @@ def _tensors(value, out: list) -> list:
     return out
 
 
-def _items(value):
-    """One level of a plain list/dict/set attribute's contents (a cache filled in place), else None."""
-    if type(value) is dict:
-        return tuple(value.items())
-    if type(value) in (list, set):
-        return tuple(value)
-    return None
-
-
-def _snapshot(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    named = [("its input", t) for t in _tensors((args, kwargs), [])]
-    named += [(f"parameter {n}", t) for n, t in block.named_parameters()]
-    named += [(f"buffer {n}", t) for n, t in block.named_buffers()]
-    versions = [(what, t, t._version) for what, t in named]
-    states = []
-    for m in block.modules():
-        plain = dict(vars(m))
-        inner = {k: _items(v) for k, v in plain.items() if _items(v) is not None}
-        inner.update({k: tuple(getattr(m, k).items()) for k in ("_parameters", "_buffers", "_modules")})
-        states.append((m, plain, inner))
-    return versions, states
-
-
-def _undo(block: nn.Module, before: tuple, recorder: _Recorder) -> None:
-    """Put back what pass 1 wrote, so pass 2 runs from the state the block was called in (its writes then
-    happen once, as in the block's own call): attributes of the block and its submodules rebound, added or
-    deleted (a counter, ``self.aux_loss``, a router's ``self.input_dtype``), plain list/dict/set attributes
-    filled in place (a Python-side cache), parameters/buffers/submodules replaced. What cannot be put back
-    raises: a tensor edited in place (its input, a parameter, a buffer), rows given to an expert edited after."""
-    versions, states = before
-    for m, plain, inner in states:
-        now = vars(m)
-        for k in [k for k in now if k not in plain]:
-            del now[k]
-        for k, v in plain.items():
-            if now.get(k, _MISSING) is not v:
-                now[k] = v
-        for k, items in inner.items():
-            value = now[k]
-            if not _same_items(tuple(value.items()) if isinstance(value, dict) else tuple(value), items):
-                value.clear()
-                if isinstance(value, dict):
-                    value.update(items)
-                elif isinstance(value, list):
-                    value.extend(items)
-                else:
-                    value.update(items)
-    cls = type(block).__name__
-    for what, t, version in versions:
-        if t._version != version:
-            raise ReplayError(f"{cls}.forward edits {what} in place ({tuple(t.shape)} {t.dtype}); running it twice "
-                              "would not be running it once: autoep cannot record and replay it")
+def _rows_unchanged(recorder: _Recorder) -> None:
     for i, call in enumerate(recorder.calls):
         if call.rows._version != call.version:
-            raise ReplayError(f"{cls}.forward edits the rows it gave {recorder.replay.keys[call.expert]} (expert call "
-                              f"{i}) in place after the call")
-
-
-_MISSING = object()
-
-
-def _same_items(now: tuple, then: tuple) -> bool:
-    """The same contents by identity (dict items pairwise; equal keys that are other objects count as a
-    change, whose undo changes nothing)."""
-    if len(now) != len(then):
-        return False
-    for a, b in zip(now, then):
-        pair = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
-        if (pair and any(x is not y for x, y in zip(a, b))) or (not pair and a is not b):
-            return False
-    return True
-
-
-def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda, random.getstate()
-
-
-def _set_rng_state(state: tuple) -> None:
-    cpu, cuda, py = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    random.setstate(py)
+            raise ReplayError(f"{type(recorder.block).__name__}.forward wrote the rows it gave "
+                              f"{recorder.replay.keys[call.expert]} (expert call {i}) in place after the call, during "
+                              "the record pass")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """Soundness (issue 8): every mutant the detector accepts computes exactly what its own forward computes.
 
-The fuzzer of ``tests/mutation.py`` runs every mutant of its fixed enumeration in this process
-(ep_mesh=None), then a fixed sample of the accepted ones again on 2 gloo ranks, after each target's
+The fuzzer of ``tests/mutation.py`` runs every ``IN_PROCESS_EVERY``-th mutant of each target of its fixed
+enumeration in this process (ep_mesh=None), then a fixed sample of the accepted ones again on 2 gloo ranks, after each target's
 unmodified control: every run-time-state and rank-sensitive mutant, and of the others every
 ``RANK_EVERY``-th of the original ten targets' and every ``NEW_RANK_EVERY``-th of ``mutation.NEW_TARGETS``
 (the nine added since; sampled so that the file stays near 2.5 min). ``bench/soundness.py --ranks 2``
-rechecks every accepted mutant on the ranks.
+rechecks every accepted mutant on the ranks (and runs every mutant in process).
+CI keeps every 2nd mutant in process since the suite grew past 25 min on 2 cores (the whole enumeration, 11287
+mutants, took ~5.5 of this file's ~8 min); the sample is fixed, so a mutant skipped here is the same each run.
 Measured on 2 CPU cores shared with other work (load 3-6): 19 targets, ~3250 mutants, 1.9-2.3 min
 (in-process ~60 s, ranks ~0.07 s per mutant + ~8 s per spawn); with every 3rd of the new targets' on the
 ranks, 2.4 min; the original ten alone, 2.0 min. A target whose control breaks its process group adds ~25 s.
@@ -24,7 +26,7 @@ import pytest
 from distributed import spawn
 from mutation_runtime import scaled
 
-IN_PROCESS_EVERY = 1  # every mutant of every target
+IN_PROCESS_EVERY = 2  # every 2nd mutant of each target (bench/soundness.py: all of them)
 RANK_EVERY = 3  # of the original ten targets' accepted source mutants that are not rank-sensitive
 NEW_RANK_EVERY = 6  # the same, for mutation.NEW_TARGETS
 

@@ -125,16 +125,22 @@ def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str
     matched = match_modules(key, entry["match"], modules)
     skipped: list[str] = []
     if entry.get("moe_only"):
-        matched, skipped = split_moe(key, entry["match"], matched, modules, replay=bool(entry.get("record_replay")))
+        matched, skipped = split_moe(key, entry["match"], matched, modules, replay=_record_replay(entry))
     if entry.get("decision") is not None:
         return replay_entry(key, entry, parallel, modules, matched, skipped)
     return decide_entry(key, entry, parallel, modules, matched, skipped)
 
 
+def _record_replay(entry: Mapping) -> bool:
+    """The entry's ``record_replay`` (``PlanEntry``: true unless the entry says false)."""
+    return bool(entry.get("record_replay", True))
+
+
 def split_moe(key: str, pattern: str, matched: list[str], modules: dict, *,
-              replay: bool = False) -> tuple[list[str], list[str]]:
+              replay: bool = True) -> tuple[list[str], list[str]]:
     """(modules with experts, found by data flow as the detector finds them, the others): what a ``moe_only``
-    entry takes and skips (``replay``: also the experts containers record/exchange/replay finds)."""
+    entry takes and skips (``replay``: also the experts containers record/exchange/replay finds; false: only
+    those the fast paths' proofs find)."""
     moe = [n for n in matched if structure.has_experts(modules[n], replay=replay)]
     if not moe:
         raise PlanError(f"{key}.match={pattern!r} with moe_only=true matches {len(matched)} modules and none has an "
@@ -176,7 +182,7 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
             raise PlanError(f"{key}.local_compute_fn=auto but parallel.detect=false, so nothing may be detected. "
                             f"Name the factory ('{key}.local_compute_fn={{{FACTORY_KEY}:pkg.fn}}') or remove the entry")
         structure_dict, num_experts = _detect_group(key, entry["match"], modules, matched,
-                                                   replay=bool(entry.get("record_replay", False)))
+                                                   replay=_record_replay(entry))
         cls_name = type(modules[matched[0]]).__name__
         fn = archetypes.compute_fn_config(structure.MoeStructure(**structure_dict), cls_name)
         source = "auto"
@@ -198,8 +204,9 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
     }
     decision["fingerprint"] = seal_entry(entry["match"], fn, decision)
     out = {"match": entry["match"], "local_compute_fn": fn, "decision": decision}
-    flags = {k: True for k in ("moe_only", "record_replay") if entry.get(k)}
-    return out | flags
+    # record_replay is written as given (false must survive a replay of the file: its default is true)
+    flags = {"moe_only": True} if entry.get("moe_only") else {}
+    return out | flags | {"record_replay": _record_replay(entry)}
 
 
 def as_factory(fn: Mapping) -> dict:
@@ -216,9 +223,9 @@ def seal_entry(match: str, fn, decision: Mapping) -> str:
 
 
 def _detect_group(key: str, pattern: str, modules: dict, matched: list[str], *,
-                  replay: bool = False) -> tuple[dict, int]:
+                  replay: bool = True) -> tuple[dict, int]:
     """One (structure, expert count) for every matched module, or an error naming the groups (``replay``: the
-    record/exchange/replay fallback for module experts is allowed, ``PlanEntry.record_replay``)."""
+    record/exchange/replay fallback for module experts is allowed, ``PlanEntry.record_replay``, the default)."""
     groups: dict[tuple[structure.MoeStructure, int], list[str]] = {}
     for name in matched:
         try:
@@ -340,7 +347,7 @@ def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
                              f"Run the code it was resolved against, or set parallel.on_drift=redetect to decide afresh")
         log.warning("%s: drift (%s); parallel.on_drift=redetect, deciding afresh", where, "; ".join(drift))
         fresh = {"match": entry["match"], "local_compute_fn": AUTO if decision["source"] == "auto" else fn,
-                 "moe_only": entry.get("moe_only", False)}
+                 "moe_only": entry.get("moe_only", False), "record_replay": _record_replay(entry)}
         return decide_entry(key, fresh, parallel, modules, matched, skipped)
     check_compute_fn(key, fn, parallel.allowed_targets)
     check_ep_size(parallel.ep_size, decision["num_experts"], matched)

@@ -77,10 +77,10 @@ class PlanEntry:
     # e.g. DeepSeek-V3's first 3) are listed in decision.skipped. false: every matched module must be an MoE
     # block (or, for an explicit factory of your own, modules autoep finds no experts in)
     moe_only: bool = True
-    # true: module experts whose dispatch loop no fast-path proof reads run by record / exchange / replay (the
-    # block's forward twice, autoep.runtime.recipes.replay). Off by default until the soundness fuzzer runs it
-    # clean on every target (README, "Record, exchange, replay")
-    record_replay: bool = False
+    # true (the default): module experts whose dispatch loop no fast-path proof reads run by record / exchange /
+    # replay (the block's forward twice, autoep.runtime.recipes.replay; README, "Record, exchange, replay"), the
+    # fallback where the fast paths' proofs refuse. false: such a block is refused, as before that fallback
+    record_replay: bool = True
     decision: Optional[Decision] = None
 
 

@@ -125,7 +125,7 @@ def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str
     matched = match_modules(key, entry["match"], modules)
     skipped: list[str] = []
     if entry.get("moe_only"):
-        matched, skipped = split_moe(key, entry["match"], matched, modules, replay=_record_replay(entry))
+        matched, skipped = split_moe(key, entry["match"], matched, modules)
     if entry.get("decision") is not None:
         return replay_entry(key, entry, parallel, modules, matched, skipped)
     return decide_entry(key, entry, parallel, modules, matched, skipped)
@@ -136,12 +136,11 @@ def _record_replay(entry: Mapping) -> bool:
     return bool(entry.get("record_replay", True))
 
 
-def split_moe(key: str, pattern: str, matched: list[str], modules: dict, *,
-              replay: bool = True) -> tuple[list[str], list[str]]:
+def split_moe(key: str, pattern: str, matched: list[str], modules: dict) -> tuple[list[str], list[str]]:
     """(modules with experts, found by data flow as the detector finds them, the others): what a ``moe_only``
-    entry takes and skips (``replay``: also the experts containers record/exchange/replay finds; false: only
-    those the fast paths' proofs find)."""
-    moe = [n for n in matched if structure.has_experts(modules[n], replay=replay)]
+    entry takes and skips. The experts containers record/exchange/replay finds count whatever the entry's
+    ``record_replay``: with false, such a block is refused naming why no fast path takes it, not skipped."""
+    moe = [n for n in matched if structure.has_experts(modules[n])]
     if not moe:
         raise PlanError(f"{key}.match={pattern!r} with moe_only=true matches {len(matched)} modules and none has an "
                         f"`experts` submodule; {_where_the_experts_are(pattern, modules)} (or set {key}.moe_only=false "

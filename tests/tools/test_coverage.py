@@ -17,7 +17,7 @@ def by_class(rows):
 
 
 # Measured on transformers 5.24 (docs/coverage.md has the table); a drop is a regression.
-MIN_ACCEPTED = 73
+MIN_ACCEPTED = 75  # 73 before record/exchange/replay became automatic: + NllbMoeSparseMLP, VitPoseBackboneMoeMLP
 
 
 def test_accepted_classes_do_not_drop(rows):

@@ -210,7 +210,12 @@ RANK_INCOMPARABLE = {"param_post_accumulate"}
 # runs on other batches of rows than the per-slice reference gives it (another GEMM blocking, fp32 round-off),
 # and a bf16 cast downstream (the router's backward) can round that round-off up to one bf16 ulp. Judged there
 # at bf16's ``assert_close`` tolerances, not on rounding luck (DESIGN.md "Parity"); in one process, exactly.
-LOW_PRECISION = {"autocast": {"rtol": 1.6e-2, "atol": 1e-5}}
+# ``batch_stats``: a batch norm over each expert call's rows (1 to 3 of them) in the block's own code, which
+# record/exchange/replay runs as written: it divides by sqrt(var + eps), so the fp32 round-off of the expert's GEMM
+# (another batch of rows on its owner) reaches the expert gradients (|g| up to 40) amplified. Measured on
+# hf/nllb_moe/experts.forward/batch_stats#2: the fp32 per-slice reference itself is 2e-5 to 4e-5 off the fp64 one,
+# EP 5.6e-5 off the fp32 one (exact in one process); a wrong row or statistic is off by O(1).
+LOW_PRECISION = {"autocast": {"rtol": 1.6e-2, "atol": 1e-5}, "batch_stats": {"rtol": 1e-5, "atol": 1e-4}}
 
 
 def raised_at_forward(outcomes: list[Outcome]) -> list[str]:

@@ -227,6 +227,37 @@ class NestedExpertsMoE(nn.Module):
         return (self.moe(x, weights, selected) + self.shared(x)).reshape(hidden_states.shape)
 
 
+class NormedExperts(nn.ModuleDict):
+    """NLLB-MoE's container shape: experts under ``expert_{e}`` and, after them, a module of the container's own
+    that its forward reads by name (a LayerNorm on each expert's output: dense, with parameters); the experts
+    are called in a comprehension (no fast path reads it)."""
+
+    def __init__(self, num_experts: int = E):
+        super().__init__({f"expert_{e}": FeedForward() for e in range(num_experts)})
+        self.num_experts = num_experts
+        self.norm = nn.LayerNorm(D)
+
+    def forward(self, x, selected, weights):
+        hits = [torch.where(selected == e) for e in range(self.num_experts)]
+        outs = [self.norm(self[f"expert_{e}"](x[tok])) for e, (tok, _) in enumerate(hits)]
+        y = torch.zeros_like(x)
+        for (tok, slot), out in zip(hits, outs):
+            y.index_add_(0, tok, out * weights[tok, slot, None])
+        return y
+
+
+class NamedEntryMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False)
+        self.experts = NormedExperts()
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, selected = _top_k(self.gate, x, K)
+        return self.experts(x, selected, weights).reshape(hidden_states.shape)
+
+
 class PlainDictMoE(nn.Module):
     """Experts registered one by one, and held in a plain dict attribute the forward indexes."""
 
@@ -317,6 +348,7 @@ BLOCKS = {
     "expert_choice": ExpertChoiceMoE,
     "capacity_drop": CapacityDropMoE,
     "dropout_between_calls": DropoutBetweenCallsMoE,
+    "named_entry": NamedEntryMoE,
 }
 
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoep import UnsupportedModuleStructure, detect_moe_structure
-from autoep.detect import row_local
+from autoep.detect import replay_proof, row_local
 from autoep.detect.source import Refusal
 from autoep.detect.structure import count_experts, find_experts, has_experts
 
@@ -301,4 +301,9 @@ class Decoder(nn.Module):
 
 
 def test_a_module_list_walked_by_a_model_is_not_experts():
+    """Not for the fast paths, and not for record/exchange/replay either (its loop chains the layers)."""
     assert not has_experts(Decoder())
+    with pytest.raises(Refusal, match=r"chains the modules of self.layers \(`x = layer\(x\)`\)"):
+        replay_proof.find_container(Decoder())
+    with pytest.raises(UnsupportedModuleStructure):
+        detect_moe_structure(Decoder())

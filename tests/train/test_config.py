@@ -67,7 +67,7 @@ def test_default_model_is_a_shipped_family_and_default_plan_is_auto():
     assert cfg.model.config_class == "transformers.Qwen3MoeConfig"
     assert cfg.parallel.ep_size == 1 and cfg.parallel.on_drift == "error" and cfg.parallel.allowed_targets == []
     assert OmegaConf.to_container(cfg.parallel.plan) == [
-        {"match": "model.layers.*.mlp", "local_compute_fn": "auto", "moe_only": True, "record_replay": False,
+        {"match": "model.layers.*.mlp", "local_compute_fn": "auto", "moe_only": True, "record_replay": True,
          "execution": "auto", "decision": None}]
 
 

@@ -171,7 +171,8 @@ def _fold_entries(path: str, per_expert: list, keys: list[str]) -> tuple[str, ..
             values.setdefault(attr, {})[e] = value
     out = []
     for attr, by_expert in sorted(values.items()):
-        if len(by_expert) == len(per_expert) and len(set(by_expert.values())) == 1:
+        # ``*`` reads every entry of the container: only where every entry is an expert
+        if len(by_expert) == len(per_expert) == len(keys) and len(set(by_expert.values())) == 1:
             out.append(f"{path}.*.{attr}={next(iter(by_expert.values()))}")
         else:
             out.extend(f"{path}.{keys[e]}.{attr}={v}" for e, v in sorted(by_expert.items()))

@@ -8,15 +8,25 @@ depend on expert outputs. Proven here, from source and attributes, never by runn
 - the experts: the modules of one container the block's forward reads (``self.<name>`` in its forward or the
   methods it calls), a ``ModuleList``/``ModuleDict`` (a subclass with a forward of its own too), a child of the
   block or of a child module the block calls (``self.moe`` whose forward reads ``self.experts``), found by
-  data flow, not by the name ``experts``; several such containers are ambiguous and refused;
+  data flow, not by the name ``experts``; several such containers are ambiguous and refused, and so is one
+  whose modules a loop chains (``x = layer(x)``: a stack of layers a model walks);
+- which entries of the container are the experts: its leading entries, up to the first one the forward (or
+  a method it calls, or the container's own forward) reads by name (``self.token_dropout``,
+  ``self.experts.norm``, ``getattr(self, "norm")``): such a module is the block's own code, run where the
+  token is, never sharded (NLLB-MoE keeps its token dropout in the experts' ModuleDict); an expert after a
+  named entry is refused (which ids are experts would be a guess);
 - each expert row-local, deterministic and stateless (``autoep.detect.row_local``, through
   ``module_list_proof.row_local_facts``): heterogeneous experts are fine, each runs its own forward;
+- ``block.experts`` holds no parameter of its own (``apply_plan`` shards those as batched expert weights);
 - the block's forward is its class's, undecorated, its ``__call__`` nn.Module's (the replay calls the class
   forward twice inside one call of the block).
 
-``replay_facts(block, path)`` returns the ``MoeStructure`` facts or raises ``Refusal``.
+``replay_facts(block, path)`` returns the ``MoeStructure`` facts or raises ``Refusal``; ``num_experts(block,
+path)`` how many of the container's entries are experts.
 """
 from __future__ import annotations
+
+import ast
 
 import torch.nn as nn
 
@@ -26,8 +36,47 @@ from autoep.detect.source import Refusal, function_tree
 
 
 def members(container: nn.Module) -> list[nn.Module]:
-    """The experts of a container: a ModuleDict's values in insertion order, a ModuleList's in index order."""
+    """The entries of a container: a ModuleDict's values in insertion order, a ModuleList's in index order."""
     return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+
+def num_experts(block: nn.Module, path: str) -> int:
+    """How many leading entries of the container at ``path`` are experts (module docstring): every entry up
+    to the first one read by name. ``Refusal`` where an entry read by name comes before an expert, or the
+    first entry is read by name."""
+    container = block.get_submodule(path)
+    keys = module_list_proof.expert_keys(container)
+    named = _named_entries(block, path, set(keys))
+    n = next((i for i, key in enumerate(keys) if key in named), len(keys))
+    cls = type(block).__name__
+    if n == 0:
+        raise Refusal(f"{cls}: the first entry of {path} ({keys[0]!r}) is read by name, not called as an expert")
+    late = [key for key in keys[n:] if key not in named]
+    if late:
+        raise Refusal(f"{cls}: {path} holds {keys[n]!r}, which the forward reads by name (not an expert), before "
+                      f"{late[0]!r}; which entries are experts would be a guess")
+    return n
+
+
+def _named_entries(block: nn.Module, path: str, keys: set[str]) -> set[str]:
+    """The container's keys read by name (an attribute ``.key`` or ``getattr(..., "key")``) in the forward of
+    the block and of every module on ``path`` (the container's own forward included) and the methods they
+    call. A key spelled as an attribute elsewhere counts too: reading too many as named can only refuse or
+    keep an expert unsharded, never move a module that is no expert."""
+    owners = [block] + [block.get_submodule(".".join(path.split(".")[:i + 1])) for i in range(path.count(".") + 1)]
+    named = set()
+    for owner in owners:
+        if owner is not block and type(owner).forward is nn.Module.forward:
+            continue
+        for _, tree, _ in module_list_proof.block_methods(owner).values():
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr in keys:
+                    named.add(node.attr)
+                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                      and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                      and node.args[1].value in keys):
+                    named.add(node.args[1].value)
+    return named
 
 
 def _is_container(m) -> bool:
@@ -39,6 +88,28 @@ def _reads(fns, attr: str) -> bool:
     return any(self_reads(function_tree(fn), attr) for fn in fns)
 
 
+def _chained(fns, attr: str) -> ast.Assign | None:
+    """A statement ``x = member(... x ...)`` in a loop over ``self.<attr>`` that does not bind ``x`` afresh
+    before it: each member's input is the previous member's output (a stack of layers a model walks, not
+    experts; replay would raise at the first call)."""
+    for fn in fns:
+        for loop in ast.walk(function_tree(fn)):
+            if not (isinstance(loop, ast.For) and self_reads(loop.iter, attr)):
+                continue
+            members = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+            bound: set[str] = set()
+            for stmt in loop.body:
+                if (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call)
+                        and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id in members):
+                    targets = {n.id for t in stmt.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                    args = {n.id for a in [*stmt.value.args, *stmt.value.keywords] for n in ast.walk(a)
+                            if isinstance(n, ast.Name)}
+                    if (targets & args) - bound:
+                        return stmt
+                bound |= {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return None
+
+
 def find_container(block: nn.Module) -> str:
     """The path of the block's experts container (module docstring), or ``Refusal`` naming what was seen."""
     cls = type(block)
@@ -48,6 +119,10 @@ def find_container(block: nn.Module) -> str:
         if child is None or not _reads(forward_fns, name):
             continue
         if _is_container(child):
+            chained = _chained(forward_fns, name)
+            if chained is not None:
+                raise Refusal(f"{cls.__name__}.forward chains the modules of self.{name} (`{ast.unparse(chained)}`): "
+                              "each one's input is the previous one's output, a stack of layers, not experts")
             found.append(name)
             continue
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or type(child).forward is nn.Module.forward:
@@ -76,5 +151,10 @@ def replay_facts(block: nn.Module, path: str) -> dict:
         raise Refusal(f"{cls.__name__} overrides __call__")
     if find_container(block) != path:
         raise Refusal(f"{cls.__name__}: its experts are not at {path!r}")
+    named = block._modules.get("experts")
+    own = [n for n, _ in named.named_parameters(recurse=False)] if isinstance(named, nn.Module) else []
+    if own:  # apply_plan splits the parameters of ``block.experts`` itself over the ep ranks (batched experts)
+        raise Refusal(f"{cls.__name__}.experts holds a parameter of its own ({own[0]}), not in an expert module; "
+                      "autoep would split it over the ep ranks as a batched expert weight")
     container = block.get_submodule(path)
-    return module_list_proof.row_local_facts(container, path, members(container))
+    return module_list_proof.row_local_facts(container, path, members(container)[:num_experts(block, path)])

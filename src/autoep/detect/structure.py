@@ -29,8 +29,9 @@ from autoep.detect.source import Refusal
 from autoep.errors import UnsupportedModuleStructure
 
 # 3: expert_projs is a list of names (was one comma-joined string); 4: experts_path, expert_kind; 5: idle_experts,
-# execution
-DETECTOR_VERSION = "5"
+# execution; 6: record/exchange/replay is the automatic fallback for module experts (blocks refused before may be
+# accepted with execution=replay)
+DETECTOR_VERSION = "6"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")
@@ -274,14 +275,9 @@ def own_loop_facts(experts: nn.Module, path: str) -> dict:
     experts (the leading keyed entries) proven row-local; the loop's folded attributes join theirs."""
     loop = container_loop.container_loop(experts)
     members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
+    # row_local_facts folds per expert (never ``<path>.*.``) where the container holds more than the experts
     facts = module_list_proof.row_local_facts(experts, path, members[:loop.num_experts])
-    experts_folded = facts["folded"]
-    if len(members) > loop.num_experts:  # ``<path>.*.<attr>`` would read the entries that are no experts too
-        keys = module_list_proof.expert_keys(experts)
-        experts_folded = tuple(f"{path}.{keys[e]}.{entry[len(path) + 3:]}" if entry.startswith(f"{path}.*.") else entry
-                               for entry in experts_folded for e in range(loop.num_experts))
-        experts_folded = tuple(dict.fromkeys(experts_folded))
-    return facts | {"folded": experts_folded + tuple(f"{path}.{attr}={value}" for attr, value in loop.folded),
+    return facts | {"folded": facts["folded"] + tuple(f"{path}.{attr}={value}" for attr, value in loop.folded),
                     "idle_experts": (loop.roles.idle,)}
 
 
@@ -299,11 +295,11 @@ def _live_state(module: nn.Module, structure: MoeStructure) -> None:
         raise Refusal(f"{tied[0]}: {sharing.SHARING_FIX}")
 
 
-def detect_moe_structure(module: nn.Module, *, replay: bool = False) -> MoeStructure:
+def detect_moe_structure(module: nn.Module, *, replay: bool = True) -> MoeStructure:
     """What kind of MoE block ``module`` is, proven from its source and attributes: the fastest proven
-    execution (``MoeStructure.execution``: a fast path's spliced loop or grouped compute where its proof holds;
-    with ``replay``, else record/exchange/replay for module experts: opt-in, ``PlanEntry.record_replay``, until
-    the soundness fuzzer runs it clean).
+    execution (``MoeStructure.execution``: a fast path's spliced loop or grouped compute where its proof holds,
+    else record/exchange/replay for module experts; ``replay=False``, ``PlanEntry.record_replay: false``,
+    refuses where the fast paths do).
 
     Never calls a forward and allocates nothing (works on ``torch.device("meta")`` modules).
     Raises ``UnsupportedModuleStructure`` naming the class, the failed proof and the opt-out hint.
@@ -348,7 +344,10 @@ def count_experts(module: nn.Module, structure: MoeStructure | None = None) -> i
     ModuleList/ModuleDict experts: every entry, less the trailing ``nn.Identity`` experts the SwiGLU fast path
     computes where the token is (``structure.identity_experts``; without a structure, every trailing one)."""
     if structure is not None and structure.execution == "replay":
-        return len(replay_proof.members(module.get_submodule(structure.experts_path)))  # every one travels
+        try:  # the leading entries up to one the forward reads by name: every one travels
+            return replay_proof.num_experts(module, structure.experts_path)
+        except Refusal as exc:
+            raise UnsupportedModuleStructure(type(module).__name__, f"cannot count experts: {exc}") from None
     try:
         path = structure.experts_path if structure is not None else find_experts(module)
     except Refusal as exc:
@@ -392,9 +391,9 @@ def clear_caches() -> None:
         fn.cache_clear()
 
 
-def has_experts(module: nn.Module, *, replay: bool = False) -> bool:
-    """``module`` holds experts as the detector finds them (``find_experts``; with ``replay``, also an experts
-    container its forward calls, ``replay_proof.find_container``); a module whose experts cannot be told apart
+def has_experts(module: nn.Module, *, replay: bool = True) -> bool:
+    """``module`` holds experts as the detector finds them (``find_experts``; with ``replay``, the default, also
+    an experts container its forward calls, ``replay_proof.find_container``); a module whose experts cannot be told apart
     (an ambiguity, unreadable source) counts as having them, so detection names why."""
     if replay and _replay_container(module):
         return True

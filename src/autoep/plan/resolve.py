@@ -144,19 +144,22 @@ def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str
     matched = match_modules(key, entry["match"], modules)
     skipped: list[str] = []
     if entry.get("moe_only"):
-        # an explicit execution takes every block replay finds too, so a block it does not fit is refused naming why
-        replay = bool(entry.get("record_replay")) or entry.get("execution", AUTO) != AUTO
-        matched, skipped = split_moe(key, entry["match"], matched, modules, replay=replay)
+        matched, skipped = split_moe(key, entry["match"], matched, modules)
     if entry.get("decision") is not None:
         return replay_entry(key, entry, parallel, modules, matched, skipped)
     return decide_entry(key, entry, parallel, modules, matched, skipped)
 
 
-def split_moe(key: str, pattern: str, matched: list[str], modules: dict, *,
-              replay: bool = False) -> tuple[list[str], list[str]]:
+def _record_replay(entry: Mapping) -> bool:
+    """The entry's ``record_replay`` (``PlanEntry``: true unless the entry says false)."""
+    return bool(entry.get("record_replay", True))
+
+
+def split_moe(key: str, pattern: str, matched: list[str], modules: dict) -> tuple[list[str], list[str]]:
     """(modules with experts, found by data flow as the detector finds them, the others): what a ``moe_only``
-    entry takes and skips (``replay``: also the experts containers record/exchange/replay finds)."""
-    moe = [n for n in matched if structure.has_experts(modules[n], replay=replay)]
+    entry takes and skips. The experts containers record/exchange/replay finds count whatever the entry's
+    ``record_replay``: with false, such a block is refused naming why no fast path takes it, not skipped."""
+    moe = [n for n in matched if structure.has_experts(modules[n])]
     if not moe:
         raise PlanError(f"{key}.match={pattern!r} with moe_only=true matches {len(matched)} modules and none has an "
                         f"`experts` submodule; {_where_the_experts_are(pattern, modules)} (or set {key}.moe_only=false "
@@ -197,7 +200,7 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
             raise PlanError(f"{key}.local_compute_fn=auto but parallel.detect=false, so nothing may be detected. "
                             f"Name the factory ('{key}.local_compute_fn={{{FACTORY_KEY}:pkg.fn}}') or remove the entry")
         structure_dict, num_experts = _detect_group(key, entry["match"], modules, matched,
-                                                   replay=bool(entry.get("record_replay", False)),
+                                                   replay=_record_replay(entry),
                                                    execution=entry.get("execution", AUTO))
         cls_name = type(modules[matched[0]]).__name__
         fn = archetypes.compute_fn_config(structure.MoeStructure(**structure_dict), cls_name)
@@ -220,10 +223,11 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
     }
     decision["fingerprint"] = seal_entry(entry["match"], fn, decision)
     out = {"match": entry["match"], "local_compute_fn": fn, "decision": decision}
-    flags = {k: True for k in ("moe_only", "record_replay") if entry.get(k)}
+    # record_replay is written as given (false must survive a replay of the file: its default is true)
+    flags = {"moe_only": True} if entry.get("moe_only") else {}
     if entry.get("execution", AUTO) != AUTO:
         flags["execution"] = entry["execution"]
-    return out | flags
+    return out | flags | {"record_replay": _record_replay(entry)}
 
 
 def check_execution(key: str, entry: dict) -> None:
@@ -259,10 +263,10 @@ def seal_entry(match: str, fn, decision: Mapping) -> str:
 
 
 def _detect_group(key: str, pattern: str, modules: dict, matched: list[str], *,
-                  replay: bool = False, execution: str = AUTO) -> tuple[dict, int]:
+                  replay: bool = True, execution: str = AUTO) -> tuple[dict, int]:
     """One (structure, expert count) for every matched module, or an error naming the groups (``replay``: the
-    record/exchange/replay fallback for module experts is allowed, ``PlanEntry.record_replay``; ``execution``:
-    ``PlanEntry.execution``, auto or the one asked for)."""
+    record/exchange/replay fallback for module experts is allowed, ``PlanEntry.record_replay``, the default;
+    ``execution``: ``PlanEntry.execution``, auto or the one asked for)."""
     groups: dict[tuple[structure.MoeStructure, int], list[str]] = {}
     for name in matched:
         try:
@@ -399,7 +403,8 @@ def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
                              f"Run the code it was resolved against, or set parallel.on_drift=redetect to decide afresh")
         log.warning("%s: drift (%s); parallel.on_drift=redetect, deciding afresh", where, "; ".join(drift))
         fresh = {"match": entry["match"], "local_compute_fn": AUTO if decision["source"] == "auto" else fn,
-                 **{k: entry[k] for k in ("moe_only", "record_replay", "execution") if k in entry}}
+                 "moe_only": entry.get("moe_only", False), "record_replay": _record_replay(entry),
+                 **({"execution": entry["execution"]} if "execution" in entry else {})}
         return decide_entry(key, fresh, parallel, modules, matched, skipped)
     check_compute_fn(key, fn, parallel.allowed_targets)
     check_ep_size(parallel.ep_size, decision["num_experts"], matched)

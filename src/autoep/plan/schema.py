@@ -81,10 +81,10 @@ class PlanEntry:
     # e.g. DeepSeek-V3's first 3) are listed in decision.skipped. false: every matched module must be an MoE
     # block (or, for an explicit factory of your own, modules autoep finds no experts in)
     moe_only: bool = True
-    # true: module experts whose dispatch loop no fast-path proof reads run by record / exchange / replay (the
-    # block's forward twice, autoep.runtime.recipes.replay). Off by default until the soundness fuzzer runs it
-    # clean on every target (README, "Record, exchange, replay")
-    record_replay: bool = False
+    # true (the default): module experts whose dispatch loop no fast-path proof reads run by record / exchange /
+    # replay (the block's forward twice, autoep.runtime.recipes.replay; README, "Record, exchange, replay"), the
+    # fallback where the fast paths' proofs refuse. false: such a block is refused, as before that fallback
+    record_replay: bool = True
     # auto: the fastest execution autoep proves for the blocks (grouped > spliced > replay; replay only with
     # record_replay). grouped | spliced | replay: that execution (replay: record / exchange / replay even where a
     # fast path is proven too), refused naming this key where it is not proven; kept in resolved.yaml and

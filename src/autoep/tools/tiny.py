@@ -219,6 +219,9 @@ def build_tiny_model(family: str):
     for cls in _model_classes(family):
         try:
             config = _tiny_model_config(cls, FAMILY_TINY.get(family, {}))
+            if getattr(config, "is_encoder_decoder", False):
+                # NLLB-MoE: its decoder needs inputs the whole-model harness (input_ids only) does not give
+                raise RuntimeError("an encoder-decoder; the whole-model harness feeds input_ids only")
             with torch.device("cpu"), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch.manual_seed(0)

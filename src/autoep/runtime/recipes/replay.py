@@ -52,7 +52,6 @@ from autoep.runtime.dispatch import _exchanged, _Join, all_to_all
 from autoep.runtime.recipes import (
     as_structure,
     check_proven,
-    experts_of,
     join_backward_exchanges,
     watching_facts,
     watching_folded,
@@ -98,10 +97,12 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
     facts = as_structure(structure)
     with watching_facts(module):
         validate(module, structure=facts)
-    experts = expert_modules(experts_of(module, facts))
-    place_experts(module, path=facts.experts_path, num_experts=len(experts), identity_experts=0, ep_mesh=ep_mesh,
+    # The container's leading entries are the experts; entries its forward reads by name (NLLB's token dropout)
+    # stay where the token is, as the rest of the block (``replay_proof.num_experts``, checked by validate).
+    num_experts = replay_proof.num_experts(module, facts.experts_path)
+    place_experts(module, path=facts.experts_path, num_experts=num_experts, identity_experts=0, ep_mesh=ep_mesh,
                   swiglu=None, act="", fast_path=False, name=type(module).__name__)
-    keys = tuple(f"{facts.experts_path}[{k if k.isdigit() else repr(k)}]" for k in spec_of(module).keys)
+    keys = tuple(f"{facts.experts_path}[{k if k.isdigit() else repr(k)}]" for k in spec_of(module).keys[:num_experts])
     setattr(module, REPLAY, _Replay(_forward_code(type(module)), keys))
     join_backward_exchanges(module, ep_mesh)
     watching_folded(module, facts.folded)  # e.g. an expert's dropout proven idle in eval
@@ -143,7 +144,7 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         raise ReplayError(f"{cls.__name__}.forward was replaced, or its __code__ swapped, after apply_plan; apply "
                           "the plan again to a fresh model built with the new code")
     spec = spec_of(self)
-    experts = expert_modules(container_of(self, spec))
+    experts = expert_modules(container_of(self, spec))[:spec.num_experts]
     group = getattr(self, GROUP).value if spec.ep_size > 1 else None
     rng = rng_state()
     recorder = _Recorder(self, replay, experts, _context())

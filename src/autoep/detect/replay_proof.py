@@ -31,6 +31,7 @@ import ast
 import torch.nn as nn
 
 from autoep.detect import module_list_proof
+from autoep.detect.expert_reads import WHOLE_MODULE_READS
 from autoep.detect.loop_context import plain_method, self_reads
 from autoep.detect.source import Refusal, function_tree
 
@@ -157,4 +158,32 @@ def replay_facts(block: nn.Module, path: str) -> dict:
         raise Refusal(f"{cls.__name__}.experts holds a parameter of its own ({own[0]}), not in an expert module; "
                       "autoep would split it over the ep ranks as a batched expert weight")
     container = block.get_submodule(path)
+    _no_whole_module_reads(block, container)
     return module_list_proof.row_local_facts(container, path, members(container)[:num_experts(block, path)])
+
+
+def _no_whole_module_reads(block: nn.Module, container: nn.Module) -> None:
+    """Refuse a forward that reads every tensor of a module (``expert.parameters()``, ``self.state_dict()``,
+    ...): under EP another rank's experts are stand-ins there, so such a read (minimind's ``0 * sum(p.sum() for p
+    in expert.parameters())``) raises on the ranks that do not own the expert. Only calls of the experts move."""
+    fns = [fn for fn, _, _ in module_list_proof.block_methods(block).values()]
+    owner = block
+    for part in container_path_parts(block, container):
+        owner = owner._modules[part]
+        if type(owner).forward is not nn.Module.forward and not type(owner).__module__.startswith("torch.nn"):
+            fns.append(type(owner).forward)
+    for fn in fns:
+        for node in ast.walk(function_tree(fn)):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name in WHOLE_MODULE_READS:
+                raise Refusal(f"{type(block).__name__}: {getattr(fn, '__qualname__', fn)} line "
+                              f"{getattr(node, 'lineno', '?')} reads .{name} of a module; record/exchange/replay "
+                              "moves only the calls of the experts, and other ranks' experts are stand-ins there")
+
+
+def container_path_parts(block: nn.Module, container: nn.Module) -> list[str]:
+    """The attribute names from the block down to ``container`` (``["moe", "experts"]``)."""
+    for name, module in block.named_modules():
+        if module is container:
+            return name.split(".") if name else []
+    return []

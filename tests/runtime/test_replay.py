@@ -198,6 +198,23 @@ def test_an_expert_that_is_not_row_local_is_refused_naming_it():
         detect_moe_structure(block, replay=True)
 
 
+class _TouchesEveryExpert(rb.ComprehensionMoE):
+    """minimind's idle-expert touch, ``0 * sum(p.sum() for p in expert.parameters())``: under EP the other
+    ranks' experts are stand-ins, so the read would raise on every rank that does not own the expert."""
+
+    def forward(self, hidden_states):
+        y = super().forward(hidden_states)
+        for expert in self.experts:
+            y = y + 0 * sum(p.sum() for p in expert.parameters())
+        return y
+
+
+def test_a_forward_reading_every_tensor_of_an_expert_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedModuleStructure, match=r"_TouchesEveryExpert.forward line \d+ reads .parameters"):
+        detect_moe_structure(_TouchesEveryExpert(), replay=True)
+
+
 @pytest.mark.xfail(strict=True, reason="experts in a plain dict attribute (registered one by one) are refused by "
                                        "the live-state check (a cached reference outside the module tree); "
                                        "replay does not place them yet")

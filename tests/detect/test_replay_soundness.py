@@ -46,6 +46,10 @@ def fuzzed(replay_mutants):
     controls = [mutation.unmodified(t) for t in mutation.replay_targets()]
     outcomes = mutation.evaluate_all(controls + chosen)
     on_ranks = mutation_ranks.rank_sample(outcomes, RANK_EVERY) + mutation_ranks.raised_at_forward(outcomes)
+    for operator in EXACT:  # the sample keeps one exact mutant of each such operator on the ranks, whatever the stride
+        exact = [o.name for o in outcomes if o.operator == operator and o.verdict == "accepted_exact"]
+        if exact and not set(exact) & set(on_ranks):
+            on_ranks.append(exact[0])
     ranks = mutation_ranks.gloo_check(on_ranks, 2)
     mutation_ranks.apply_rank_results(outcomes, ranks, 2)
     return outcomes, ranks

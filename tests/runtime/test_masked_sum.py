@@ -146,7 +146,9 @@ def test_unsound_variants_are_refused(old, new, why, tmp_path):
     torch.manual_seed(0)
     block = _variant(old, new, tmp_path)(hidden=16, ffn=24, part=4, num_experts=4).train()
     with pytest.raises(UnsupportedModuleStructure, match=why):
-        detect_moe_structure(block)
+        # the masked-sum splice's own proof (replay=False): with the default fallback such a block goes to
+        # record/exchange/replay, whose checks run at the forward (tests/runtime/test_replay.py)
+        detect_moe_structure(block, replay=False)
 
 
 class _TokenDropoutMoE(blocks.MaskedSumMoE):
@@ -173,4 +175,4 @@ def test_a_dropout_of_the_block_inside_the_loop_is_refused_naming_it():
     block = _TokenDropoutMoE(0.2).train()
     with pytest.raises(UnsupportedModuleStructure, match=r"line \d+: `self.token_dropout\(self.experts\[i\]\(hidden_state\)\)` "
                                                          r"is Dropout with p=0.2 while training inside the expert loop"):
-        detect_moe_structure(block)
+        detect_moe_structure(block, replay=False)  # the splice's proof, as above

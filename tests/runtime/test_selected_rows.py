@@ -143,4 +143,4 @@ def test_unsound_variants_are_refused(old, new, why, tmp_path):
             ep(torch.randn(2, 5, 16))
         return
     with pytest.raises(UnsupportedModuleStructure, match=why):
-        detect_moe_structure(block)
+        detect_moe_structure(block, replay=False)  # the splice proof; the fallback is replay

@@ -159,6 +159,7 @@ def test_a_compiled_module_is_refused_before_a_step(tmp_path):
     from autoep.errors import PlanError
     from autoep.integrations.lightning import ExpertParallelStrategy
 
+    environ = dict(os.environ)
     module = MoeLM()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                         default_root_dir=str(tmp_path), strategy=ExpertParallelStrategy(
@@ -169,6 +170,10 @@ def test_a_compiled_module_is_refused_before_a_step(tmp_path):
     finally:  # the strategy's setup created a one-process group: later tests in this process expect none
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        # and Lightning's launch wrote MASTER_ADDR/MASTER_PORT/NODE_RANK/LOCAL_RANK into os.environ: left there, a
+        # later ``python train.py`` subprocess believes an outside launcher started it and waits for rank 1 forever
+        os.environ.clear()
+        os.environ.update(environ)
     assert module.losses == []  # no step ran
 
 

@@ -101,9 +101,6 @@ class Prover:
         # batched experts: the accumulator made by zeros_like(hidden) and its dtype (None: the hidden's)
         self.zeros_of_x: Opaque | None = None
         self.acc_dtype = None
-        # an experts container's own forward (``autoep.detect.container_loop``): its loop may permute a
-        # dispatch-mask argument (``Mask.given``), which its recipe turns into expert ids
-        self.dispatch_masks = False
 
     # -- errors -----------------------------------------------------------------------------------
 
@@ -315,12 +312,8 @@ class Prover:
         return Row(("chunk", value.expr, i))
 
     def _bind_ids(self, mask: Mask, node) -> None:
-        """The loop reads its routing from ``mask.idx``: expert ids, or (``mask.given``) a dispatch mask."""
+        """The loop reads its expert ids from ``mask.idx``."""
         self._bind_role("idx", mask.idx, node)
-        if self.facts.idx_mask not in (None, mask.given) or (mask.given and self.facts.mask_layout not in ("", mask.layout)):
-            self.refuse(node, "reads one tensor both as expert ids and as a dispatch mask, or as masks of two layouts")
-        self.facts.idx_mask = mask.given
-        self.facts.mask_layout = mask.layout if mask.given else ""
 
     def _bind_role(self, role: str, value: Opaque, node) -> None:
         current = getattr(self.facts, role)
@@ -478,12 +471,6 @@ class Prover:
         if isinstance(base, (IdxEq, tuple)) and (base == IdxEq() or base[:1] in (("tok_any",), ("tok_nonzero",),
                                                                                  ("pair_weights",))):
             return self._pair_method(node, base, name)
-        if isinstance(base, Opaque) and name == "permute" and self.dispatch_masks:
-            dims = tuple(self.eval(a).value for a in node.args) if not node.keywords else None
-            layouts = {(2, 1, 0): "EKT", (2, 0, 1): "ETK"}
-            if dims in layouts:
-                return Mask(base, layouts[dims], given=True)
-            self.refuse(node, "is not permute(2, 1, 0) or permute(2, 0, 1) of a (tokens, slots, experts) dispatch mask")
         if isinstance(base, Mask) and name == "permute":
             dims = tuple(self.eval(a).value for a in node.args) if not node.keywords else None
             layouts = {(2, 1, 0): "EKT", (2, 0, 1): "ETK"}

@@ -59,9 +59,6 @@ class ShapeItem:
 class Mask:
     idx: Opaque
     layout: str  # axis order of the one-hot tensor: "TKE" (as made), "EKT", "ETK"
-    # ``idx`` is itself a (T, K, E) dispatch mask the loop permutes (its nonzero entries are the routed
-    # (token, slot, expert) triples), not expert ids made one-hot (``Prover.dispatch_masks`` allows it)
-    given: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,8 +180,6 @@ class LoopFacts:
     uses_apply_gate: bool = False
     adds: int = 0
     add_at_rows: bool = False  # ``acc[tok] += ...`` rather than ``acc.index_add_(0, tok, ...)``
-    idx_mask: bool | None = None  # ``idx`` is read as a dispatch mask (True) or as expert ids (False)
-    mask_layout: str = ""  # a dispatch mask's axis order as the loop permutes it (``Mask.layout``)
     # ``{attr: value}``: the owner's constant attributes an ``if`` of the region was folded on (its branch taken)
     folded: dict = field(default_factory=dict)
     # What the loop does with an expert that has no rows (``MoeStructure.idle_experts``): "call" it on zero rows

@@ -268,9 +268,7 @@ class SplicePlan:
     (``split_loop.masked_loop``): ``__autoep_expert_loop__(self, y, x, ids)`` sets ``y[p] =
     expert_{ids[p]}(x[p])`` for every row whose id names an expert. ``kind="masked_sum"``
     (``split_loop.masked_sum_loop``): ``acc = __autoep_expert_loop__(self, acc, x, ids)`` gives ``acc +
-    expert_{ids[row]}(x[row])`` per row (``acc`` where the id names no expert). ``kind="selected"``
-    (``split_loop.selected_loop``): ``__autoep_expert_loop__(self, y, x, mask, order)`` sets the rows
-    ``mask[..., e]`` selects to ``expert_e(x[row])`` for each e of ``order`` in turn (the last one wins)."""
+    expert_{ids[row]}(x[row])`` per row (``acc`` where the id names no expert)."""
 
     method: str
     fn: object
@@ -283,10 +281,8 @@ class SplicePlan:
     empty_1d: bool = False  # split: with no rows the block's own code gives ``rows.new_empty(0)``
     path: tuple = ()
     no_grad: bool = False  # the method is decorated ``@torch.no_grad()``; its spliced twin is too
-    select_dims: int = 0  # selected: the full slices before the id in ``mask[:, :, id]`` (the id's axis)
     # What the region does with an expert without rows (``MoeStructure.idle_experts``): "call" it on zero rows,
-    # "skip" it, "touch" it (zero gradients, not called), "touch_training" (touch only while training); a
-    # selected loop calls the experts its ``order`` lists ("call" for those, read at run time).
+    # "skip" it, "touch" it (zero gradients, not called), "touch_training" (touch only while training).
     idle: str = "call"
 
 
@@ -429,10 +425,6 @@ def _plan(block, method_tree, method: str, path: tuple, index: int, loop: ast.Fo
         _nothing_used_after(fn, tree, stmts[region.first:region.last + 1], keep=region.out)
         return SplicePlan(method, fn, region.first, region.last, (region.rows, region.counts), region.out,
                           kind="split", empty_1d=region.empty_1d, idle=region.idle, **common)
-    if split_loop.is_selected_loop(loop):
-        args, k = split_loop.selected_loop(fn, block, loop, attr)
-        _nothing_used_after(fn, tree, [loop])
-        return SplicePlan(method, fn, index, index, args, kind="selected", select_dims=k, **common)
     if split_loop.is_masked_sum_loop(loop):
         args = split_loop.masked_sum_loop(fn, block, loop, attr)
         _nothing_used_after(fn, tree, [loop], keep=args[0])

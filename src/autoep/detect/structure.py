@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 import torch.nn as nn
 
 from autoep.detect import (
-    container_loop,
     elementwise,
     equal_groups_proof,
     expert_reads,
@@ -30,8 +29,9 @@ from autoep.errors import UnsupportedModuleStructure
 
 # 3: expert_projs is a list of names (was one comma-joined string); 4: experts_path, expert_kind; 5: idle_experts,
 # execution; 6: record/exchange/replay is the automatic fallback for module experts (blocks refused before may be
-# accepted with execution=replay)
-DETECTOR_VERSION = "6"
+# accepted with execution=replay); 7: no container-loop or selected-loop splice (experts containers with a forward of
+# their own and the 4.57 Switch selected-rows loop run by record/exchange/replay; idle_experts "selected" is gone)
+DETECTOR_VERSION = "7"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")
@@ -93,11 +93,11 @@ class MoeStructure:
     # What the expert region does with an expert that no row reaches, one entry per region (module_list blocks
     # may have several, e.g. a training and an inference loop; one for the others): "call" (runs it on zero
     # rows: zero gradients), "skip" (never calls it: its parameters keep ``grad is None``), "touch" (zero
-    # gradients without a call), "touch_training" (touch only while training), "selected" (calls the experts
-    # an id list the block computes names). The runtime follows it exactly (``autoep.runtime.dispatch.Idle``).
+    # gradients without a call), "touch_training" (touch only while training). The runtime follows it exactly
+    # (``autoep.runtime.dispatch.Idle``).
     idle_experts: tuple[str, ...] = ()
-    # How the expert work runs under EP: spliced (module experts: the proven loop, or the container's proven
-    # forward, replaced by the exchange) | grouped (batched/grouped experts: their forward replaced by the
+    # How the expert work runs under EP: spliced (module experts: the block's proven loop replaced by the
+    # exchange) | grouped (batched/grouped experts: their forward replaced by the
     # exchange + grouped compute) | replay (module experts whose loop is not proven: the block's forward runs
     # twice, record / exchange / replay, ``autoep.runtime.recipes.replay``; the fallback, the slowest).
     execution: str = "spliced"
@@ -152,9 +152,9 @@ def find_experts(module: nn.Module, looped=_UNKNOWN) -> str | None:
                and any(p.dim() == 3 for p in m.parameters())]
     if len(batched) == 1:
         return batched[0]
-    own_loop = [n for n, m in module._modules.items() if container_loop.has_own_loop(m)]
-    if len(own_loop) == 1 and not batched:  # a ModuleDict/ModuleList subclass whose own forward loops (Switch)
-        return own_loop[0]
+    own_forward = [n for n, m in module._modules.items() if _own_forward_container(m)]
+    if len(own_forward) == 1 and not batched:  # a ModuleDict/ModuleList subclass the block hands the routing to
+        return own_forward[0]
     if isinstance(getattr(module, "experts", None), nn.Module):
         return "experts"
     if batched:
@@ -175,15 +175,16 @@ def _structure(module: nn.Module) -> MoeStructure:
     path = looped if looped is not None else find_experts(module, looped)
     experts = module._modules.get(path) if path is not None else None
     guards: tuple[str, ...] = ()
-    if looped is None and container_loop.has_own_loop(experts):
-        storage = "module_list"  # its own forward is the region: replaced, its experts run as themselves
-        facts = own_loop_facts(experts, path)
-        guards = routing_proof.experts_call(module, path)
-    elif looped is not None or type(experts) is nn.ModuleList:
+    if looped is None and _own_forward_container(experts):
+        # Switch, NLLB (transformers 5): the block hands the routing to its experts container, whose own forward
+        # is the loop; no fast path reads a loop there, record/exchange/replay runs it as written
+        raise Refusal(f"{path} is a {type(experts).__name__} with a forward of its own: no fast path proves a loop "
+                      "inside the experts container")
+    if looped is not None or type(experts) is nn.ModuleList:
         storage = "module_list"
         facts = module_list_proof.module_list_facts(experts, path)
         plans = module_list_proof.module_list_plan(module, path)  # the expert regions autoep splices out
-        facts["idle_experts"] = tuple("selected" if plan.kind == "selected" else plan.idle for plan in plans)
+        facts["idle_experts"] = tuple(plan.idle for plan in plans)
     elif isinstance(experts, nn.Module) and grouped_proof.takes_groups(experts):
         storage = "grouped"  # its per-group loops run every expert (3-D weights: zero gradients where idle)
         facts = dict(grouped_proof.grouped_experts_facts(experts), idle_experts=("call",))
@@ -214,6 +215,11 @@ def _structure(module: nn.Module) -> MoeStructure:
     if router not in ROUTER_KINDS or storage not in STORAGE_KINDS or structure.expert_kind not in EXPERT_KINDS:
         raise Refusal(f"router={router} with expert_storage={storage} is outside the detector's vocabulary")
     return structure
+
+
+def _own_forward_container(experts) -> bool:
+    """A ``ModuleList``/``ModuleDict`` subclass with a forward of its own."""
+    return isinstance(experts, (nn.ModuleList, nn.ModuleDict)) and type(experts).forward is not nn.Module.forward
 
 
 _BLOCK_PARAMS = ("experts are 3-D parameters on the block itself ({}); record/replay needs expert modules (a call "
@@ -270,22 +276,10 @@ def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
     return structure
 
 
-def own_loop_facts(experts: nn.Module, path: str) -> dict:
-    """An experts container whose own forward is the proven loop (``autoep.detect.container_loop``): its
-    experts (the leading keyed entries) proven row-local; the loop's folded attributes join theirs."""
-    loop = container_loop.container_loop(experts)
-    members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
-    # row_local_facts folds per expert (never ``<path>.*.``) where the container holds more than the experts
-    facts = module_list_proof.row_local_facts(experts, path, members[:loop.num_experts])
-    return facts | {"folded": facts["folded"] + tuple(f"{path}.{attr}={value}" for attr, value in loop.folded),
-                    "idle_experts": (loop.roles.idle,)}
-
-
 def _live_state(module: nn.Module, structure: MoeStructure) -> None:
     """Issue 17: every other read of the experts (any depth of calls, hooks on the block, cached references)
     and expert tensors reached by two names inside the block (the whole model: ``resolve_plan``)."""
-    spliced = structure.expert_storage == "module_list" and not container_loop.has_own_loop(
-        module._modules.get(structure.experts_path))
+    spliced = structure.expert_storage == "module_list"
     # replay: the forward and the methods it calls run as written, only their calls of the experts move
     in_methods = spliced or structure.execution == "replay"
     checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] if in_methods else [type(module).forward]
@@ -353,11 +347,6 @@ def count_experts(module: nn.Module, structure: MoeStructure | None = None) -> i
     except Refusal as exc:
         raise UnsupportedModuleStructure(type(module).__name__, f"cannot count experts: {exc}") from None
     experts = getattr(module, path, None) if path is not None else None
-    if container_loop.has_own_loop(experts):
-        try:
-            return container_loop.container_loop(experts).num_experts
-        except Refusal as exc:
-            raise UnsupportedModuleStructure(type(module).__name__, f"cannot count experts: {exc}") from None
     if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
         members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
         if structure is not None:

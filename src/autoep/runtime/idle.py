@@ -24,7 +24,7 @@ class Idle:
     ``mode``: what the loop does with a visited expert that has no rows (``IDLE_MODES``). ``per_expert``: module
     experts, each with parameters of its own (an idle expert's are left alone), else 3-D parameters shared by
     every expert (their gradient is ``None`` only where no expert ran on any rank). ``visited_E``: the experts
-    the loop visits at all (bool (E,); default all: a selected-rows loop visits the ids its block listed).
+    the loop visits at all (bool (E,); default all: a split loop visits the experts its counts list).
     ``params``: module experts: local expert index -> its parameters (a touch gives them zero gradients; where
     one is trainable, a rank whose experts all stay idle still gives the exchange's backward a path).
 

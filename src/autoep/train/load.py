@@ -41,11 +41,8 @@ class ExpertLoad:
         for i, name in enumerate(block_names):
             block = model.get_submodule(name)
             experts = getattr(block, "experts", None)
-            # ModuleList/ModuleDict experts are placed on the block, or on their container where its own
-            # forward is the loop (Switch, NLLB): it reports the rows its local experts got
-            placed = block if spec_of(block) is not None else experts if spec_of(experts) is not None else None
-            if placed is not None:
-                register_counts_hook(placed, partial(self._local_hook, i))
+            if spec_of(block) is not None:  # ModuleList/ModuleDict experts are placed on the block
+                register_counts_hook(block, partial(self._local_hook, i))
                 self.counted[i] = True
             elif isinstance(experts, nn.Module):
                 experts.register_forward_pre_hook(partial(self._hook, i), with_kwargs=True)

@@ -26,7 +26,6 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from autoep.detect.container_loop import has_own_loop
 from autoep.detect.module_list_proof import module_list_facts, module_list_plan
 from autoep.detect.source import Refusal
 from autoep.detect.splice import compile_spliced
@@ -35,7 +34,6 @@ from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.dispatch import ep_experts_forward, ep_grouped_forward
 from autoep.runtime.recipes import (
     checking_proven,
-    container_loop,
     ep_group_of,
     experts_of,
     join_backward_exchanges,
@@ -159,44 +157,6 @@ def ep_masked_sum_loop(module: nn.Module, acc: Tensor, x: Tensor, ids: Tensor, *
     return acc + out_SP.reshape(*x.shape[:-1], out_SP.shape[-1])
 
 
-def ep_selected_loop(module: nn.Module, y: Tensor, x: Tensor, mask: Tensor, order, *, ep_group, dims: int) -> None:
-    """What the block's selected-rows loop did (``split_loop.selected_loop``): for each expert id e of ``order`` in
-    turn, ``y[mask[..., e]] = expert_e(x[mask[..., e]])``. A row selected by several ids of ``order`` keeps the last
-    one's output (the exchange sends it to that expert only), a row selected by none is left as it was. Ids must
-    be Python ints of experts (the loop names its expert by ``f"expert_{e}"`` or ``[e]``); anything else fails
-    here, as it would in the loop or differently, never silently."""
-    name = type(module).__name__
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != dims + 1:
-        raise RuntimeError(f"{name}: its expert loop selects rows by mask[{':, ' * dims}id] of a "
-                           f"{getattr(mask, 'dtype', type(mask).__name__)} tensor of shape "
-                           f"{tuple(getattr(mask, 'shape', ()))}; autoep's exchange needs a bool mask whose last axis "
-                           "is the expert id")
-    E = spec_of(module).num_experts
-    ids = list(order.tolist() if isinstance(order, Tensor) and order.dim() == 0 else order) \
-        if not isinstance(order, Tensor) else None
-    if ids is None or any(type(e) is not int or not 0 <= e < E for e in ids):
-        raise RuntimeError(f"{name}: its expert loop iterates {type(order).__name__} {order!r}; autoep's exchange "
-                           f"needs Python ints naming experts 0..{E - 1}")
-    _check_no_alias(module, y, x, mask)
-    order_L = torch.tensor(ids, dtype=torch.long, device=mask.device)
-    selected_NL = mask[..., order_L]  # (..., L): whether the l-th id of the loop selects the row
-    routed_N = selected_NL.any(dim=-1)
-    # The last id of the loop that selects the row: its output is the one the loop left there.
-    last_N = (len(ids) - 1) - selected_NL.flip(-1).to(torch.uint8).argmax(dim=-1) if ids else \
-        torch.zeros(routed_N.shape, dtype=torch.long, device=mask.device)
-    winner_N = order_L[last_N] if ids else last_N
-    x_SD = x[routed_N]
-    ids_S1 = winner_N[routed_N].unsqueeze(1)
-    ones_S1 = torch.ones(ids_S1.shape, dtype=torch.float32, device=x.device)
-    # The loop calls the experts ``order`` lists (on the rows their mask selects, which may be none).
-    visited_E = torch.zeros(E, dtype=torch.bool, device=mask.device)
-    visited_E[order_L] = True
-    out_SD = ep_experts_forward(x_SD, ids_S1, ones_S1, num_experts=E, ep_group=ep_group,
-                                expert_fn=local_expert_fn(module), out_dtype="experts",
-                                idle=local_idle(module, "call", visited_E))
-    y[routed_N] = out_SD  # y * 1.0 in fp32 and back is exact; a dtype other than y's fails here as in the loop
-
-
 def _slice_counts(module: nn.Module, counts_C: Tensor, num_rows: int, E: int) -> Tensor:
     """Rows each expert's slice ``rows[start:start + n]`` really holds (cut at ``num_rows``), one per expert:
     counts past the experts must be zero (the loop would index a missing expert), missing ones are zero."""
@@ -264,9 +224,6 @@ def ep_module_list_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStr
     runs the experts' own forward even where the grouped GEMM is proven to compute the same.
     """
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
-    if has_own_loop(module._modules.get(structure.get("experts_path", "experts"))):
-        # The experts container's own forward is the loop: that forward is replaced, the block's runs as written.
-        return container_loop.ep_container_experts(module, ep_mesh=ep_mesh, structure=structure, fast_path=fast_path)
     with watching_facts(module):
         plans = validate(module, structure=structure)
     identities = int(structure.get("identity_experts", 0))
@@ -316,8 +273,6 @@ def _region_fn(plan, ep_group):
         return functools.partial(ep_split_loop, ep_group=ep_group, empty_1d=plan.empty_1d, idle=plan.idle)
     if plan.kind == "masked":
         return functools.partial(ep_masked_loop, ep_group=ep_group)
-    if plan.kind == "selected":
-        return functools.partial(ep_selected_loop, ep_group=ep_group, dims=plan.select_dims)
     if plan.kind == "masked_sum":
         return functools.partial(ep_masked_sum_loop, ep_group=ep_group)
     return functools.partial(ep_expert_loop, ep_group=ep_group, add_at_rows=plan.add_at_rows, idle=plan.idle)
@@ -329,8 +284,6 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_):
     ones. Returns the splice plans (one per expert region); raises ``UnsupportedModuleStructure`` naming the key otherwise."""
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
     name = type(module).__name__
-    if has_own_loop(module._modules.get(structure.get("experts_path", "experts"))):
-        return container_loop.validate(module, structure=structure)
     if spec_of(module) is not None:
         raise UnsupportedModuleStructure(name, "the block is already EP-ready (apply_plan ran on it)")
     path = structure.get("experts_path", "experts")

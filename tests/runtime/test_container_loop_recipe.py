@@ -1,16 +1,16 @@
 """Experts containers whose own forward is the expert loop (transformers 5.x Switch Transformers and NLLB-MoE,
-and the idiom written here: ``blocks.DispatchMaskMoE``, ``blocks.ExpertStackMoE``) run exactly under EP.
+and the idiom written here: ``blocks.DispatchMaskMoE``, ``blocks.ExpertStackMoE``) run exactly under EP, by
+record/exchange/replay: the block's and the container's forwards run as written, only the calls of the experts
+travel (``autoep.runtime.recipes.replay``).
 
 Parity (DESIGN.md): each rank feeds its own sequences (uneven, one rank empty at W=4); its output and input grad
 equal the block's own on that slice; dense (router) grads summed over ranks, and every expert parameter's grad
 (from the rank that holds it, by the model's own name) equal the block's own summed over the slices; the
-state-dict keys stay the model's own. The plan is the real detector's, through the archetype table and
-``apply_plan``. Switch and NLLB are built with their in-expert dropout and token dropout at p=0: at their
-default p>0 they are refused (``tests/detect/test_container_loop.py``).
-
-The dispatch mask a Switch-style container is given is turned into expert ids exactly for any mask
-(``test_any_dispatch_mask``): several nonzero entries per slot, negative entries that make an expert's mask
-sum nonpositive (the loop then skips it), bool and float masks, slots routing nowhere.
+state-dict keys and parameter names stay the model's own. The plan is the real detector's, through the archetype
+table and ``apply_plan``. Switch is built with its experts' dropout at p=0 (at its default 0.1 it is refused while
+training: ``tests/detect/test_container_loop.py``); NLLB at p=0 and at its default token dropout p=0.2 (drawn where
+the token is, the RNG restored for the replay). The loop edits the dispatch-mask splice refused run as written and
+are exact too; one whose expert inputs depend on expert outputs raises on every rank.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import importlib
 
 import blocks
 import pytest
+import test_container_loop as variants
 import torch
 import torch.distributed as dist
 from distributed import guarded, run_cases
@@ -29,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoep.detect.structure import detect_moe_structure
 from autoep.plan.archetypes import compute_fn_config
 from autoep.runtime.apply import apply_plan
+from autoep.runtime.recipes.replay import ReplayError
 
 D, FF, SEQ = 16, 24, 6
 SEQS_PER_RANK = {1: [4], 2: [1, 3], 4: [2, 0, 3, 1]}
@@ -42,20 +44,30 @@ def _switch(jitter: float = 0.0) -> nn.Module:
     return m.SwitchTransformersSparseMLP(config)
 
 
-def _nllb() -> nn.Module:
+def _nllb(token_dropout: float = 0.0) -> nn.Module:
     from transformers.models.nllb_moe import modeling_nllb_moe as m
 
-    config = m.NllbMoeConfig(d_model=D, num_experts=4, expert_capacity=3, moe_token_dropout=0.0)
+    config = m.NllbMoeConfig(d_model=D, num_experts=4, expert_capacity=3, moe_token_dropout=token_dropout)
     return m.NllbMoeSparseMLP(config, FF)
+
+
+def _variant(forward) -> nn.Module:
+    block = variants._bank_variant(forward)
+    if forward is variants.random_in_training:
+        block.experts.drop = nn.Dropout(0.3)
+    return block
 
 
 BLOCKS = {
     "switch_p0": _switch,
-    # the router multiplies its input by uniform noise in place (seeded alike on both sides)
-    "switch_p0_jitter": lambda: _switch(jitter=0.1),
     "nllb_p0": _nllb,
+    "nllb_token_dropout": lambda: _nllb(0.2),
     "dispatch_mask": lambda: blocks.DispatchMaskMoE(hidden=D, ffn=FF, num_experts=4, capacity=3),
     "expert_stack": lambda: blocks.ExpertStackMoE(hidden=D, ffn=FF, num_experts=4, top_k=2),
+    # the loop edits the splice refused: replay runs them as written (DispatchMaskMoE's sizes); swapped_axes
+    # reads gates[tok, slot] with a token index as the slot, which fails in the model's own forward too
+    **{f"dispatch_mask_{f.__name__}": (lambda f=f: _variant(f)) for f in variants.AS_WRITTEN
+       if f not in (variants.chained, variants.swapped_axes)},
 }
 
 
@@ -92,14 +104,15 @@ def _check_block(name: str, rank: int, world_size: int) -> None:
     ref = _make(name)
     ref_results = [_run(ref, *s, seed=100 + r) for r, s in enumerate(slices)]
     structure = detect_moe_structure(_make(name))
-    assert (structure.expert_storage, structure.expert_kind) == ("module_list", "row_local"), structure
+    assert (structure.execution, structure.expert_kind) == ("replay", "row_local"), structure
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)) if world_size > 1 else None
     model = nn.ModuleDict({"mlp": _make(name)})
     plan = [{"match": "mlp", "local_compute_fn": compute_fn_config(structure),
              "decision": {"source": "auto", "structure": structure.as_dict(), "modules": ["mlp"]}}]
     apply_plan(model, {"plan": plan}, mesh)
     block = model["mlp"]
-    assert block.state_dict().keys() == ref.state_dict().keys()  # the model's own names
+    assert list(block.state_dict()) == list(ref.state_dict())  # the model's own names, in its order
+    assert [n for n, _ in block.named_parameters()] == [n for n, _ in ref.named_parameters()]
     out, x_grad = _run(block, *slices[rank], seed=100 + rank)
 
     path = structure.experts_path
@@ -155,7 +168,7 @@ def test_multi_rank_parity(world_size):
     assert not failed, f"world_size={world_size}: " + "\n".join(f"{n}:\n{e[0]}" for n, e in failed.items())
 
 
-# ---------------------------------------------------------------- the dispatch mask, any mask
+# ---------------------------------------------------------------- one process
 
 
 def _ep_copy(block: nn.Module) -> nn.Module:
@@ -167,69 +180,55 @@ def _ep_copy(block: nn.Module) -> nn.Module:
     return ep
 
 
-def _masks(T: int, K: int, E: int):
-    g = torch.Generator().manual_seed(3)
-    one_hot = torch.nn.functional.one_hot(torch.randint(0, E, (T, K), generator=g), E)
-    several = (torch.rand(T, K, E, generator=g) < 0.4).long()  # slots meeting 0..E experts
-    signed = torch.randint(-2, 3, (T, K, E), generator=g).float()  # some experts' sums <= 0: skipped
-    signed[:, :, 0] = -signed[:, :, 0].abs() - 1  # expert 0's sum is negative: hit by no pair
-    yield "one_hot", one_hot
-    yield "capacity_dropped", one_hot * (torch.arange(T)[:, None, None] < T // 2)
-    yield "several_per_slot", several
-    yield "bool", several.bool()
-    yield "signed_float", signed
-    yield "nothing_routed", torch.zeros(T, K, E, dtype=torch.long)
-    yield "fewer_experts", one_hot[..., : E - 1]
-
-
-@pytest.mark.parametrize("case", [name for name, _ in _masks(5, 2, 4)])
-def test_any_dispatch_mask(case):
-    """The replaced container forward equals the container's own loop for any (T, K, E) mask, outputs and
-    gradients (hidden rows, gate weights, every expert parameter)."""
-    ref = blocks.DispatchMaskMoE(hidden=D, ffn=FF, num_experts=4).train()
+def test_expert_inputs_computed_from_expert_outputs_raise():
+    """The harmful twin: each expert reads the earlier experts' sum. Pass 2 calls an expert with other rows
+    than pass 1 recorded: ``ReplayError`` (on every rank: ``tests/detect/test_replay_soundness.py``)."""
+    ref = _variant(variants.chained).train()
     ep = _ep_copy(ref)
-    mask = dict(_masks(5, 2, 4))[case]
-    g = torch.Generator().manual_seed(11)
-    x, gates, cot = torch.randn(5, D, generator=g), torch.rand(5, 2, generator=g), torch.randn(5, D, generator=g)
-    runs = []
-    for block in (ref, ep):
-        xs, ws = x.clone().requires_grad_(), gates.clone().requires_grad_()
-        out = block.experts(xs, mask, ws)
-        if out.requires_grad:  # the loop's output of a mask routing nothing is a constant zero
-            (out * cot).sum().backward()
-        runs.append((out, xs.grad, ws.grad, {n: p.grad for n, p in block.experts.named_parameters()}))
-    (out, xg, wg, pg), (ep_out, ep_xg, ep_wg, ep_pg) = runs
-    torch.testing.assert_close(ep_out, out)
-    for got, want in ((ep_xg, xg), (ep_wg, wg)):
-        torch.testing.assert_close(got if got is not None else torch.zeros_like(want if want is not None else x),
-                                   want if want is not None else torch.zeros_like(got))
-    for n in pg:
-        a, b = pg[n], ep_pg[n]
-        if a is None and b is None:
-            continue
-        torch.testing.assert_close(b if b is not None else torch.zeros_like(a), a if a is not None else torch.zeros_like(b),
-                                   msg=lambda m, n=n: f"{n}: {m}")
+    with pytest.raises(ReplayError, match="expert"):
+        ep(torch.randn(2, SEQ, D))
 
 
-def test_mask_routing_to_a_missing_expert_fails_as_the_loop_does():
-    ref = blocks.DispatchMaskMoE(hidden=D, ffn=FF, num_experts=4).train()
+def test_switch_router_jitter_in_training_raises():
+    """Switch's router multiplies the block's input by uniform noise in place while training
+    (``router_jitter_noise``, 0.01 by default): record/exchange/replay runs the forward twice and cannot undo
+    that write, so the first call raises, naming it, on every rank; at jitter 0 or in eval it is exact."""
+    ref = _switch(jitter=0.1).train()
     ep = _ep_copy(ref)
-    mask = torch.nn.functional.one_hot(torch.tensor([[0], [4]]), 5)  # expert 4: the container has ffn0..ffn3
-    x, gates = torch.randn(2, D), torch.rand(2, 1)
-    with pytest.raises(KeyError):
-        ref.experts(x, mask, gates)
-    with pytest.raises(RuntimeError, match="an expert past its 4"):
-        ep.experts(x, mask, gates)
+    with pytest.raises(ReplayError, match="wrote its input hidden_states in place"):
+        ep(torch.randn(2, SEQ, D) * 1.0)
+    ref.eval(), ep.eval()
+    x = torch.randn(2, SEQ, D)
+    torch.testing.assert_close(ep(x), ref(x))
 
 
-def test_folded_constant_is_watched():
-    """NLLB's ``moe_token_dropout`` was folded at 0 when the plan was applied: a later change raises, naming it."""
+def test_a_constant_of_the_container_changed_after_apply_runs_as_written():
+    """NLLB's ``moe_token_dropout`` (and its ``token_dropout`` entry's p) is read by the container's forward, which
+    runs as written: changed after apply (0 -> 0.2, on the model and on its EP copy alike), the EP block draws the
+    same token dropout."""
     ref = _make("nllb_p0")
     ep = _ep_copy(ref)
     x = torch.randn(1, SEQ, D)
-    torch.testing.assert_close(ep(x), ref(x))
-    ep.experts.moe_token_dropout = 0.2
-    with pytest.raises(RuntimeError, match="moe_token_dropout"):
+    before = ref(x)
+    torch.testing.assert_close(ep(x), before)
+    for block in (ref, ep):
+        block.experts.moe_token_dropout = block.experts.token_dropout.p = 0.2
+    torch.manual_seed(5)
+    want = ref(x)
+    torch.manual_seed(5)
+    got = ep(x)
+    assert not torch.equal(want, before), "the token dropout changed nothing: it is not exercised"
+    torch.testing.assert_close(got, want)
+
+
+def test_a_loop_that_fails_in_the_model_fails_under_ep():
+    """``swapped_axes`` indexes the (T, 2) gates with token ids as slots: the model raises, and so does EP."""
+    ref = _variant(variants.swapped_axes).train()
+    ep = _ep_copy(ref)
+    x = torch.randn(2, SEQ, D)
+    with pytest.raises(IndexError):
+        ref(x)
+    with pytest.raises(IndexError):
         ep(x)
 
 

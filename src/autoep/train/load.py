@@ -22,9 +22,9 @@ class ExpertLoad:
     """Counts tokens per routed expert of each planned block; ``collect`` sums them over ranks.
 
     Blocks that keep their own forward call ``experts(hidden, top_k_index, ...)``: this rank's routed
-    (token, expert) pairs are counted there. Blocks whose expert loop the module_list recipe replaced report
-    the rows the exchange brought to this rank's own experts (``register_counts_hook``): those counts land at
-    the rank's expert offset. Blocks calling grouped experts
+    (token, expert) pairs are counted there. Blocks whose expert loop the module_list recipe replaced, or
+    that record/exchange/replay runs, report the rows the exchange brought to this rank's own experts
+    (``register_counts_hook``): those counts land at the rank's expert offset. Blocks calling grouped experts
     ``experts(x_sorted, num_tokens_per_expert)`` pass this rank's counts per expert: added as they are.
     Experts called on E equal groups of rows (Llama-4's ``experts(rows)``, each token once per expert,
     pre-scaled by its score): the rows of group e that are not all zero are the tokens routed to e.

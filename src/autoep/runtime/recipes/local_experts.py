@@ -505,6 +505,12 @@ def register_counts_hook(block: nn.Module, hook) -> RemovableHandle:
     return handle
 
 
+def report_counts(block: nn.Module, tokens_per_local_expert: Tensor) -> None:
+    """Call the block's ``register_counts_hook`` hooks with the rows its local experts got in this call."""
+    for hook in list(block.__dict__.get(COUNT_HOOKS, {}).values()):
+        hook(spec_of(block).first, tokens_per_local_expert)
+
+
 def local_expert_fn(block: nn.Module):
     """``expert_fn(x_SD, tokens_per_local_expert, status_L=None) -> y_SD`` for the exchange: this rank's experts
     on their rows; with ``status_L`` (``autoep.runtime.dispatch.Idle``) only the experts it marks ``CALL`` run.
@@ -517,8 +523,7 @@ def local_expert_fn(block: nn.Module):
     stacked = getattr(block, STACKED, None)
 
     def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor, status_L: list[int] | None = None) -> Tensor:
-        for hook in list(block.__dict__.get(COUNT_HOOKS, {}).values()):
-            hook(spec.first, tokens_per_local_expert)
+        report_counts(block, tokens_per_local_expert)
         called = [True] * len(experts) if status_L is None else [s == CALL for s in status_L]
         if fast_path_ok(spec, experts, x_SD):
             y_SD = _grouped(spec, experts, x_SD, tokens_per_local_expert, stacked, called)

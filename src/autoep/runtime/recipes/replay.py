@@ -56,7 +56,14 @@ from autoep.runtime.recipes import (
     watching_facts,
     watching_folded,
 )
-from autoep.runtime.recipes.local_experts import GROUP, container_of, expert_modules, place_experts, spec_of
+from autoep.runtime.recipes.local_experts import (
+    GROUP,
+    container_of,
+    expert_modules,
+    place_experts,
+    report_counts,
+    spec_of,
+)
 from autoep.runtime.recipes.replay_state import ReplayError, Snapshot, rng_state, set_rng_state
 
 REPLAY = "_autoep_replay"  # the block attribute holding its ``_Replay``
@@ -455,6 +462,7 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Cal
                           f"({sorted(widths)}); autoep sends one kind of rows per exchange")
     width, dtype_code, out_width, out_code = next(iter(widths)) if widths else (0, 0, 0, 0)
     recv_counts = [row[:L] for row in meta]  # recv_counts[r][l]: rows rank r sends to local expert l
+    report_counts(block, torch.tensor([sum(c[l] for c in recv_counts) for l in range(L)], dtype=torch.long))
     called_L = [any(row[L + l] for row in meta) for l in range(L)]
     send_splits = [sum(mine[p * L:(p + 1) * L]) for p in range(W)]
     recv_splits = [sum(c) for c in recv_counts]

@@ -1,16 +1,20 @@
 """Rows assigned expert by expert from a boolean (..., E) mask (transformers 4.57 ``SwitchTransformersSparseMLP``,
-written out as ``blocks.SelectedRowsMoE`` so this file runs under transformers 5 too): the loop is proven
-(``autoep.detect.split_loop.selected_loop``) and runs as the exchange. The ids the loop visits are the block's
-own (read at run time); a row selected by several of them keeps the last one's output, by none stays as it was.
+written out as ``blocks.SelectedRowsMoE`` so this file runs under transformers 5 too): no fast path reads the loop
+(``for idx in <ids the block computed>: y[mask[:, :, idx]] = getattr(self.experts, f"expert_{idx}")(...)``), so
+record/exchange/replay runs it as written (``execution="replay"``): the ids the loop visits, a row selected by
+several of them (the last one's output stays), by none (left as it was), are the block's own business.
 
 Parity (DESIGN.md) on 2 and 4 gloo ranks through the real detector, table and ``apply_plan`` (tokens past an
 expert's capacity dropped, so some rows are selected by no expert). Expert dropout p>0 while training is refused,
-naming it; in eval it is accepted (the training flag is then folded and watched).
+naming it; in eval it is accepted (the training flag is then folded and watched). Edits of the loop the splice
+refused run as written (exact, or failing as the model fails); one feeding the experts the rows earlier experts
+wrote raises.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 import inspect
 import sys
@@ -25,7 +29,8 @@ from test_row_local_parity import _check_block
 
 from autoep.detect.structure import detect_moe_structure
 from autoep.errors import UnsupportedModuleStructure
-from autoep.runtime.recipes.module_list import ep_module_list_block, ep_selected_loop
+from autoep.plan.archetypes import compute_fn_config
+from autoep.runtime.recipes.replay import ReplayError
 
 BLOCKS = {
     "selected_rows": lambda: blocks.SelectedRowsMoE(hidden=rl.D, ffn=24, num_experts=4, capacity=2),
@@ -50,8 +55,13 @@ def test_parity_on_ranks(world_size):
 
 
 def _ep(block):
+    """``block`` made EP-ready in one process (no exchange) by the detector's decision through the table."""
+    structure = detect_moe_structure(block)
+    assert structure.execution == "replay", structure
+    cfg = dict(compute_fn_config(structure))
+    module, _, attr = cfg.pop("_factory_").rpartition(".")
     ep = copy.deepcopy(block)
-    ep_module_list_block(ep, ep_mesh=None, structure=detect_moe_structure(block))
+    getattr(importlib.import_module(module), attr)(ep, ep_mesh=None, **cfg)
     return ep
 
 
@@ -79,27 +89,6 @@ def test_expert_dropout_while_training_is_refused_and_eval_accepted():
         ep(x)
 
 
-def test_the_last_selecting_id_wins_and_bad_ids_fail():
-    """The spliced call itself, on a mask with rows selected twice and ids in a loop order of the caller's."""
-    torch.manual_seed(0)
-    block = blocks.SelectedRowsMoE(hidden=16, ffn=24, num_experts=4).train()
-    ep = _ep(block)
-    x = torch.randn(2, 3, 16)
-    mask = torch.rand(2, 3, 4) > 0.4
-    for order in ([0, 1, 2, 3], [3, 1, 0], [2, 2, 0], []):
-        want = torch.zeros(2, 3, 16)
-        for e in order:
-            want[mask[:, :, e]] = getattr(block.experts, f"expert_{e}")(x[mask[:, :, e]])
-        got = torch.zeros(2, 3, 16)
-        ep_selected_loop(ep, got, x, mask, order, ep_group=None, dims=2)
-        torch.testing.assert_close(got, want)
-    for bad in ([4], [-1], [True], torch.tensor([0, 1])):
-        with pytest.raises(RuntimeError, match="needs Python ints naming experts"):
-            ep_selected_loop(ep, torch.zeros(2, 3, 16), x, mask, bad, ep_group=None, dims=2)
-    with pytest.raises(RuntimeError, match="bool mask"):
-        ep_selected_loop(ep, torch.zeros(2, 3, 16), x, mask.long(), [0], ep_group=None, dims=2)
-
-
 def _variant(old: str, new: str, tmp_path) -> type:
     src = textwrap.dedent(inspect.getsource(blocks.SelectedRowsMoE))
     assert old in src, old
@@ -114,33 +103,49 @@ def _variant(old: str, new: str, tmp_path) -> type:
 
 
 LOOP = "next_states[router_mask[:, :, idx]] = getattr(self.experts, f\"expert_{idx}\")(\n                hidden_states[router_mask[:, :, idx]]\n            )"
-REFUSED = [
-    # Reads other rows than it writes: a row would get another row's output.
+# One-edit twins of the loop. The splice refused them all; replay runs each as written, so each must be exact
+# ("exact"), fail as the model fails ("fails": the model's own exception type), or raise (``ReplayError``).
+VARIANTS = [
+    # Reads other rows than it writes.
     (LOOP, 'next_states[router_mask[:, :, idx]] = getattr(self.experts, f"expert_{idx}")(hidden_states[router_mask[:, :, 0]])',
-     "reads other rows than it writes|is not mask"),
-    # The key of another expert: rows of expert e would get expert e+1's output... named by a key not the id.
+     "exact"),
+    # The key of another expert: expert_{idx + 1} (the last id names no expert: the model raises).
+    (LOOP, 'next_states[router_mask[:, :, idx]] = getattr(self.experts, f"expert_{(idx + 1) % 4}")(hidden_states[router_mask[:, :, idx]])',
+     "exact"),
     (LOOP, 'next_states[router_mask[:, :, idx]] = getattr(self.experts, f"expert_{idx + 1}")(hidden_states[router_mask[:, :, idx]])',
-     "key made from the loop's id alone"),
-    # Adds into the rows instead of assigning them: not the selected-rows loop.
+     "fails"),
+    # Adds into the rows instead of assigning them.
     (LOOP, 'next_states[router_mask[:, :, idx]] += getattr(self.experts, f"expert_{idx}")(hidden_states[router_mask[:, :, idx]])',
-     "is not understood|does not|not one"),
-    # The id on another axis than the last taken: rows by the sequence axis.
+     "exact"),
+    # The id on another axis: a (batch, experts) mask of the sequence axis, which the model cannot index by.
     (LOOP, 'next_states[router_mask[:, idx]] = getattr(self.experts, f"expert_{idx}")(hidden_states[router_mask[:, idx]])',
-     None),  # accepted: the run time checks the id's axis is the mask's last (see below)
-    # The experts fed the output tensor: a later expert would read an earlier one's output.
-    (LOOP, 'next_states[router_mask[:, :, idx]] = getattr(self.experts, f"expert_{idx}")(next_states[router_mask[:, :, idx]])',
-     "reads and writes the same tensor"),
+     "fails"),
+    # Harmful: the experts fed the output tensor's neighbouring rows, which earlier experts wrote.
+    (LOOP, 'next_states[router_mask[:, :, idx]] = getattr(self.experts, f"expert_{idx}")((next_states.roll(1, 1) + hidden_states)[router_mask[:, :, idx]])',
+     "raises"),
 ]
 
 
-@pytest.mark.parametrize("old,new,why", REFUSED, ids=[r[1][15:70] for r in REFUSED])
-def test_unsound_variants_are_refused(old, new, why, tmp_path):
+@pytest.mark.parametrize("old,new,outcome", VARIANTS, ids=[r[1][15:70] for r in VARIANTS])
+def test_loop_variants_run_as_written_or_raise(old, new, outcome, tmp_path):
     torch.manual_seed(0)
-    block = _variant(old, new, tmp_path)(hidden=16, ffn=24, num_experts=4).train()
-    if why is None:
-        ep = _ep(block)  # mask[:, id] of a 3-D mask: the id indexes the sequence axis, not the experts'
-        with pytest.raises(RuntimeError, match="whose last axis is the expert id"):
-            ep(torch.randn(2, 5, 16))
-        return
-    with pytest.raises(UnsupportedModuleStructure, match=why):
-        detect_moe_structure(block, replay=False)  # the splice proof; the fallback is replay
+    block = _variant(old, new, tmp_path)(hidden=16, ffn=24, num_experts=4, capacity=3).train()
+    ep = _ep(block)
+    x = torch.randn(2, 5, 16)
+    if outcome == "raises":
+        with pytest.raises(ReplayError, match="expert"):
+            ep(x)
+    elif outcome == "fails":
+        with pytest.raises(Exception) as model_error:
+            block(x)
+        with pytest.raises(type(model_error.value)):
+            ep(x)
+    else:
+        x_ref, x_ep = x.clone().requires_grad_(), x.clone().requires_grad_()
+        want, got = block(x_ref), ep(x_ep)
+        torch.testing.assert_close(got, want)
+        want.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(x_ep.grad, x_ref.grad)
+        for (n, p), (_, q) in zip(block.named_parameters(), ep.named_parameters()):
+            torch.testing.assert_close(q.grad, p.grad, msg=lambda m, n=n: f"{n}: {m}")

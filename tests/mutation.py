@@ -267,12 +267,14 @@ def targets() -> list[Target]:
           for n, make in _training_branch_blocks().items()),
         # transformers 4.57 VitPose: every expert on every row, masked by the sequence's id, summed.
         Target("v4/masked_sum", _hand_written_block("masked_sum", _masked_sum_block)),
-        # Experts containers whose own forward is the loop (transformers 5.x Switch/NLLB idiom), at dropout p=0.
-        Target("hf/switch_transformers", _switch_block),  # a capacity-masked dispatch mask as the routing argument
-        Target("hf/nllb_moe", _nllb_block),  # one_hot ids, a folded token-dropout branch, a non-expert entry
-        *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in _container_blocks().items()),
-        # transformers 4.57 Switch: rows assigned from a one-hot mask with capacity, ModuleDict experts by getattr.
-        Target("v4/selected_rows", _hand_written_block("selected_rows", _selected_rows_block)),
+        # Experts containers whose own forward is the loop (transformers 5.x Switch/NLLB idiom), at dropout p=0, and
+        # transformers 4.57 Switch (rows assigned from a one-hot mask with capacity, ModuleDict experts by getattr):
+        # no fast path reads their loops since issue 21, record/exchange/replay runs them (``replay=True``: mutated
+        # by the replay operators too).
+        Target("hf/switch_transformers", _switch_block, replay=True),  # a capacity-masked dispatch mask
+        Target("hf/nllb_moe", _nllb_block, replay=True),  # one_hot ids, a token-dropout branch, a non-expert entry
+        *(Target(f"v4/{n}", _hand_written_block(n, make), replay=True) for n, make in _container_blocks().items()),
+        Target("v4/selected_rows", _hand_written_block("selected_rows", _selected_rows_block), replay=True),
     ]
 
 
@@ -280,8 +282,9 @@ def replay_targets() -> list[Target]:
     """The blocks of ``tests/replay_blocks.py`` (dispatch loops no fast-path spec reads: comprehension, ``zip``
     chunks, ``vstack``, a cast-masked assignment, batch rows, a config flag, a container with an optional
     argument, nested experts, expert choice, capacity dropping, dropout between calls, a counter, a cached
-    order), run by record/exchange/replay. Not in ``targets()``: ``tests/detect/test_replay_soundness.py``
-    samples them, ``bench/soundness.py --replay`` runs them all."""
+    order), run by record/exchange/replay. Not in ``targets()`` (which holds the Switch/NLLB/container/selected
+    targets replay runs too, from before issue 21): ``tests/detect/test_replay_soundness.py`` samples them,
+    ``bench/soundness.py --replay`` runs them all."""
     import replay_blocks
 
     return [Target(f"replay/{n}", _hand_written_block(n, make), replay=True) for n, make in replay_blocks.BLOCKS.items()]
@@ -339,7 +342,8 @@ def _container_blocks() -> dict[str, Callable[[], nn.Module]]:
 
 def _switch_block() -> nn.Module:
     """transformers 5.x ``SwitchTransformersSparseMLP`` with its experts' dropout at 0 (refused at its default
-    0.1) and no router jitter (it multiplies the block's input in place, which a leaf input refuses)."""
+    0.1) and no router jitter (it multiplies the block's input in place: a leaf input refuses it, and replay
+    raises, since it runs the forward twice)."""
     from test_parity_hf import randomize_
     from transformers.models.switch_transformers import modeling_switch_transformers as m
 
@@ -352,7 +356,8 @@ def _switch_block() -> nn.Module:
 
 
 def _nllb_block() -> nn.Module:
-    """transformers 5.x ``NllbMoeSparseMLP`` with ``moe_token_dropout=0`` (refused at its default 0.2)."""
+    """transformers 5.x ``NllbMoeSparseMLP`` with ``moe_token_dropout=0`` (its default 0.2 replays too, drawn where
+    the token is; p=0 keeps the mutants' comparison free of random draws)."""
     from test_parity_hf import randomize_
     from transformers.models.nllb_moe import modeling_nllb_moe as m
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from autoep.detect.structure import count_experts, detect_moe_structure
 from autoep.runtime import dispatch, grads
+from autoep.runtime.recipes import replay
 from autoep.runtime.recipes.local_experts import expert_owners
 
 STEPS = 5
@@ -91,22 +92,29 @@ def step_inputs(block: nn.Module, split: list[int], step: int) -> torch.Tensor:
 
 @dataclass
 class Routing:
-    """Tokens per (rank, expert) of every exchange of one step on this rank (``dispatch._status`` sees them)."""
+    """Tokens per (rank, expert) of every exchange of one step on this rank (``dispatch._status`` sees them;
+    ``replay._meta_row`` for record/exchange/replay)."""
 
     counts: list = field(default_factory=list)
 
     def __enter__(self):
-        self._status = dispatch._status
+        self._status, self._meta_row = dispatch._status, replay._meta_row
 
         def status(tokens_per_expert_E, idle):
             self.counts.append(tokens_per_expert_E.detach().clone())
             return self._status(tokens_per_expert_E, idle)
 
-        dispatch._status = status  # NOTE: test instrumentation of a private function: the counts, nothing else
+        def meta_row(spec, calls, failure, experts):  # record/exchange/replay's rows per expert from this rank
+            row = self._meta_row(spec, calls, failure, experts)
+            self.counts.append(torch.tensor(row[:spec.num_experts]))
+            return row
+
+        # NOTE: test instrumentation of private functions: the counts, nothing else
+        dispatch._status, replay._meta_row = status, meta_row
         return self
 
     def __exit__(self, *exc):
-        dispatch._status = self._status
+        dispatch._status, replay._meta_row = self._status, self._meta_row
 
 
 def routing_seen(counts: torch.Tensor) -> tuple[bool, bool]:

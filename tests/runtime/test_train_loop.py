@@ -18,8 +18,9 @@ from train_loop import target_named
 from autoep.detect.structure import detect_moe_structure
 from autoep.runtime.dispatch import Idle, ep_experts_forward
 
-# (target, optimizer, hooks): every family the detector accepts, each idle idiom (skip, call, touch, selected,
-# split with `if n == 0: continue`), both optimizers, and the experts' own forwards under a user's hooks.
+# (target, optimizer, hooks): every family the detector accepts, each idle idiom (skip, call, touch, split with
+# `if n == 0: continue`, and replay's: the model's own calls), both optimizers, and the experts' own forwards under a
+# user's hooks.
 CASES_2 = [
     ("hf/qwen3_moe", "sgd", False),  # transformers 5.x batched experts, a loop over the experts hit
     ("hf/mixtral", "adamw", False),
@@ -28,8 +29,8 @@ CASES_2 = [
     ("v4/fairseq_local_experts", "sgd", True),  # row-local (non-SwiGLU) experts, `range` loop: called on no rows
     ("v4/minimind", "adamw", False),  # an idle expert touched by `0 * sum(p.sum())` while training
     ("v4/sorted_split", "sgd", False),  # argsort/split loop with `if n == 0: continue`
-    ("hf/switch_transformers", "sgd", False),  # an experts container whose own forward is the loop
-    ("v4/selected_rows", "adamw", False),  # the loop calls the experts an id list names
+    ("hf/switch_transformers", "sgd", False),  # an experts container whose own forward is the loop (replay)
+    ("v4/selected_rows", "adamw", False),  # the loop calls the experts an id list names (replay)
     ("v4/titan_grouped", "adamw", False),  # grouped experts(x_sorted, counts)
     ("hf/llama4", "sgd", False),  # Llama-4 equal groups
 ]
@@ -58,8 +59,9 @@ def test_training_on_ep_equals_training_on_the_model(world_size, cases):
     ("v4/minimind", ("touch_training",)),  # `if mask.any(): ... elif self.training: y[0, 0] += 0 * sum(...)`
     ("v4/sorted_split", ("skip",)),  # `if n == 0: continue` before the expert runs
     ("v4/deepseek_remote", ("call", "skip")),  # masked loop while training, split loop in its no_grad helper
-    ("v4/selected_rows", ("selected",)),
-    ("hf/switch_transformers", ("skip",)),
+    # record/exchange/replay records none: an expert runs exactly where the model's forward calls it
+    ("v4/selected_rows", ()),
+    ("hf/switch_transformers", ()),
     ("v4/titan_grouped", ("call",)),
     ("hf/llama4", ("call",)),
 ])

@@ -71,8 +71,9 @@ def test_llama4_experts_on_equal_groups_of_rows_are_accepted(rows):
 
 
 def test_switch_is_refused_only_for_its_random_dropout_and_nllb_replays_its_own(rows):
-    """Their experts containers loop over themselves (``autoep.detect.container_loop``: accepted at p=0, with parity
-    in tests/runtime/test_container_loop_recipe.py). At its default config Switch stays refused for randomness EP
+    """Their experts containers loop over themselves, which record/exchange/replay runs as written (Switch accepted
+    at p=0 or in eval, with parity in tests/runtime/test_container_loop_recipe.py). At its default config Switch
+    stays refused for randomness EP
     cannot reproduce (``nn.Dropout(0.1)`` inside each expert, drawn on the owner). NLLB's token dropout (p=0.2
     while training) is on the experts' outputs, an entry of the container its forward reads by name: the fast
     path refuses it, record/exchange/replay runs it where the token is, drawn by the block's own RNG once per

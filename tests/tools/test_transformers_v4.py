@@ -116,8 +116,8 @@ def test_training_branch_classes_refuse_their_dense_branch(rows):
 
 
 def switch_cases(rank: int, world_size: int) -> dict:
-    """transformers 4.57 ``SwitchTransformersSparseMLP`` (rows assigned from a one-hot mask with capacity,
-    ``split_loop.selected_loop``) with expert dropout 0: its default 0.1 is refused while training (the coverage
+    """transformers 4.57 ``SwitchTransformersSparseMLP`` (rows assigned from a one-hot mask with capacity, a loop no
+    fast path reads: record/exchange/replay runs it as written) with expert dropout 0: its default 0.1 is refused while training (the coverage
     survey says so), so the idiom's parity is checked on a config that has none; nor router jitter, which the
     router multiplies into its input in place (a leaf input with a gradient, as the harness feeds, cannot take
     that in the model's own forward either)."""
@@ -148,7 +148,8 @@ def test_switch_default_dropout_refused_while_training_accepted_in_eval(rows):
 
     from autoep.detect.structure import detect_moe_structure
     from autoep.errors import UnsupportedModuleStructure
-    from autoep.runtime.recipes.module_list import ep_module_list_block
+    from autoep.plan.archetypes import compute_fn_config
+    from autoep.runtime.recipes.replay import ep_replay_block
 
     row = next(r for r in rows if r.cls == "SwitchTransformersSparseMLP")
     assert row.structure is None and "dropout with p=0.1 while training" in row.reason, row.reason
@@ -160,7 +161,9 @@ def test_switch_default_dropout_refused_while_training_accepted_in_eval(rows):
     with pytest.raises(UnsupportedModuleStructure, match="dropout with p=0.1 while training"):
         detect_moe_structure(block)
     block.eval()
+    structure = detect_moe_structure(block)
+    assert structure.execution == "replay" and compute_fn_config(structure)["_factory_"].endswith(".ep_replay_block")
     ep = copy.deepcopy(block)
-    ep_module_list_block(ep, ep_mesh=None, structure=detect_moe_structure(block))
+    ep_replay_block(ep, ep_mesh=None, structure=structure)
     x = torch.randn(2, 5, 32)
     torch.testing.assert_close(ep(x)[0], block(x)[0])

@@ -279,9 +279,9 @@ def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
 def _live_state(module: nn.Module, structure: MoeStructure) -> None:
     """Issue 17: every other read of the experts (any depth of calls, hooks on the block, cached references)
     and expert tensors reached by two names inside the block (the whole model: ``resolve_plan``)."""
-    spliced = structure.expert_storage == "module_list"
-    # replay: the forward and the methods it calls run as written, only their calls of the experts move
-    in_methods = spliced or structure.execution == "replay"
+    # module experts (spliced or replayed): the forward and the methods it calls run as written, only their
+    # expert loops (spliced) or calls of the experts (replay) move
+    in_methods = structure.expert_storage == "module_list"
     checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] if in_methods else [type(module).forward]
     expert_reads.experts_read_elsewhere(module, checked, structure.experts_path)
     tied = sharing.shared_expert_tensors(module, {"": module}, structure.experts_path)

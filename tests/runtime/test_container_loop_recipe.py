@@ -233,8 +233,8 @@ def test_a_loop_that_fails_in_the_model_fails_under_ep():
 
 
 def test_expert_load_counts_the_rows_each_expert_got():
-    """``ExpertLoad`` (train/load.py) hears the container's local experts: every routed (token, slot) of the
-    dispatch mask once, over-capacity slots nowhere."""
+    """``ExpertLoad`` (train/load.py) hears the rows replay's exchange brings to the local experts: every routed
+    (token, slot) of the dispatch mask once, over-capacity slots nowhere (before replay reported them: zeros)."""
     from autoep.train.load import ExpertLoad
 
     block = _make("dispatch_mask")

@@ -351,7 +351,7 @@ class LastDimExpert(nn.Module):
         h = F.gelu(self.fc1(x))
         h = self.norm(h) + F.softmax(h, dim=-1)
         h = h - h.sum(-1, keepdim=True) / h.shape[-1]
-        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1)
+        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1) * torch.sigmoid(h[..., :1])
         return self.fc2(h.view(h.shape))
 
 
@@ -575,7 +575,7 @@ class SumSeqExpert(LastDimExpert):
         h = F.gelu(self.fc1(x))
         h = self.norm(h) + F.softmax(h, dim=-1)
         h = h - h.sum(1, keepdim=True) / h.shape[-1]
-        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1)
+        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1) * torch.sigmoid(h[..., :1])
         return self.fc2(h.view(h.shape))
 
 
@@ -586,18 +586,18 @@ class SoftmaxDimOneExpert(LastDimExpert):
         h = F.gelu(self.fc1(x))
         h = self.norm(h) + F.softmax(h, dim=1)
         h = h - h.sum(-1, keepdim=True) / h.shape[-1]
-        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1)
+        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1) * torch.sigmoid(h[..., :1])
         return self.fc2(h.view(h.shape))
 
 
 class ColonSliceExpert(LastDimExpert):
-    """Edit: ``h[:, a:b]`` for ``h[..., a:b]``: a slice of the sequence of a (batch, seq, hidden) call."""
+    """Edit: ``h[:, :1]`` for ``h[..., :1]``: the first token of a (batch, seq, hidden) call, broadcast."""
 
     def forward(self, x):
         h = F.gelu(self.fc1(x))
         h = self.norm(h) + F.softmax(h, dim=-1)
         h = h - h.sum(-1, keepdim=True) / h.shape[-1]
-        h = torch.cat([h[..., FF // 2:], h[:, :FF // 2]], dim=-1)
+        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1) * torch.sigmoid(h[:, :1])
         return self.fc2(h.view(h.shape))
 
 
@@ -608,7 +608,7 @@ class RankBranchExpert(LastDimExpert):
         h = F.gelu(self.fc1(x))
         h = self.norm(h) + F.softmax(h, dim=-1)
         h = h - h.sum(-1, keepdim=True) / h.shape[-1] if x.dim() == 2 else h
-        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1)
+        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1) * torch.sigmoid(h[..., :1])
         return self.fc2(h.view(h.shape))
 
 
@@ -627,6 +627,6 @@ TWINS = {
                      "last alike, and this one does not: SumSeqExpert.forward line 4: `h.sum(1, keepdim=True)` reads "
                      "dim 1 by a positive index"),
     "softmax_over_seq": (lambda: WholeTensorMoE(SoftmaxDimOneExpert), "`F.softmax(h, dim=1)` reads dim 1"),
-    "colon_slice": (lambda: WholeTensorMoE(ColonSliceExpert), "`h[:, :FF // 2]` reads dim 1 by position"),
+    "colon_slice": (lambda: WholeTensorMoE(ColonSliceExpert), "`h[:, :1]` reads dim 1 by position"),
     "rank_branch": (lambda: FourDimCallsMoE(RankBranchExpert), "`x.dim()` reads the rows' rank"),
 }

@@ -31,7 +31,8 @@ from autoep.errors import UnsupportedModuleStructure
 # 3: expert_projs is a list of names (was one comma-joined string); 4: experts_path, expert_kind; 5: idle_experts,
 # execution; 6: record/exchange/replay is the automatic fallback for module experts (blocks refused before may be
 # accepted with execution=replay)
-DETECTOR_VERSION = "6"
+# 7: the masked-sum splice (VitPose 4.57) is gone, such blocks get execution=replay (plans decided before change)
+DETECTOR_VERSION = "7"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")

@@ -369,7 +369,8 @@ def _rows_of(block: nn.Module, replay: _Replay, e: int, i: int, args: tuple, kwa
                           "moves such a call as its (prod(leading dims), features) rows only for an expert that treats "
                           f"every dim before the last alike, and this one does not: {replay.pinned[e]}")
     lead = tuple(x.shape[:-1])
-    # Layout change: (..., D) -> (n, D), a view where the input allows (its version counter is the input's).
+    # Layout change: (..., D) -> (n, D). A view where the input allows (its version counter is the input's, so a
+    # later in-place edit of it is caught); else a copy of the values the expert was called with.
     return x.reshape(math.prod(lead), x.shape[-1]), lead
 
 

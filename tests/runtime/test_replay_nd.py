@@ -7,6 +7,8 @@ an expert that is not row-local even on rows is refused at detection.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import replay_blocks as rb
 import torch
@@ -83,3 +85,20 @@ def test_experts_that_are_not_row_local_on_rows_are_refused_at_detection(expert,
     torch.manual_seed(0)
     with pytest.raises(UnsupportedModuleStructure, match=why):
         detect_moe_structure(rb.WholeTensorMoE(expert), replay=True)
+
+
+def test_an_expert_swapped_after_apply_is_not_flattened_on_a_stale_proof():
+    """The fact was proven for the experts at apply: an expert (or a module of one) replaced afterwards raises at
+    its N-D call, naming it, instead of being flattened unproven. Same-class experts and deep copies run."""
+    block = _ep_block("whole_tensor", 1)
+    x = torch.randn(2, 3, rb.D)
+    torch.testing.assert_close(copy.deepcopy(block)(x), block(x))
+    block.experts[2] = rb.SumSeqExpert()
+    with pytest.raises(ReplayError, match=r"WholeTensorMoE: experts\[2\] \(expert call 2\) is called on a tensor of "
+                                          r"shape \(2, 3, 8\), but its modules changed after apply_plan"):
+        block(x)
+    block.experts[2] = rb.LastDimExpert()
+    block(x)
+    block.experts[1].norm = nn.BatchNorm1d(rb.FF)
+    with pytest.raises(ReplayError, match=r"experts\[1\] .* modules changed after apply_plan"):
+        block(x)

@@ -52,6 +52,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from autoep.detect import replay_proof
+from autoep.detect.module_list_proof import global_hooks
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
@@ -168,6 +169,11 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         # After every pre-hook (a user's, registered after apply, may change a value the proofs folded): raised
         # through the exchange's counts, so every peer stops too.
         check_proven(self)
+        if global_hooks():
+            raise ReplayError(f"{cls.__name__}: global module hooks are registered; replay calls each expert twice "
+                              "(answered in the block's forward, and on its owner's rows), so such a hook would run on "
+                              "both, on other batches of rows than the model's own call: remove it around the forward "
+                              "(or leave this block out of parallel.plan)")
         with _answering(experts, recorder.record):
             cls.forward(self, *args, **kwargs)
         failure = None

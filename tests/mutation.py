@@ -265,8 +265,9 @@ def targets() -> list[Target]:
         # Their own forward cannot run an empty batch (``acc.view(0, -1, D)`` is ambiguous): no rank gets none.
         *(Target(f"v4/{n}", _hand_written_block(n, make), empty_rank=False)
           for n, make in _training_branch_blocks().items()),
-        # transformers 4.57 VitPose: every expert on every row, masked by the sequence's id, summed.
-        Target("v4/masked_sum", _hand_written_block("masked_sum", _masked_sum_block)),
+        # transformers 4.57 VitPose: every expert on every row, masked by the sequence's id, summed; no loop proof
+        # reads it, record/exchange/replay runs it (each expert called on the whole (batch, seq, ffn) tensor).
+        Target("v4/masked_sum", _hand_written_block("masked_sum", _masked_sum_block), replay=True),
         # Experts containers whose own forward is the loop (transformers 5.x Switch/NLLB idiom), at dropout p=0, and
         # transformers 4.57 Switch (rows assigned from a one-hot mask with capacity, ModuleDict experts by getattr):
         # no fast path reads their loops since issue 21, record/exchange/replay runs them (``replay=True``: mutated

@@ -16,7 +16,10 @@ calls experts (the block's forward, its helpers, an experts container's own forw
   generator, Python's, numpy's, a ``torch.Generator`` / ``random.Random`` the block holds);
 - ``block_input_inplace``: the block's input edited in place at the top of the forward (unchanged or scaled);
 - ``cache_order``: the loop around an expert call runs reversed on the first call, as a Python-side cache
-  (a dict on the block, an ``OrderedDict``, a class attribute, an attribute created on first call) records.
+  (a dict on the block, an ``OrderedDict``, a class attribute, an attribute created on first call) records;
+- ``nd_expert_call``: an expert called on its rows with leading dims added (``expert(rows[None])[0]``, a 3-D or
+  4-D call): exact where the expert is proven to treat leading dims alike (moved as its rows), else a
+  ``ReplayError`` naming the construct.
 
 State that lives across calls is reset before each call of the block by a forward pre-hook registered after
 apply (``Edit.after_apply``, on the reference and the EP copy alike): every call of the block then computes the
@@ -368,6 +371,18 @@ def op_cache_order(fn, site):
     return [e for e in _per_call(fn, site, list(CACHES), mutate) if "_autoep_order" in ast.unparse(e.tree)]
 
 
+def op_nd_expert_call(fn, site):
+    """Each expert call made on its input with one or two leading dims added, the output indexed back."""
+
+    def mutate(tree, call, variant):
+        if len(call.args) != 1 or call.keywords or isinstance(call.args[0], ast.Starred):
+            return None
+        call.args[0] = expr(f"__a__{'[None]' * variant}", __a__=call.args[0])
+        _replace(tree, call, expr(f"__c__{'[0]' * variant}", __c__=call))
+
+    return [e for e in _per_call(fn, site, [1, 2], mutate) if "[None]" in ast.unparse(e.tree)]
+
+
 REPLAY_OPERATORS = {
     "chain_expert_input": op_chain_expert_input,
     "branch_on_output": op_branch_on_output,
@@ -375,4 +390,5 @@ REPLAY_OPERATORS = {
     "rng_between_calls": op_rng_between_calls,
     "block_input_inplace": op_block_input_inplace,
     "cache_order": op_cache_order,
+    "nd_expert_call": op_nd_expert_call,
 }

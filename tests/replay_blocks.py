@@ -2,7 +2,8 @@
 comprehensions over experts, ``zip(chunks, experts)``, DeepSeek's sorted-token ``vstack`` loop, Switch-style
 masked assignment through a cast, an outer loop over batch rows, a config-flag branch, an experts container
 with its own forward and an optional argument, experts nested under another module, a plain dict of expert
-modules, expert-choice routing, capacity dropping), and their harmful one-edit twins.
+modules, expert-choice routing, capacity dropping, every expert on the whole N-D tensor), and their harmful
+one-edit twins.
 
 Every block takes ``(batch, seq, hidden)`` and returns the same shape; experts are biased GELU MLPs (row-local,
 not the SwiGLU fast path). ``BLOCKS`` and ``TWINS`` map a case name to a builder.
@@ -336,6 +337,53 @@ class DropoutBetweenCallsMoE(BatchRowsMoE):
         return out
 
 
+class LastDimExpert(nn.Module):
+    """An expert that reads its input's last dim alone (``dim=-1``, ``[..., a:b]``, ``view(x.shape)``, a
+    last-dim norm): the same on a ``(..., D)`` tensor as on its flattened rows (``leading_dims_free``)."""
+
+    def __init__(self, dim: int = D, hidden: int = FF):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        h = self.norm(h) + F.softmax(h, dim=-1)
+        h = h - h.sum(-1, keepdim=True) / h.shape[-1]
+        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1) * torch.sigmoid(h[..., :1])
+        return self.fc2(h.view(h.shape))
+
+
+class WholeTensorMoE(nn.Module):
+    """Every expert on the whole ``(batch, seq, hidden)`` tensor, weighted per token by a dense softmax gate
+    (soft routing; VitPose's masked sum is its 0/1 case): expert calls on N-D tensors, moved as their rows."""
+
+    def __init__(self, expert: type = LastDimExpert):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList([expert() for _ in range(E)])
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + probs[..., e:e + 1] * expert(x)
+        return out
+
+
+class FourDimCallsMoE(WholeTensorMoE):
+    """Each expert called on a 4-D ``(batch, seq, 1, hidden)`` view; the top expert's output kept per token."""
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        top = probs.argmax(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + (top == e) * probs[..., e:e + 1] * expert(x.unsqueeze(2))[:, :, 0]
+        return out
+
+
 BLOCKS = {
     "comprehension": ComprehensionMoE,
     "zip_chunks": ZipChunksMoE,
@@ -349,6 +397,8 @@ BLOCKS = {
     "capacity_drop": CapacityDropMoE,
     "dropout_between_calls": DropoutBetweenCallsMoE,
     "named_entry": NamedEntryMoE,
+    "whole_tensor": WholeTensorMoE,
+    "four_dim_calls": FourDimCallsMoE,
 }
 
 
@@ -518,6 +568,50 @@ class NoGradTwin(ComprehensionMoE):
 
 BLOCKS.update(counter_attribute=CounterMoE, cached_order=CacheOrderMoE)  # state written in forward, undone after pass 1
 
+class SumSeqExpert(LastDimExpert):
+    """Edit: ``sum(1)``, the features of 2-D rows but the sequence of a (batch, seq, hidden) call."""
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        h = self.norm(h) + F.softmax(h, dim=-1)
+        h = h - h.sum(1, keepdim=True) / h.shape[-1]
+        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1) * torch.sigmoid(h[..., :1])
+        return self.fc2(h.view(h.shape))
+
+
+class SoftmaxDimOneExpert(LastDimExpert):
+    """Edit: ``softmax(h, dim=1)``: over the sequence of a (batch, seq, hidden) call."""
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        h = self.norm(h) + F.softmax(h, dim=1)
+        h = h - h.sum(-1, keepdim=True) / h.shape[-1]
+        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1) * torch.sigmoid(h[..., :1])
+        return self.fc2(h.view(h.shape))
+
+
+class ColonSliceExpert(LastDimExpert):
+    """Edit: ``h[:, :1]`` for ``h[..., :1]``: the first token of a (batch, seq, hidden) call, broadcast."""
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        h = self.norm(h) + F.softmax(h, dim=-1)
+        h = h - h.sum(-1, keepdim=True) / h.shape[-1]
+        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1) * torch.sigmoid(h[:, :1])
+        return self.fc2(h.view(h.shape))
+
+
+class RankBranchExpert(LastDimExpert):
+    """Edit: a branch on the input's rank (the flattened rows would take the other path)."""
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        h = self.norm(h) + F.softmax(h, dim=-1)
+        h = h - h.sum(-1, keepdim=True) / h.shape[-1] if x.dim() == 2 else h
+        h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1) * torch.sigmoid(h[..., :1])
+        return self.fc2(h.view(h.shape))
+
+
 # name -> (builder, the ReplayError text it must raise)
 TWINS = {
     "chained": (ChainedTwin, "ChainedTwin.forward: experts['expert_1'] (expert call 1) got its input from "
@@ -528,4 +622,11 @@ TWINS = {
     "buffer": (BufferTwin, "BufferTwin.forward wrote self.tokens_per_expert in place during the record pass"),
     "rng_from_output": (RngFromOutputTwin, "depends on an earlier expert's output"),
     "in_place_input": (InPlaceInputTwin, "InPlaceInputTwin.forward wrote its input hidden_states in place"),
+    # N-D expert calls of an expert that reads a leading dim or the rank (row-local on 2-D rows alone)
+    "sum_over_seq": (lambda: WholeTensorMoE(SumSeqExpert), "only for an expert that treats every dim before the "
+                     "last alike, and this one does not: SumSeqExpert.forward line 4: `h.sum(1, keepdim=True)` reads "
+                     "dim 1 by a positive index"),
+    "softmax_over_seq": (lambda: WholeTensorMoE(SoftmaxDimOneExpert), "`F.softmax(h, dim=1)` reads dim 1"),
+    "colon_slice": (lambda: WholeTensorMoE(ColonSliceExpert), "`h[:, :1]` reads dim 1 by position"),
+    "rank_branch": (lambda: FourDimCallsMoE(RankBranchExpert), "`x.dim()` reads the rows' rank"),
 }

@@ -28,9 +28,9 @@ RANK_EVERY = 3  # of the accepted-exact mutants, on 2 ranks
 # What each replay operator's sample shows on 2 ranks: some mutant raised on every rank (an expert input or choice
 # computed from an expert output, a buffer or tensor attribute edited in place, the block's input edited in
 # place), some exact (a branch on an output value only, state written and undone, random draws restored, a cached
-# call order computed again).
+# call order computed again, an expert called on its rows with leading dims added).
 RAISE = {"chain_expert_input", "branch_on_output", "state_write", "block_input_inplace"}
-EXACT = {"branch_on_output", "state_write", "rng_between_calls", "cache_order"}
+EXACT = {"branch_on_output", "state_write", "rng_between_calls", "cache_order", "nd_expert_call"}
 
 
 @pytest.fixture(scope="module")

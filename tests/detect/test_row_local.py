@@ -2,6 +2,8 @@
 (``autoep.detect.row_local``), found by data flow under any attribute name, and refused naming the property
 that failed and the model's line. Detection only (meta-free tiny modules, no forward called); parity of the
 accepted blocks is ``tests/runtime/test_row_local_parity.py``."""
+import linecache
+
 import blocks
 import pytest
 import torch
@@ -307,3 +309,80 @@ def test_a_module_list_walked_by_a_model_is_not_experts():
         replay_proof.find_container(Decoder())
     with pytest.raises(UnsupportedModuleStructure):
         detect_moe_structure(Decoder())
+
+
+# --- leading dims: an expert called on (..., D) -----------------------------------------------------------
+
+
+class _Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(D, FF), nn.LayerNorm(FF), nn.Linear(FF, D)
+
+
+def _expert_running(body: str) -> nn.Module:
+    """An expert whose forward is ``h = gelu(fc1(x))``, then ``body`` (lines; the last binds ``h``), then
+    ``return fc2(h)``."""
+    lines = "".join(f"    {line}\n" for line in body.splitlines())
+    source = f"def forward(self, x):\n    h = F.gelu(self.fc1(x))\n{lines}    return self.fc2(h)\n"
+    filename = f"<autoep leading dims: {body}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # inspect reads it here
+    namespace = {"F": F, "torch": torch, "FF": FF, "__name__": __name__}
+    exec(compile(source, filename, "exec"), namespace)
+    namespace["forward"].__qualname__ = "Leading.forward"
+    torch.manual_seed(0)
+    return type("Leading", (_Wide,), {"forward": namespace["forward"]})()
+
+
+LEADING_FREE = [  # every dim before the last treated alike
+    "h = h + 1", "h = h - h.sum(-1, keepdim=True)", "h = F.softmax(h, dim=-1)", "h = self.norm(h)",
+    "h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=-1)", "h = h.view(h.shape)",
+    "h = h / h.shape[-1] + h.size(-1)", "a, b = h.chunk(2, dim=-1)\nh = torch.cat([b, a], dim=-1)",
+    "h = h * h.amax(-1)[..., None]", "h = F.normalize(h, dim=-1)", "h = h.sort(dim=-1).values",
+]
+LEADING_PINNED = {  # row-local on 2-D rows, but dim 1 or the rank on (..., D): what pins it
+    "h = h - h.sum(1, keepdim=True)": "`h.sum(1, keepdim=True)` reads dim 1 by a positive index",
+    "h = F.softmax(h, dim=1)": "`F.softmax(h, dim=1)` reads dim 1 by a positive index",
+    "h = F.softmax(h)": "`F.softmax(h)` reads the rows' rank (softmax without a dim)",
+    "h = h.cumsum(axis=1)": "`h.cumsum(axis=1)` reads dim 1",
+    "h = torch.cat([h[:, FF // 2:], h[..., :FF // 2]], dim=-1)": "`h[:, FF // 2:]` reads dim 1 by position",
+    "h = torch.cat([h[..., FF // 2:], h[..., :FF // 2]], dim=1)": "torch.cat([h[..., FF // 2:], h[..., :FF // 2]], "
+                                                                  "dim=1)` reads dim 1",
+    "h = h / h.shape[1]": "`h.shape[1]` reads dim 1", "h = h / h.size(1)": "`h.size(1)` reads dim 1",
+    "h = h * 2 if h.dim() == 2 else h": "`h.dim()` reads the rows' rank",
+    "h = h * 2 if h.ndim == 2 else h": "`h.ndim` reads the rows' rank",
+    "h = h.view(-1, h.size(-1))": "`h.view(-1, h.size(-1))` reads the rows' rank (flattens to 2-D)",
+    "h = F.normalize(h)": "`F.normalize(h)` reads dim 1", "h = h * h.amax(-1).unsqueeze(1)": "`h.amax(-1).unsqueeze(1)`",
+    "h = h * h.amax(-1)[:, None]": "`h.amax(-1)[:, None]` reads dim 1 by position",
+    "a, b = h.chunk(2, dim=1)\nh = torch.cat([b, a], dim=-1)": "`h.chunk(2, dim=1)` reads dim 1",
+}
+
+
+def _flattened(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = expert(x.reshape(-1, x.shape[-1]))
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@pytest.mark.parametrize("body", LEADING_FREE)
+def test_an_expert_reading_the_last_dim_alone_treats_leading_dims_alike(body):
+    expert = _expert_running(body)
+    proof = row_local.prove_expert(expert, "experts[0]")
+    assert proof.leading_dims_free and proof.pinned_by == ""
+    for shape in [(3, 5, D), (2, 3, 4, D), (0, 2, D)]:  # what the fact promises replay, on the expert itself
+        x = torch.randn(shape)
+        torch.testing.assert_close(expert(x), _flattened(expert, x))
+
+
+@pytest.mark.parametrize("body", list(LEADING_PINNED))
+def test_an_expert_reading_dim_1_or_the_rank_is_row_local_but_pinned(body):
+    expert = _expert_running(body)
+    proof = row_local.prove_expert(expert, "experts[0]")  # row-local on 2-D rows: accepted
+    assert not proof.leading_dims_free
+    assert proof.pinned_by.startswith("Leading.forward line ") and LEADING_PINNED[body] in proof.pinned_by, \
+        proof.pinned_by
+
+
+def test_leading_dims_pinned_names_each_experts_construct():
+    block = blocks.ExpertListMoE([_expert_running(LEADING_FREE[1]), _expert_running("h = F.softmax(h, dim=1)")] * 2)
+    pinned = replay_proof.leading_dims_pinned(block, "experts_list")
+    assert pinned[0] == pinned[2] == "" and "`F.softmax(h, dim=1)`" in pinned[1] and pinned[1] == pinned[3]

@@ -1,10 +1,9 @@
 """Every expert on every row, masked by the row's id, summed (transformers 4.57 ``VitPoseBackboneMoeMLP``;
-written out as ``blocks.MaskedSumMoE`` so this file runs under transformers 5 too): the loop is proven
-(``autoep.detect.split_loop.masked_sum_loop``) and runs as the exchange, each row through its own expert only.
-
-Exact where every expert's output is finite: a row's other terms are ``expert(x) * 0`` = zeros there, and adding a
-zero changes nothing; where an expert the row is not routed to overflows, the model's own sum is NaN and EP's is
-not (EP never computes that expert on that row).
+written out as ``blocks.MaskedSumMoE`` so this file runs under transformers 5 too): no loop proof reads it, so
+record/exchange/replay runs it (``autoep.runtime.recipes.replay``), each expert called on the whole
+``(batch, seq, ffn)`` tensor and moved as its rows (the experts are plain ``nn.Linear``s, proven to treat leading
+dims alike). The block's own masks and sum run as written, so it is exact whatever the experts' outputs are
+(an overflowing expert gives NaN on both sides); the cost is every row sent to every expert.
 
 Parity (DESIGN.md) on 2 and 4 gloo ranks through the real detector, table and ``apply_plan``: several sequences
 per rank (one rank with none at W=4), each with its own id, some naming no expert.
@@ -14,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 import inspect
 import sys
 import textwrap
@@ -26,8 +26,7 @@ from distributed import guarded, run_cases
 from test_row_local_parity import _check_block
 
 from autoep.detect.structure import detect_moe_structure
-from autoep.errors import UnsupportedModuleStructure
-from autoep.runtime.recipes.module_list import ep_masked_sum_loop, ep_module_list_block
+from autoep.runtime.recipes.replay import ReplayError, ep_replay_block
 
 BLOCKS = {
     "masked_sum": lambda: blocks.MaskedSumMoE(hidden=rl.D, ffn=24, part=4, num_experts=4),
@@ -59,9 +58,9 @@ def _block(**kw):
 def test_detected_and_equal_in_one_process():
     block = _block()
     s = detect_moe_structure(block)
-    assert (s.expert_storage, s.expert_kind) == ("module_list", "row_local")
+    assert (s.expert_storage, s.expert_kind, s.execution) == ("module_list", "row_local", "replay")
     ep = copy.deepcopy(block)
-    ep_module_list_block(ep, ep_mesh=None, structure=s)
+    ep_replay_block(ep, ep_mesh=None, structure=s)
     x = torch.randn(6, 3, 16)
     ids = torch.tensor([0, 3, 1, 9, 2, 2])  # 9 names no expert: the row keeps zeros
     torch.testing.assert_close(ep(x, ids), block(x, ids))
@@ -85,25 +84,11 @@ def test_the_experts_own_output_dtype_is_kept():
     block = _block()
     block.experts = torch.nn.ModuleList([_UpcastExpert() for _ in range(4)])
     ep = copy.deepcopy(block)
-    ep_module_list_block(ep, ep_mesh=None, structure=detect_moe_structure(block))
+    ep_replay_block(ep, ep_mesh=None, structure=detect_moe_structure(block))
     x = torch.randn(5, 2, 16)
     out, want = ep(x), block(x)
     assert out.dtype == want.dtype == torch.float64
     torch.testing.assert_close(out, want)
-
-
-def test_ids_that_are_not_one_per_row_fail_loudly():
-    """The spliced call itself: ids varying along the features (a mask per feature in the model's loop) have no
-    exchange form; one id per row (any leading shape that broadcasts) does."""
-    block = _block()
-    ep = copy.deepcopy(block)
-    ep_module_list_block(ep, ep_mesh=None, structure=detect_moe_structure(block))
-    acc, x = torch.zeros(2, 3, 4), torch.randn(2, 3, 24)
-    with pytest.raises(RuntimeError, match="vary along the feature dim"):
-        ep_masked_sum_loop(ep, acc, x, torch.tensor([[[0, 1, 2, 3]]]), ep_group=None)
-    per_row = torch.tensor([[0, 1, 2], [3, 4, 1]]).unsqueeze(-1)  # (2, 3, 1): an id per row, 4 names no expert
-    want = acc + sum(e(x) * (per_row == i) for i, e in enumerate(block.experts))
-    torch.testing.assert_close(ep_masked_sum_loop(ep, acc, x, per_row, ep_group=None), want)
 
 
 def _variant(old: str, new: str, tmp_path) -> type:
@@ -119,36 +104,48 @@ def _variant(old: str, new: str, tmp_path) -> type:
     return module.MaskedSumMoEVariant
 
 
-REFUSED = [
+# One-edit variants: the splice's proof refused them; replay runs the block's own forward, so each is exact
+# (what the model computes, whatever that is) or raises.
+VARIANTS = [
     # The expert's output added without its mask: every expert's output reaches every row.
     ("current_hidden_state = self.experts[i](hidden_state) * selected_index",
-     "current_hidden_state = self.experts[i](hidden_state) * 1.0", "is not the expert.s output times its mask"),
-    # The mask of the next expert: rows would get another expert's output.
-    ("selected_index = indices == i", "selected_index = indices == i + 1", "is not understood"),
-    # The accumulator read inside the loop besides the one addition: not a plain sum of the terms.
+     "current_hidden_state = self.experts[i](hidden_state) * 1.0", None),
+    # The mask of the next expert: rows get another expert's output.
+    ("selected_index = indices == i", "selected_index = indices == i + 1", None),
+    # The accumulator read inside the loop besides the one addition.
     ("expert_hidden_state = expert_hidden_state + current_hidden_state",
-     "expert_hidden_state = expert_hidden_state + current_hidden_state * expert_hidden_state",
-     "is not the expert's output times its mask"),
-    # One expert fewer than the experts: the last expert's rows would get no output in the model.
-    ("for i in range(self.num_experts):", "for i in range(self.num_experts - 1):", "is not understood"),
-    # The experts fed the running sum: not the rows every expert reads.
+     "expert_hidden_state = expert_hidden_state + current_hidden_state * expert_hidden_state", None),
+    # One expert fewer than the experts: the last one is never called (its gradients stay None).
+    ("for i in range(self.num_experts):", "for i in range(self.num_experts - 1):", None),
+    # The experts fed the running sum: an expert's input computed from earlier experts' outputs.
     ("current_hidden_state = self.experts[i](hidden_state) * selected_index",
-     "current_hidden_state = self.experts[i](expert_hidden_state) * selected_index",
-     r"rebinds \['expert_hidden_state'\] inside the loop"),
+     "current_hidden_state = self.experts[i](expert_hidden_state[..., :1].expand_as(hidden_state)) * selected_index",
+     "got its input from experts[0]'s output (expert call 0)"),
     # The rows rebound inside the loop: the next expert reads other rows.
-    ("selected_index = indices == i", "selected_index = indices == i\n            hidden_state = hidden_state * 2",
-     r"`hidden_state \* 2` is not the expert.s output times its mask"),
+    ("selected_index = indices == i", "selected_index = indices == i\n            hidden_state = hidden_state * 2", None),
 ]
 
 
-@pytest.mark.parametrize("old,new,why", REFUSED, ids=[r[1][:50] for r in REFUSED])
-def test_unsound_variants_are_refused(old, new, why, tmp_path):
+@pytest.mark.parametrize("old,new,raises", VARIANTS, ids=[r[1][:50] for r in VARIANTS])
+def test_variants_are_exact_or_raise_under_replay(old, new, raises, tmp_path):
     torch.manual_seed(0)
     block = _variant(old, new, tmp_path)(hidden=16, ffn=24, part=4, num_experts=4).train()
-    with pytest.raises(UnsupportedModuleStructure, match=why):
-        # the masked-sum splice's own proof (replay=False): with the default fallback such a block goes to
-        # record/exchange/replay, whose checks run at the forward (tests/runtime/test_replay.py)
-        detect_moe_structure(block, replay=False)
+    s = detect_moe_structure(block)
+    assert s.execution == "replay"
+    ep = copy.deepcopy(block)
+    ep_replay_block(ep, ep_mesh=None, structure=s)
+    x = torch.randn(6, 3, 16, requires_grad=True)
+    ids = torch.tensor([0, 3, 1, 9, 2, 2])
+    if raises:
+        with pytest.raises(ReplayError, match=re.escape(raises)):
+            ep(x, ids)
+        return
+    out, want = ep(x, ids), block(x, ids)
+    torch.testing.assert_close(out, want)
+    grad_out = torch.randn_like(out)
+    got_grad, = torch.autograd.grad(out, x, grad_out)
+    want_grad, = torch.autograd.grad(want, x, grad_out)
+    torch.testing.assert_close(got_grad, want_grad)
 
 
 class _TokenDropoutMoE(blocks.MaskedSumMoE):
@@ -171,8 +168,14 @@ class _TokenDropoutMoE(blocks.MaskedSumMoE):
         return torch.cat([shared_hidden_state, expert_hidden_state], dim=-1)
 
 
-def test_a_dropout_of_the_block_inside_the_loop_is_refused_naming_it():
+def test_a_dropout_of_the_block_inside_the_loop_draws_the_models_masks():
+    """The block's own dropout runs where the token is, in pass 2 with the RNG pass 1 started from: the same
+    masks as the block's own call."""
     block = _TokenDropoutMoE(0.2).train()
-    with pytest.raises(UnsupportedModuleStructure, match=r"line \d+: `self.token_dropout\(self.experts\[i\]\(hidden_state\)\)` "
-                                                         r"is Dropout with p=0.2 while training inside the expert loop"):
-        detect_moe_structure(block, replay=False)  # the splice's proof, as above
+    ep = copy.deepcopy(block)
+    ep_replay_block(ep, ep_mesh=None, structure=detect_moe_structure(block))
+    x = torch.randn(5, 3, 16)
+    torch.manual_seed(3)
+    want = block(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(ep(x), want)

@@ -444,12 +444,9 @@ def test_model_bf16_close():
 
 
 # Accepted classes whose EP forward raises a clear autoep error (the text it must contain) before any step;
-# still run, must still fail so. VitPose 5.x: record/exchange/replay takes its experts container (its own
-# masked-sum forward) but the experts are called on (batch, seq, features) tensors, and autoep proves and moves
-# (rows, features) only: ReplayError at the first forward on every rank.
-BLOCK_XFAIL: dict[str, str] = {
-    "hf_block/vitpose_backbone/VitPoseBackboneMoeMLP": "autoep proves experts row-local on (rows, features)",
-}
+# still run, must still fail so. None today: VitPose 5.x (every expert called on the whole (batch, seq, features)
+# tensor) is exact since record/exchange/replay moves N-D calls of experts proven to treat leading dims alike.
+BLOCK_XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

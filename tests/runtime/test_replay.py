@@ -286,3 +286,17 @@ def test_a_parameter_on_the_experts_container_itself_is_refused():
     block.experts.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
     with pytest.raises(UnsupportedModuleStructure, match=r"experts holds a parameter of its own \(scale\)"):
         detect_moe_structure(block)
+
+
+def test_a_global_module_hook_at_forward_time_raises():
+    """Registered after apply: replay would run it on each expert twice (the answered call in the block's forward,
+    and the owner's call on other rows), so a hook scaling module outputs would scale an expert's twice."""
+    block = _ep_block("comprehension", 1)
+    x = _data(1)[0][0]
+    handle = nn.modules.module.register_module_forward_hook(lambda m, a, out: out)
+    try:
+        with pytest.raises(ReplayError, match="ComprehensionMoE: global module hooks are registered"):
+            block(x)
+    finally:
+        handle.remove()
+    block(x)

@@ -48,13 +48,15 @@ def test_detection_accepts_the_module_list_era_classes(rows):
         s = got[cls].structure
         assert s is not None and s.activation == "inline_gate", (cls, got[cls].reason)
     vitpose = got["VitPoseBackboneMoeMLP"].structure  # every expert on every row, masked by the sequence's id
-    assert vitpose is not None and vitpose.expert_kind == "row_local", got["VitPoseBackboneMoeMLP"].reason
+    assert vitpose is not None and (vitpose.expert_kind, vitpose.execution) == ("row_local", "replay"), \
+        got["VitPoseBackboneMoeMLP"].reason
 
 
 # Accepted since issue 16's session 2: batched experts whose forward tests ``self.training`` (the dense branch is
 # refused at forward time, ``autoep.detect.training_branch``); they also get a 4-rank run below.
 TRAINING_BRANCH = ("Qwen3VLMoeTextSparseMoeBlock", "GptOssMLP")
-# Also new then: every expert on every row, masked by the sequence's id, summed (``split_loop.masked_sum_loop``).
+# Also new then: every expert on every row, masked by the sequence's id, summed (first a splice of its own; since
+# detector version 7 record/exchange/replay, each expert called on the whole (batch, seq, features) tensor).
 ADDED = (*TRAINING_BRANCH, "VitPoseBackboneMoeMLP")
 
 

@@ -266,9 +266,7 @@ class SplicePlan:
     per-expert row counts and the concatenation after it): ``out = __autoep_expert_loop__(self, rows,
     counts)`` gives each expert's output on its own contiguous rows, in expert order. ``kind="masked"``
     (``split_loop.masked_loop``): ``__autoep_expert_loop__(self, y, x, ids)`` sets ``y[p] =
-    expert_{ids[p]}(x[p])`` for every row whose id names an expert. ``kind="masked_sum"``
-    (``split_loop.masked_sum_loop``): ``acc = __autoep_expert_loop__(self, acc, x, ids)`` gives ``acc +
-    expert_{ids[row]}(x[row])`` per row (``acc`` where the id names no expert)."""
+    expert_{ids[p]}(x[p])`` for every row whose id names an expert."""
 
     method: str
     fn: object
@@ -425,10 +423,6 @@ def _plan(block, method_tree, method: str, path: tuple, index: int, loop: ast.Fo
         _nothing_used_after(fn, tree, stmts[region.first:region.last + 1], keep=region.out)
         return SplicePlan(method, fn, region.first, region.last, (region.rows, region.counts), region.out,
                           kind="split", empty_1d=region.empty_1d, idle=region.idle, **common)
-    if split_loop.is_masked_sum_loop(loop):
-        args = split_loop.masked_sum_loop(fn, block, loop, attr)
-        _nothing_used_after(fn, tree, [loop], keep=args[0])
-        return SplicePlan(method, fn, index, index, args, out=args[0], kind="masked_sum", **common)
     if split_loop.is_masked_loop(loop):
         args = split_loop.masked_loop(fn, block, loop, attr)
         _nothing_used_after(fn, tree, [loop])

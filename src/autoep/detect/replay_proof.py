@@ -22,7 +22,8 @@ depend on expert outputs. Proven here, from source and attributes, never by runn
   forward twice inside one call of the block).
 
 ``replay_facts(block, path)`` returns the ``MoeStructure`` facts or raises ``Refusal``; ``num_experts(block,
-path)`` how many of the container's entries are experts.
+path)`` how many of the container's entries are experts; ``leading_dims_pinned(block, path)`` which experts may
+be called on ``(..., D)`` tensors (moved as their rows).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import ast
 
 import torch.nn as nn
 
-from autoep.detect import module_list_proof
+from autoep.detect import module_list_proof, row_local
 from autoep.detect.expert_reads import WHOLE_MODULE_READS
 from autoep.detect.loop_context import plain_method, self_reads
 from autoep.detect.source import Refusal, function_tree
@@ -160,6 +161,16 @@ def replay_facts(block: nn.Module, path: str) -> dict:
     container = block.get_submodule(path)
     _no_whole_module_reads(block, container)
     return module_list_proof.row_local_facts(container, path, members(container)[:num_experts(block, path)])
+
+
+def leading_dims_pinned(block: nn.Module, path: str) -> tuple[str, ...]:
+    """Per expert at ``path`` (the proven ones, ``num_experts``): "" where ``expert(x)`` on ``(..., D)`` is its
+    ``(prod(...), D)`` rows' output reshaped (``row_local.ExpertProof.leading_dims_free``), else the construct
+    of its forward that reads a leading dim or the input's rank. ``Refusal`` where an expert is not row-local."""
+    container = block.get_submodule(path)
+    keys = module_list_proof.expert_keys(container)
+    return tuple(row_local.prove_expert(expert, f"{path}[{key}]").pinned_by
+                 for key, expert in zip(keys, members(container)[:num_experts(block, path)]))
 
 
 def _no_whole_module_reads(block: nn.Module, container: nn.Module) -> None:

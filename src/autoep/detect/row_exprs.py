@@ -120,8 +120,16 @@ class Interpreter:
         self.locals = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
 
     def refuse(self, node: ast.AST, why: str):
+        raise Refusal(self.at(node, why))
+
+    def at(self, node: ast.AST, why: str) -> str:
         text = ast.unparse(node).splitlines()[0][:90] if node is not None else ""
-        raise Refusal(f"{self.where} line {getattr(node, 'lineno', '?')}: `{text}` {why}")
+        return f"{self.where} line {getattr(node, 'lineno', '?')}: `{text}` {why}"
+
+    def pin(self, node: ast.AST, what: str) -> None:
+        """Row-local on 2-D rows, but reads ``what`` (a positive dim, the rank): the leading dims of an N-D
+        input may not be treated alike (``row_local.ExpertProof.leading_dims_free``)."""
+        self.ctx.pin(self.at(node, f"reads {what}"))
 
     # -- arguments ------------------------------------------------------------------------------------
 
@@ -433,6 +441,8 @@ class Interpreter:
         if isinstance(base, Config):
             return self.config_attr(node, base)
         if isinstance(base, Row):
+            if node.attr == "ndim":
+                self.pin(node, "the rows' rank")
             if node.attr in ("dtype", "device", "is_cuda", "requires_grad", "ndim"):
                 return Uniform(node.attr)
             if node.attr == "shape":
@@ -509,6 +519,8 @@ class Interpreter:
         base = self.eval(node.value)
         if isinstance(base, Shape):
             index = self.eval(node.slice)
+            if index == Obj(1):
+                self.pin(node, "dim 1 by a positive index")
             if index in (Obj(-1), Obj(1)):
                 return Uniform("size")
             self.refuse(node, COUNT)
@@ -538,19 +550,18 @@ class Interpreter:
         whole = len(items) == 2 and (isinstance(items[0], ast.Constant) and items[0].value is Ellipsis or
                                      isinstance(items[0], ast.Slice) and items[0].lower is items[0].upper is
                                      items[0].step is None)
+        if whole and isinstance(items[0], ast.Slice):  # ``[:, ...]`` is dim 1 only on 2-D rows; ``[..., ]`` is last
+            self.pin(node, "dim 1 by position (`[:, ...]`, not `[..., ...]`)")
         if base == ROWS1:
             if whole and isinstance(items[1], ast.Constant) and items[1].value is None:
                 return ROWS
             self.refuse(node, f"indexes the rows: {MIXES}")
-        if len(items) == 2 and isinstance(items[0], (ast.Slice, ast.Constant)) and \
-                (isinstance(items[0], ast.Constant) and items[0].value is Ellipsis or
-                 isinstance(items[0], ast.Slice) and items[0].lower is items[0].upper is items[0].step is None):
+        if whole and isinstance(items[1], ast.Slice):
             last = items[1]
-            if isinstance(last, ast.Slice):
-                for part in (last.lower, last.upper, last.step):
-                    if part is not None and not isinstance(self.eval(part), (Obj, Uniform)):
-                        self.refuse(node, f"slices the features by row values: {MIXES}")
-                return VIEW if aliases(base) else ROWS
+            for part in (last.lower, last.upper, last.step):
+                if part is not None and not isinstance(self.eval(part), (Obj, Uniform)):
+                    self.refuse(node, f"slices the features by row values: {MIXES}")
+            return VIEW if aliases(base) else ROWS
         self.refuse(node, f"indexes the rows: {MIXES}")
 
     def _e_Call(self, node):
@@ -619,6 +630,8 @@ class Interpreter:
             dim = args[2] if len(args) > 2 else kwargs.get("dim", Obj(1))
             if not (args and args[0] in TWO_D and dim in (Obj(-1), Obj(1))):
                 self.refuse(node, f"normalises along dim {_show_dim(dim)}: {MIXES}")
+            if dim == Obj(1):  # F.normalize's default too
+                self.pin(node, "dim 1 by a positive index")
             return ROWS
         if fn in _DIM_FNS:
             if not args or not isinstance(args[0], Row):
@@ -678,6 +691,8 @@ class Interpreter:
             self.refuse(node, "joins values the proof does not follow")
         if dim not in (Obj(-1), Obj(1)):
             self.refuse(node, f"concatenates along the rows: {MIXES}")
+        if dim == Obj(1):
+            self.pin(node, "dim 1 by a positive index")
         return ROWS
 
     def dim_op(self, node, name: str, args: list, kwargs: dict):
@@ -695,11 +710,15 @@ class Interpreter:
         if dim is None:
             if name in _DEFAULT_ALL:
                 self.refuse(node, f"reduces over every row: {MIXES}")
+            if name in ("softmax", "log_softmax"):  # torch's implicit dim: 1 on 2-D, 0 on 3-D
+                self.pin(node, "the rows' rank (softmax without a dim)")
             dim = Obj(-1)  # sort, argsort, softmax, topk: the last dim by default
         dims = set(dim.value) if isinstance(dim, Obj) and isinstance(dim.value, (tuple, list)) else \
             {dim.value} if isinstance(dim, Obj) else None
         if dims is None or not all(type(d) is int for d in dims) or not dims <= {-1, 1}:  # ``std(True)``: no dim
             self.refuse(node, f"works along dim {_show_dim(dim)}: {MIXES}")
+        if 1 in dims:
+            self.pin(node, "dim 1 by a positive index")
         if name in ("sort", "topk"):
             return (ROWS, ROWS)
         if name not in _DEFAULT_ALL:
@@ -747,13 +766,18 @@ class Interpreter:
             self.refuse(node, "is an in-place method the proof does not follow")
         if name in ("size",):
             if args in ([Obj(-1)], [Obj(1)]) or kwargs.get("dim") in (Obj(-1), Obj(1)):
+                if Obj(1) in args or kwargs.get("dim") == Obj(1):
+                    self.pin(node, "dim 1 by a positive index")
                 return Uniform("size")
             self.refuse(node, COUNT)
         if name in ("numel", "nelement", "__len__"):
             self.refuse(node, COUNT)
         if name in ("dim", "ndimension"):
+            self.pin(node, "the rows' rank")
             return Obj(1 if base == ROWS1 else 2)
         if name == "unsqueeze" and base == ROWS1 and (args or [kwargs.get("dim")]) in ([Obj(-1)], [Obj(1)]):
+            if (args or [kwargs.get("dim")]) == [Obj(1)]:
+                self.pin(node, "dim 1 by a positive index")
             return ROWS
         if base == ROWS1 and name in ("chunk", "split", "view_as", "reshape_as", "expand_as") | _LAST_DIM_OPS:
             self.refuse(node, f"works along the rows of one value per row: {MIXES}")
@@ -766,6 +790,8 @@ class Interpreter:
                 return VIEW if aliases(base) else ROWS
             self.refuse(node, "reshapes the rows, which the proof does not follow")
         if name in ("view", "reshape") and base in TWO_D and self.same_shape(args, kwargs):
+            if not (len(args) == 1 and isinstance(args[0], Shape)):  # N-D input: (..., D) -> (n, D)
+                self.pin(node, "the rows' rank (flattens to 2-D)")
             return VIEW if aliases(base) else ROWS  # (n, D) -> (n, D): fairseq's reshape(-1, x.size(-1))
         if name in ("view", "reshape", "transpose", "permute", "t", "flatten", "unsqueeze", "squeeze", "expand",
                     "repeat", "flip", "roll", "gather", "index_select", "masked_select", "nonzero", "item",
@@ -795,6 +821,8 @@ class Interpreter:
         dim = args[1] if len(args) > 1 else kwargs.get("dim", Obj(0))
         if dim not in (Obj(-1), Obj(1)):
             self.refuse(node, f"splits along the rows: {MIXES}")
+        if dim == Obj(1):
+            self.pin(node, "dim 1 by a positive index")
         first = args[0] if args else kwargs.get("chunks", kwargs.get("split_size_or_sections"))
         if name == "chunk" and isinstance(first, Obj) and isinstance(first.value, int):
             count = first.value

@@ -25,9 +25,16 @@ Values (the shared domain of ``autoep.detect.loop_values``):
   Uniform         a value equal for every row but unknown at detection (a dtype, a device, the last-dim size)
   ExpertTensor    a parameter or buffer of the expert (read only)
   Bound           a plain method of a module of the expert (followed when called)
-Rows are 2-D: dim 0 is the row, dim -1 (= 1) the feature dim. This module holds the proof's entry, its
-context (calling modules, folding constants) and the drift check; the interpreter of one function's
-statements and expressions is ``autoep.detect.row_exprs``.
+Rows are 2-D: dim 0 is the row, dim -1 (= 1) the feature dim. The proof also decides one more fact,
+``ExpertProof.leading_dims_free``: the expert treats every dim before the last alike, so calling it on
+``(..., D)`` equals calling it on the ``(prod(...), D)`` rows that tensor flattens to, reshaped back
+(record/exchange/replay moves N-D expert calls only where it holds). It is false as soon as the expert
+reads anything but the last dim by a positive index or the input's rank: ``dim=1``/``.sum(1)``/``softmax``
+without a dim, ``x[:, a:b]``, ``x.shape[1]``/``size(1)``, ``x.dim()``/``.ndim``, ``unsqueeze(1)``,
+``view(-1, d)``; anything else the interpreter accepts is last-dim-only or element-wise (linears, last-dim
+norms, activations, ``[..., a:b]``, ``dim=-1``). This module holds the proof's entry, its context (calling
+modules, folding constants) and the drift check; the interpreter of one function's statements and
+expressions is ``autoep.detect.row_exprs``.
 """
 from __future__ import annotations
 
@@ -62,9 +69,13 @@ from autoep.detect.source import Refusal, function_tree
 class ExpertProof:
     """A proven row-local expert. ``folded``: ``(path under the expert, value)`` of every constant instance
     attribute the proof read (branches folded on them, numbers it computed with), sorted; a change of any
-    of them after detection is drift."""
+    of them after detection is drift. ``leading_dims_free``: the expert treats every dim before the last alike
+    (module docstring), so ``expert(x)`` on ``(..., D)`` is ``expert(x.reshape(-1, D)).reshape(..., P)``;
+    ``pinned_by``: where it is false, the first construct that reads a leading dim or the input's rank."""
 
     folded: tuple[tuple[str, str], ...] = ()
+    leading_dims_free: bool = False
+    pinned_by: str = ""
 
 
 def prove_expert(expert: nn.Module, what: str) -> ExpertProof:
@@ -74,7 +85,7 @@ def prove_expert(expert: nn.Module, what: str) -> ExpertProof:
     out = ctx.call_module(expert, [INPUT], {}, "", None)
     if out not in TWO_D:
         raise Refusal(f"{what} ({type(expert).__name__}) does not return rows (it returns {show(out)})")
-    return ExpertProof(tuple(sorted(ctx.folded.items())))
+    return ExpertProof(tuple(sorted(ctx.folded.items())), not ctx.pinned_by, ctx.pinned_by)
 
 
 def folded_drift(block: nn.Module, folded) -> list[str]:
@@ -130,9 +141,15 @@ class _Context:
     def __init__(self, what: str):
         self.what, self.depth = what, 0
         self.folded: dict[str, str] = {}
+        self.pinned_by = ""  # the first construct that reads a leading dim or the rank ("": none yet)
 
     def fold(self, path: str, value) -> None:
         self.folded[path] = fold_repr(value)
+
+    def pin(self, where: str) -> None:
+        """The expert reads a dim before the last by a positive index, or the input's rank: on ``(..., D)``
+        it may not treat the leading dims alike (``ExpertProof.leading_dims_free`` is false)."""
+        self.pinned_by = self.pinned_by or where
 
     # -- calling a module ---------------------------------------------------------------------------
 

@@ -29,8 +29,9 @@ from autoep.errors import UnsupportedModuleStructure
 
 # 3: expert_projs is a list of names (was one comma-joined string); 4: experts_path, expert_kind; 5: idle_experts,
 # execution; 6: record/exchange/replay is the automatic fallback for module experts (blocks refused before may be
-# accepted with execution=replay); 7: no container-loop or selected-loop splice (experts containers with a forward of
-# their own and the 4.57 Switch selected-rows loop run by record/exchange/replay; idle_experts "selected" is gone)
+# accepted with execution=replay); 7: no container-loop, selected-loop or masked-sum splice (experts containers with a
+# forward of their own, the 4.57 Switch selected-rows loop and VitPose's masked sum run by record/exchange/replay;
+# idle_experts "selected" is gone)
 DETECTOR_VERSION = "7"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")

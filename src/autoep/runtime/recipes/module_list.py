@@ -128,33 +128,6 @@ def ep_masked_loop(module: nn.Module, y_SD: Tensor, x_SD: Tensor, ids_S: Tensor,
         y_SD[identity_S] = x_SD[identity_S]
 
 
-def ep_masked_sum_loop(module: nn.Module, acc: Tensor, x: Tensor, ids: Tensor, *, ep_group) -> Tensor:
-    """What the block's masked-sum loop did (``split_loop.masked_sum_loop``): ``acc + expert_{ids[row]}(x[row])``
-    for every row of ``x`` whose id names an expert, ``acc`` (plus zeros) for the others, with the experts spread
-    over ``ep_group``. ``ids`` must hold one id per row: it broadcasts against ``x``'s rows with a last dim of 1
-    (VitPose's ``indices.view(-1, 1, 1)``, one id per sequence), else the loop's masks would differ per feature."""
-    if not isinstance(ids, Tensor) or not isinstance(x, Tensor) or x.dim() < 1 or ids.dim() > x.dim():
-        raise RuntimeError(f"{type(module).__name__}: its masked-sum expert loop reads ids "
-                           f"{tuple(getattr(ids, 'shape', ()))} for rows {tuple(getattr(x, 'shape', ()))}; autoep's "
-                           "exchange needs a tensor of ids broadcasting to one id per row")
-    aligned = ids.reshape((1,) * (x.dim() - ids.dim()) + tuple(ids.shape))
-    if aligned.shape[-1] != 1:
-        raise RuntimeError(f"{type(module).__name__}: its expert loop's ids {tuple(ids.shape)} vary along the "
-                           f"feature dim of its rows {tuple(x.shape)}; autoep's exchange needs one id per row")
-    ids_S = aligned.expand(*x.shape[:-1], 1).reshape(-1)  # raises where the ids do not broadcast to the rows
-    x_SD = x.reshape(-1, x.shape[-1])
-    E = spec_of(module).num_experts
-    ids_long_S = ids_S.long()
-    # ``ids == e`` holds for an integer-valued id of any dtype (2.0 == 2), never for 2.5 or nan.
-    routed_S = (ids_long_S == ids_S) & (ids_long_S >= 0) & (ids_long_S < E)
-    send_S1 = torch.where(routed_S, ids_long_S, torch.full_like(ids_long_S, E)).unsqueeze(1)  # E: padding
-    ones_S1 = torch.ones((ids_S.shape[0], 1), dtype=torch.float32, device=x.device)
-    # y * 1.0 in fp32 and back to the experts' own dtype is exact (the loop's term ``y * mask`` keeps y's dtype,
-    # and ``acc + term`` promotes as below); a row of no expert gets zeros, as the loop's masked terms are.
-    out_SP = ep_experts_forward(x_SD, send_S1, ones_S1, num_experts=E, ep_group=ep_group,
-                                expert_fn=local_expert_fn(module), out_dtype="experts",
-                                idle=local_idle(module, "call"))  # the loop calls every expert, on every row
-    return acc + out_SP.reshape(*x.shape[:-1], out_SP.shape[-1])
 
 
 def _slice_counts(module: nn.Module, counts_C: Tensor, num_rows: int, E: int) -> Tensor:
@@ -273,8 +246,6 @@ def _region_fn(plan, ep_group):
         return functools.partial(ep_split_loop, ep_group=ep_group, empty_1d=plan.empty_1d, idle=plan.idle)
     if plan.kind == "masked":
         return functools.partial(ep_masked_loop, ep_group=ep_group)
-    if plan.kind == "masked_sum":
-        return functools.partial(ep_masked_sum_loop, ep_group=ep_group)
     return functools.partial(ep_expert_loop, ep_group=ep_group, add_at_rows=plan.add_at_rows, idle=plan.idle)
 
 

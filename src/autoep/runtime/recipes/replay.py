@@ -26,6 +26,12 @@ called with zero rows on its owner (zero gradients, as the model gives); an expe
 A failed check on one rank raises on every rank (their flags travel with the exchange's counts, and one small
 all-reduce after pass 2), so no peer is left waiting in a collective.
 
+N-D calls: an expert called on ``(..., D)`` (VitPose runs every expert on the whole ``(batch, seq, D)``
+tensor) travels as its ``(prod(...), D)`` rows, and its output comes back reshaped to ``(..., P)``: exact
+only for an expert proven to treat every dim before the last alike (``row_local.ExpertProof.
+leading_dims_free``); for any other expert such a call raises ``ReplayError`` naming the block, the expert,
+the shape and the construct that reads a leading dim. 2-D calls are the rows as they are.
+
 Cost: pass 1 repeats the block's own work outside the experts (routing, masks, casts) once more per call.
 
 Shape legend: S rows sent (all recorded calls, grouped by expert), R rows received, D the rows' width,
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import types
 from dataclasses import dataclass
 
@@ -45,6 +52,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from autoep.detect import replay_proof
+from autoep.detect.module_list_proof import global_hooks
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import UnsupportedModuleStructure
@@ -76,15 +84,21 @@ class _Replay:
 
     proven_code: object  # the class forward's code object proven at apply time
     keys: tuple[str, ...]  # how the model names each expert: ``experts[2]``, ``experts['a']``
+    # per expert: "" where a call on (..., D) may travel as (prod(...), D) rows (``leading_dims_free``), else
+    # the construct of its forward that reads a leading dim or the rank (the ReplayError names it)
+    pinned: tuple[str, ...]
+    kinds: tuple[tuple, ...]  # per expert, its modules as proven (``_kinds``): the fact holds for these only
 
 
 @dataclass
 class _Call:
-    """One recorded expert call: the expert id, its input rows (pass 1's, with their graph), the rows' version
-    counter at the call, and the output's width and dtype (from the expert's forward on ``meta``)."""
+    """One recorded expert call: the expert id, its input rows (pass 1's, with their graph; an N-D input's
+    flattened to 2-D), the leading shape of the input (``(n,)`` for 2-D rows), the rows' version counter at the
+    call, and the output's width and dtype (from the expert's forward on ``meta``)."""
 
     expert: int
     rows: Tensor
+    lead: tuple[int, ...]
     version: int
     out_width: tuple[int, ...]
     out_dtype: torch.dtype
@@ -107,10 +121,12 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
     # The container's leading entries are the experts; entries its forward reads by name (NLLB's token dropout)
     # stay where the token is, as the rest of the block (``replay_proof.num_experts``, checked by validate).
     num_experts = replay_proof.num_experts(module, facts.experts_path)
+    pinned = replay_proof.leading_dims_pinned(module, facts.experts_path)  # before the stand-ins replace experts
+    kinds = tuple(_kinds(m) for m in replay_proof.members(module.get_submodule(facts.experts_path))[:num_experts])
     place_experts(module, path=facts.experts_path, num_experts=num_experts, identity_experts=0, ep_mesh=ep_mesh,
                   swiglu=None, act="", fast_path=False, name=type(module).__name__)
     keys = tuple(f"{facts.experts_path}[{k if k.isdigit() else repr(k)}]" for k in spec_of(module).keys[:num_experts])
-    setattr(module, REPLAY, _Replay(_forward_code(type(module)), keys))
+    setattr(module, REPLAY, _Replay(_forward_code(type(module)), keys, pinned, kinds))
     join_backward_exchanges(module, ep_mesh)
     watching_folded(module, facts.folded)  # e.g. an expert's dropout proven idle in eval
     # An instance attribute shadows the class forward; nn.Module.__call__ (and the block's hooks) still run.
@@ -160,6 +176,11 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         # After every pre-hook (a user's, registered after apply, may change a value the proofs folded): raised
         # through the exchange's counts, so every peer stops too.
         check_proven(self)
+        if global_hooks():
+            raise ReplayError(f"{cls.__name__}: global module hooks are registered; replay calls each expert twice "
+                              "(answered in the block's forward, and on its owner's rows), so such a hook would run on "
+                              "both, on other batches of rows than the model's own call: remove it around the forward "
+                              "(or leave this block out of parallel.plan)")
         with _answering(experts, recorder.record):
             cls.forward(self, *args, **kwargs)
         failure = None
@@ -241,7 +262,7 @@ class _Recorder:
         self._shapes: dict[tuple, tuple] = {}
 
     def record(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
-        rows = _rows_of(self.block, self.replay.keys[e], len(self.calls), args, kwargs)
+        rows, lead = _rows_of(self.block, self.replay, e, expert, len(self.calls), args, kwargs)
         now = _context()
         if now != self.context:
             changed = [name for name, a, b in zip(_CONTEXT, self.context, now) if a != b]
@@ -249,12 +270,13 @@ class _Recorder:
                               f"called with {', '.join(changed)} changed by the block's forward around it; autoep runs "
                               "the experts on their owner under the state the block was called in, so they would "
                               "compute otherwise (move the autocast / no_grad outside the block, or opt out)")
-        key = (e, rows.shape[1:], rows.dtype)
+        given = args[0]
+        key = (e, given.shape[1:] if given.dim() == 2 else given.shape, given.dtype)
         if key not in self._shapes:
-            self._shapes[key] = _meta_output(expert, rows, self.block, self.replay.keys[e])
+            self._shapes[key] = _meta_output(expert, given, rows, self.block, self.replay.keys[e])
         width, dtype = self._shapes[key]
-        self.calls.append(_Call(e, rows, rows._version, width, dtype))
-        return torch.zeros((rows.shape[0], *width), dtype=dtype, device=rows.device)
+        self.calls.append(_Call(e, rows, lead, rows._version, width, dtype))
+        return torch.zeros((*lead, *width), dtype=dtype, device=rows.device)
 
 
 class _Replayer:
@@ -266,13 +288,13 @@ class _Replayer:
 
     def answer(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
         i, name, keys = self.position, type(self.block).__name__, self.replay.keys
-        rows = _rows_of(self.block, keys[e], i, args, kwargs)
+        rows, lead = _rows_of(self.block, self.replay, e, expert, i, args, kwargs)
         if i >= len(self.calls):
             raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) was not called when the experts answered "
                               f"placeholders ({len(self.calls)} calls): which experts the block calls depends on an "
                               f"earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
         recorded = self.calls[i]
-        if i == 0 and (recorded.expert != e or not _same(rows, recorded.rows)):
+        if i == 0 and (recorded.expert != e or recorded.lead != lead or not _same(rows, recorded.rows)):
             raise ReplayError(f"{name}.forward: its first expert call went to {keys[recorded.expert]} in the record "
                               f"pass and to {keys[e]} in the replay{'' if recorded.expert != e else ', on other rows'}"
                               ": no expert output can explain it, so the forward's state changed between the passes "
@@ -283,6 +305,10 @@ class _Replayer:
             raise ReplayError(f"{name}.forward: expert call {i} went to {keys[recorded.expert]} when the experts "
                               f"answered placeholders and to {keys[e]} with their true outputs: which expert the block "
                               f"calls depends on an earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
+        if recorded.lead != lead:
+            raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) got an input of leading shape {lead} "
+                              f"with the experts' true outputs and {recorded.lead} with placeholders: its input "
+                              f"depends on an earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
         if not _same(rows, recorded.rows):
             j = _source_call(rows, self.outputs, i)
             source = f"{keys[self.calls[j].expert]}'s output (expert call {j})" if j is not None else \
@@ -290,7 +316,9 @@ class _Replayer:
             raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) got its input from {source}; "
                               f"{_ONE_EXCHANGE}")
         self.position += 1
-        return self.outputs[i]
+        out = self.outputs[i]
+        # Layout change: an N-D call's rows came back as (n, P); the expert would have returned (..., P).
+        return out if len(lead) == 1 else out.reshape(*lead, *out.shape[1:])
 
     def finish(self) -> None:
         if self.position != len(self.calls):
@@ -336,35 +364,64 @@ def _last(calls: list[_Call], i: int, keys: tuple[str, ...]) -> str:
     return f" (the expert called before it: {keys[calls[i - 1].expert]})" if i else ""
 
 
-def _rows_of(block: nn.Module, key: str, i: int, args: tuple, kwargs: dict) -> Tensor:
-    """The one (rows, features) tensor an expert call passes: the experts are proven row-local for
-    ``expert(rows)`` on 2-D rows (``autoep.detect.row_local``) and nothing else."""
+def _kinds(expert: nn.Module) -> tuple:
+    """An expert's modules as a proof saw them: each one's path, class and whether it has an instance forward
+    (the expert's own excluded: replay answers its calls through one)."""
+    return tuple((name, type(m), bool(name) and "forward" in vars(m)) for name, m in expert.named_modules())
+
+
+def _rows_of(block: nn.Module, replay: _Replay, e: int, expert: nn.Module, i: int, args: tuple,
+             kwargs: dict) -> tuple[Tensor, tuple]:
+    """The rows an expert call passes, as (rows, features), and the leading shape of its input: the experts
+    are proven row-local for ``expert(rows)`` on 2-D rows (``autoep.detect.row_local``), and an ``(..., D)``
+    input is its ``(prod(...), D)`` rows only for an expert proven to treat its leading dims alike."""
+    name, key = type(block).__name__, replay.keys[e]
     if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
         given = [type(a).__name__ for a in args] + [f"{k}=" for k in kwargs]
-        raise ReplayError(f"{type(block).__name__}: {key} (expert call {i}) is called with ({', '.join(given)}); "
+        raise ReplayError(f"{name}: {key} (expert call {i}) is called with ({', '.join(given)}); "
                           "autoep proves experts row-local for one (rows, features) tensor and moves only that")
-    rows = args[0]
-    if rows.dim() != 2:
-        raise ReplayError(f"{type(block).__name__}: {key} (expert call {i}) is called on a tensor of shape "
-                          f"{tuple(rows.shape)}; autoep proves experts row-local on (rows, features) and moves rows")
-    return rows
+    x = args[0]
+    if x.dim() == 2:
+        return x, (x.shape[0],)
+    if x.dim() < 2:
+        raise ReplayError(f"{name}: {key} (expert call {i}) is called on a tensor of shape {tuple(x.shape)}; autoep "
+                          "proves experts row-local on (rows, features) and moves rows")
+    if replay.pinned[e]:
+        raise ReplayError(f"{name}: {key} (expert call {i}) is called on a tensor of shape {tuple(x.shape)}; autoep "
+                          "moves such a call as its (prod(leading dims), features) rows only for an expert that treats "
+                          f"every dim before the last alike, and this one does not: {replay.pinned[e]}")
+    if _kinds(expert) != replay.kinds[e]:
+        raise ReplayError(f"{name}: {key} (expert call {i}) is called on a tensor of shape {tuple(x.shape)}, but its "
+                          "modules changed after apply_plan proved it treats every dim before the last alike (a "
+                          "module replaced, or a forward set on one); apply the plan again to a fresh model")
+    lead = tuple(x.shape[:-1])
+    # Layout change: (..., D) -> (n, D). A view where the input allows (its version counter is the input's, so a
+    # later in-place edit of it is caught); else a copy of the values the expert was called with.
+    return x.reshape(math.prod(lead), x.shape[-1]), lead
 
 
-def _meta_output(expert: nn.Module, rows: Tensor, block: nn.Module, key: str) -> tuple[tuple[int, ...], torch.dtype]:
-    """The width and dtype of ``expert(rows)``, from its own forward on ``meta`` (no data read, nothing
-    allocated): its tensors as meta copies, its recorder stepped aside for the run."""
+def _meta_output(expert: nn.Module, given: Tensor, rows: Tensor, block: nn.Module,
+                 key: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """The width and dtype of ``expert(given)``, from its own forward on ``meta`` (no data read, nothing
+    allocated): its tensors as meta copies, its recorder stepped aside for the run. For an N-D input, its
+    output must be ``(..., P)`` and the rows' ``(n, P)`` of the same dtype (what the owner returns, reshaped)."""
     answer = expert.__dict__.pop("forward")
     try:
         state = {n: t.to("meta") for n, t in [*expert.named_parameters(), *expert.named_buffers()]}
         with torch.no_grad():
-            out = torch.func.functional_call(expert, state, (rows.detach().to("meta"),))
+            outs = [torch.func.functional_call(expert, state, (t.detach().to("meta"),))
+                    for t in ((rows,) if given.dim() == 2 else (given, rows))]
     finally:
         expert.forward = answer
-    if not isinstance(out, Tensor) or out.dim() != 2 or out.shape[0] != rows.shape[0]:
+    out = outs[0]
+    lead = tuple(given.shape[:-1])
+    if not isinstance(out, Tensor) or out.dim() != given.dim() or tuple(out.shape[:-1]) != lead or not (
+            len(outs) == 1 or isinstance(outs[1], Tensor) and outs[1].shape == (rows.shape[0], out.shape[-1])
+            and outs[1].dtype == out.dtype):
         raise ReplayError(f"{type(block).__name__}: {key} returns {type(out).__name__} "
-                          f"{tuple(getattr(out, 'shape', ()))} for rows {tuple(rows.shape)}; autoep moves one row "
-                          "of output per row of input")
-    return tuple(out.shape[1:]), out.dtype
+                          f"{tuple(getattr(out, 'shape', ()))} for an input of shape {tuple(given.shape)}; autoep moves "
+                          "one row of output per row of input, of the same leading shape")
+    return tuple(out.shape[-1:]), out.dtype
 
 
 def _same(a: Tensor, b: Tensor) -> bool:

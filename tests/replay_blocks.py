@@ -2,8 +2,9 @@
 comprehensions over experts, ``zip(chunks, experts)``, DeepSeek's sorted-token ``vstack`` loop, Switch-style
 masked assignment through a cast, an outer loop over batch rows, a config-flag branch, an experts container
 with its own forward and an optional argument, experts nested under another module, a plain dict of expert
-modules, expert-choice routing, capacity dropping, every expert on the whole N-D tensor), and their harmful
-one-edit twins.
+modules, expert-choice routing, capacity dropping, every expert on the whole N-D tensor), blocks that edit their
+input in place (``INPUT_EDITS``: Switch's router jitter, a residual scaled in place), and their harmful one-edit
+twins.
 
 Every block takes ``(batch, seq, hidden)`` and returns the same shape; experts are biased GELU MLPs (row-local,
 not the SwiGLU fast path). ``BLOCKS`` and ``TWINS`` map a case name to a builder.
@@ -495,11 +496,13 @@ class RngFromOutputTwin(BatchRowsMoE):
         return out
 
 
-class InPlaceInputTwin(ComprehensionMoE):
-    """Edit: the block scales its input in place."""
+class InputJitterMoE(ComprehensionMoE):
+    """Switch's router jitter: while training, the block multiplies its input by uniform noise in place before
+    routing. Pass 1 runs on a copy of the input; pass 2 makes the edit, once, on the input itself."""
 
     def forward(self, hidden_states):
-        hidden_states.mul_(1.0)
+        if self.training:
+            hidden_states *= torch.empty_like(hidden_states).uniform_(0.9, 1.1)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         weights, selected = _top_k(self.gate, x, K)
@@ -509,6 +512,28 @@ class InPlaceInputTwin(ComprehensionMoE):
         for (tok, slot), out in zip(hits, outs):
             y.index_add_(0, tok, out * weights[tok, slot, None].to(out.dtype))
         return y.reshape(shape)
+
+
+class InputEditedAfterCallsMoE(ComprehensionMoE):
+    """The block halves its input in place after the expert calls and adds it back (a residual scaled in place);
+    the router reads a product of the input, so the model's own backward needs no value the edit overwrote."""
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, selected = _top_k(self.gate, x * 1.0, K)
+        hits = [torch.where(selected == i) for i in range(len(self.experts))]
+        outs = [self.experts[i](x[tok]) for i, (tok, _) in enumerate(hits)]
+        y = torch.zeros_like(x)
+        for (tok, slot), out in zip(hits, outs):
+            y.index_add_(0, tok, out * weights[tok, slot, None].to(out.dtype))
+        hidden_states.mul_(0.5)
+        return y.reshape(shape) + hidden_states
+
+
+# Blocks that edit their input in place: exact when called on a non-leaf input (a leaf that requires grad refuses
+# the edit in the model's own forward, as the fuzzer's harness feeds it: so they are no fuzzer targets).
+INPUT_EDITS = {"input_jitter": InputJitterMoE, "input_edited_after_calls": InputEditedAfterCallsMoE}
 
 
 class CacheOrderMoE(ComprehensionMoE):
@@ -621,7 +646,6 @@ TWINS = {
     "no_grad_around_experts": (NoGradTwin, "grad mode"),
     "buffer": (BufferTwin, "BufferTwin.forward wrote self.tokens_per_expert in place during the record pass"),
     "rng_from_output": (RngFromOutputTwin, "depends on an earlier expert's output"),
-    "in_place_input": (InPlaceInputTwin, "InPlaceInputTwin.forward wrote its input hidden_states in place"),
     # N-D expert calls of an expert that reads a leading dim or the rank (row-local on 2-D rows alone)
     "sum_over_seq": (lambda: WholeTensorMoE(SumSeqExpert), "only for an expert that treats every dim before the "
                      "last alike, and this one does not: SumSeqExpert.forward line 4: `h.sum(1, keepdim=True)` reads "

@@ -74,15 +74,15 @@ def _ep_block(name: str, world_size: int, builders=rb.BLOCKS) -> nn.Module:
     return model["mlp"]
 
 
-def _check_block(name: str, rank: int, world_size: int) -> None:
+def _check_block(name: str, rank: int, world_size: int, builders=rb.BLOCKS) -> None:
     slices = _data(world_size)
-    ref = _make(name)
+    ref = _make(name, builders)
     ref_results = [_run(ref, *s, seed=100 + r) for r, s in enumerate(slices)]
-    block = _ep_block(name, world_size)
+    block = _ep_block(name, world_size, builders)
     assert block.state_dict().keys() == ref.state_dict().keys()  # the model's own names
     out, x_grad, rng_after = _run(block, *slices[rank], seed=100 + rank)
 
-    path = detect_moe_structure(_make(name), replay=True).experts_path
+    path = detect_moe_structure(_make(name, builders), replay=True).experts_path
     # The experts as the runtime places them (an entry of the container that is no expert, ``named_entry``'s
     # norm, is dense: every rank holds it, its grads sum over ranks).
     experts = set(expert_owners(block))
@@ -137,6 +137,8 @@ def replay_cases(rank: int, world_size: int, twins: bool) -> dict:
     results = {}
     for name in rb.BLOCKS:
         guarded(results, name, _check_block, name, rank, world_size)
+    for name in rb.INPUT_EDITS:
+        guarded(results, f"input_edit:{name}", _check_block, name, rank, world_size, rb.INPUT_EDITS)
     for name in rb.TWINS if twins else ():
         guarded(results, f"twin:{name}", _check_twin, name, rank, world_size)
     return results
@@ -145,6 +147,12 @@ def replay_cases(rank: int, world_size: int, twins: bool) -> dict:
 @pytest.mark.parametrize("name", list(rb.BLOCKS))
 def test_single_process_parity(name):
     _check_block(name, 0, 1)
+
+
+@pytest.mark.parametrize("name", list(rb.INPUT_EDITS))
+def test_single_process_parity_of_input_edits(name):
+    """Pass 1 runs on a copy of the input; the edit is made once, on the input itself, in pass 2."""
+    _check_block(name, 0, 1, rb.INPUT_EDITS)
 
 
 @pytest.mark.parametrize("name", list(rb.TWINS))

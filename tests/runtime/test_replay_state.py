@@ -174,7 +174,6 @@ class BranchBlock(rb.ComprehensionMoE):
                  "(expert call 1)"),
     (CounterBlock, "CounterBlock.forward wrote self.counter in place during the record pass"),
     (StatsBlock, "StatsBlock.forward wrote self.gate.stats in place during the record pass"),
-    (rb.InPlaceInputTwin, "InPlaceInputTwin.forward wrote its input hidden_states in place during the record pass"),
 ])
 def test_refusals_name_the_block_the_call_and_the_state(make, message):
     torch.manual_seed(0)

@@ -5,10 +5,12 @@ exchange, replay"):
 
 1. **Record.** The block's class forward runs with every expert module's call answered by a placeholder of
    the right shape and dtype (zeros; the shape from the expert's forward run on ``meta``) and recorded:
-   ``(expert id, input rows)``. Pass 1 must leave nothing behind (``replay_state``): what it wrote in the
-   Python state the block reaches (attributes, containers, class attributes, the globals and closure variables
-   its methods read, random generators) is put back; a tensor it edited in place (an input, a parameter, a
-   buffer, a tensor attribute) raises, naming it.
+   ``(expert id, input rows)``. It runs on copies of the block's tensor inputs (``replay_state.record_inputs``,
+   differentiable to them: one copy of each per call), so an in-place edit of its input (Switch's router
+   jitter) lands on the copy and is made once, in pass 2, on the input itself. Pass 1 must leave nothing behind
+   (``replay_state``): what it wrote in the Python state the block reaches (attributes, containers, class
+   attributes, the globals and closure variables its methods read, random generators) is put back; a tensor it
+   edited in place (a parameter, a buffer, a tensor attribute, an input it could not copy) raises, naming it.
 2. **Exchange.** Every recorded call's rows go to the expert's owner (experts split contiguously, as
    ``local_experts.LocalExperts`` places them) in ONE differentiable all-to-all; the owner runs each called
    local expert's own forward once on the rows every rank sent it (row-local: concatenation changes nothing),
@@ -32,7 +34,8 @@ only for an expert proven to treat every dim before the last alike (``row_local.
 leading_dims_free``); for any other expert such a call raises ``ReplayError`` naming the block, the expert,
 the shape and the construct that reads a leading dim. 2-D calls are the rows as they are.
 
-Cost: pass 1 repeats the block's own work outside the experts (routing, masks, casts) once more per call.
+Cost: pass 1 repeats the block's own work outside the experts (routing, masks, casts) once more per call,
+on one copy of each of the block's tensor inputs (freed after pass 1 unless its rows' graph saved it).
 
 Shape legend: S rows sent (all recorded calls, grouped by expert), R rows received, D the rows' width,
 P the experts' output width, E routed experts, L experts local to this rank, W ep ranks.
@@ -72,7 +75,7 @@ from autoep.runtime.recipes.local_experts import (
     report_counts,
     spec_of,
 )
-from autoep.runtime.recipes.replay_state import ReplayError, Snapshot, rng_state, set_rng_state
+from autoep.runtime.recipes.replay_state import ReplayError, Snapshot, record_inputs, rng_state, set_rng_state
 
 REPLAY = "_autoep_replay"  # the block attribute holding its ``_Replay``
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # the rows' dtypes the exchange sends
@@ -181,8 +184,12 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
                               "(answered in the block's forward, and on its owner's rows), so such a hook would run on "
                               "both, on other batches of rows than the model's own call: remove it around the forward "
                               "(or leave this block out of parallel.plan)")
+        # On copies of the block's inputs: an in-place edit of its input (Switch's router jitter) lands on a
+        # copy here and is made once, on the input itself, in pass 2, as in the block's own call.
+        record_args, record_kwargs = record_inputs(args, kwargs)
         with _answering(experts, recorder.record):
-            cls.forward(self, *args, **kwargs)
+            cls.forward(self, *record_args, **record_kwargs)
+        del record_args, record_kwargs  # freed unless pass 1's rows saved them for the backward
         failure = None
     except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
         failure = exc

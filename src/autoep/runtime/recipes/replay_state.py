@@ -16,6 +16,10 @@ called in, so that its writes happen once, as in the block's own call. ``Snapsho
 ``undo`` puts back attributes, globals, container contents and generator states, and raises ``ReplayError``
 naming what was written where a tensor was edited in place (no undo can restore its old values):
 ``BufferTwin.forward wrote self.tokens_per_expert in place during the record pass``.
+
+The block's own inputs are the exception: pass 1 runs on copies of them (``record_inputs``), so an in-place edit
+of its input (Switch's router jitter, ``hidden_states *= noise``) lands on a copy in pass 1 and is made once, on
+the real input, in pass 2, as in the block's own call.
 """
 
 from __future__ import annotations
@@ -127,6 +131,56 @@ def _globals_read(cls: type) -> tuple[list[tuple[dict, tuple[str, ...]]], tuple]
             todo += [(g[n], depth - 1) for n in names if depth and isinstance(g.get(n), types.FunctionType)]
         _GLOBALS_READ[key] = ([(g, tuple(sorted(names))) for g, names in read.values()], tuple(cells))
     return _GLOBALS_READ[key]
+
+
+def record_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The block's arguments for pass 1: each plain tensor among them (positional, keyword, inside plain tuples,
+    lists and dicts) a copy of the same shape, strides, dtype and values, differentiable to the original (pass
+    1's rows send their gradient to the real input); one tensor given twice is copied once (the copies alias
+    alike). Not copied, so that an in-place edit of them in pass 1 still raises as any tensor's does: tensor
+    subclasses and parameters, tensors not strided or overlapping themselves (an ``expand``), empty ones, and
+    tensors sharing memory with another input (views of one another: separate copies would not see each other's
+    edits). Cost: one copy of each copied input per block call, freed after pass 1 unless pass 1's graph (the
+    rows sent to the experts) saved it for the backward."""
+    found: dict[int, Tensor] = {}
+    for t in _input_tensors((args, kwargs), []):
+        found.setdefault(id(t), t)
+    owners: dict[int, set[int]] = {}
+    for t in found.values():
+        if t.layout == torch.strided and not t.is_meta and t.numel():
+            owners.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
+    copies = {i: _copy(t) for i, t in found.items()
+              if type(t) is Tensor and t.layout == torch.strided and not t.is_meta and t.numel()
+              and len(owners[t.untyped_storage().data_ptr()]) == 1 and torch._debug_has_internal_overlap(t) == 0}
+    return _replaced(args, copies), _replaced(kwargs, copies)
+
+
+def _input_tensors(value, out: list) -> list:
+    if isinstance(value, Tensor):
+        out.append(value)
+    elif type(value) in (tuple, list):
+        for v in value:
+            _input_tensors(v, out)
+    elif type(value) is dict:
+        for v in value.values():
+            _input_tensors(v, out)
+    return out
+
+
+def _copy(t: Tensor) -> Tensor:
+    # A copy with the input's own strides (``clone`` makes a sliced input contiguous), through ``copy_``: its
+    # backward sends the gradient to ``t``.
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _replaced(value, copies: dict[int, Tensor]):
+    if isinstance(value, Tensor):
+        return copies.get(id(value), value)
+    if type(value) in (tuple, list):
+        return type(value)(_replaced(v, copies) for v in value)
+    if type(value) is dict:
+        return {k: _replaced(v, copies) for k, v in value.items()}
+    return value
 
 
 def _named_inputs(block: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, object]]:

@@ -14,7 +14,8 @@ calls experts (the block's forward, its helpers, an experts container's own forw
   the block's output scaled by the count: exact where pass 1's write is undone, else a refusal;
 - ``rng_between_calls``: a random number drawn after each expert call and scaling its output (torch's global
   generator, Python's, numpy's, a ``torch.Generator`` / ``random.Random`` the block holds);
-- ``block_input_inplace``: the block's input edited in place at the top of the forward (unchanged or scaled);
+- ``block_input_inplace``: the block's input edited in place at the top of the forward (unchanged or scaled):
+  exact, pass 1 running on a copy of the input and pass 2 making the edit once;
 - ``cache_order``: the loop around an expert call runs reversed on the first call, as a Python-side cache
   (a dict on the block, an ``OrderedDict``, a class attribute, an attribute created on first call) records;
 - ``nd_expert_call``: an expert called on its rows with leading dims added (``expert(rows[None])[0]``, a 3-D or

@@ -26,11 +26,11 @@ FULL = ("replay/comprehension", "replay/batch_rows", "replay/optional_arg_contai
 OTHERS_EVERY = 25  # of the rest: the fuzzer's operators on every replay target, the replay operators elsewhere
 RANK_EVERY = 3  # of the accepted-exact mutants, on 2 ranks
 # What each replay operator's sample shows on 2 ranks: some mutant raised on every rank (an expert input or choice
-# computed from an expert output, a buffer or tensor attribute edited in place, the block's input edited in
-# place), some exact (a branch on an output value only, state written and undone, random draws restored, a cached
-# call order computed again, an expert called on its rows with leading dims added).
-RAISE = {"chain_expert_input", "branch_on_output", "state_write", "block_input_inplace"}
-EXACT = {"branch_on_output", "state_write", "rng_between_calls", "cache_order", "nd_expert_call"}
+# computed from an expert output, a buffer or tensor attribute edited in place), some exact (a branch on an output
+# value only, state written and undone, random draws restored, a cached call order computed again, an expert
+# called on its rows with leading dims added, the block's input edited in place: pass 1 runs on a copy of it).
+RAISE = {"chain_expert_input", "branch_on_output", "state_write"}
+EXACT = {"branch_on_output", "state_write", "rng_between_calls", "cache_order", "nd_expert_call", "block_input_inplace"}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ directly. The plan is the real one: ``resolve_plan`` (detector, archetype table,
 
 from __future__ import annotations
 
+import copy
 import functools
+import types
 
 import pytest
 import replay_blocks as rb
@@ -23,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoep.detect.structure import detect_moe_structure
-from autoep.errors import UnsupportedModuleStructure
+from autoep.errors import FactChanged, UnsupportedModuleStructure
 from autoep.plan.resolve import resolve_plan
 from autoep.plan.table import plan_rows
 from autoep.runtime.apply import apply_plan
@@ -307,4 +309,78 @@ def test_a_global_module_hook_at_forward_time_raises():
             block(x)
     finally:
         handle.remove()
+    block(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts changed after apply (``recipes.watching_experts``, checked once per call): raised, naming the expert
+# ---------------------------------------------------------------------------------------------
+
+
+def _twice(self, x):
+    return 2 * type(self).forward(self, x)
+
+
+SWAPS = {  # name -> (the edit, on the EP block; what the error says)
+    "expert_replaced": (lambda b: b.experts.__setitem__(2, nn.Sequential(nn.Linear(rb.D, rb.D))),
+                        "ComprehensionMoE: experts[2] was replaced by a Sequential (proven: a FeedForward) after "
+                        "apply_plan"),
+    "submodule_replaced": (lambda b: setattr(b.experts[1], "fc1", nn.Sequential(nn.Linear(rb.D, rb.FF))),
+                           "ComprehensionMoE: experts[1].fc1 was replaced by a Sequential (proven: a Linear)"),
+    "submodule_added": (lambda b: b.experts[3].add_module("extra", nn.Linear(rb.D, rb.D)),
+                        "ComprehensionMoE: experts[3].extra (Linear) was added"),
+    # replay calls the class forward: the instance's would be dropped (and deleted by the answering)
+    "instance_forward": (lambda b: setattr(b.experts[0], "forward", types.MethodType(_twice, b.experts[0])),
+                         "ComprehensionMoE: experts[0] got a forward set on its instance"),
+    "submodule_forward": (lambda b: setattr(b.experts[1].fc2, "forward", types.MethodType(_twice, b.experts[1].fc2)),
+                          "ComprehensionMoE: experts[1].fc2 got a forward set on its instance"),
+}
+
+
+def _check_swap(name: str, rank: int, world_size: int, only_rank: int | None = None) -> None:
+    edit, expected = SWAPS[name]
+    block = _ep_block("comprehension", world_size)
+    x, grad_out = _data(world_size)[rank]
+    if only_rank is None or only_rank == rank:
+        edit(block)
+    with pytest.raises(RuntimeError) as info:
+        _run(block, x, grad_out, seed=100 + rank)
+    text = str(info.value)
+    if only_rank is None or only_rank == rank:
+        assert isinstance(info.value, FactChanged) and expected in text, text
+    else:
+        assert any(p in text for p in PEER_FAILED), text
+
+
+def swap_cases(rank: int, world_size: int) -> dict:
+    results = {}
+    for name in SWAPS:
+        guarded(results, name, _check_swap, name, rank, world_size)
+    guarded(results, "instance_forward on rank 1 only", _check_swap, "instance_forward", rank, world_size, 1)
+    return results
+
+
+@pytest.mark.parametrize("name", list(SWAPS))
+def test_an_expert_changed_after_apply_raises_naming_it(name):
+    _check_swap(name, 0, 1)
+
+
+def test_experts_changed_after_apply_raise_on_every_rank():
+    cases = run_cases(2, "test_replay:swap_cases")
+    failed = {case: errs for case, errs in cases.items() if errs}
+    assert len(cases) == len(SWAPS) + 1 and not failed, "\n".join(f"{c}: {e[0]}" for c, e in failed.items())
+
+
+def test_same_class_experts_deep_copies_and_set_back_edits_run():
+    """The proofs are about the modules' classes: a same-class expert runs, as does a deep copy; an edit set back
+    (the instance forward deleted) runs again."""
+    block = _ep_block("comprehension", 1)
+    x = _data(1)[0][0]
+    torch.testing.assert_close(copy.deepcopy(block)(x), block(x))
+    block.experts[2] = rb.FeedForward()
+    block(x)
+    SWAPS["instance_forward"][0](block)
+    with pytest.raises(FactChanged):
+        block(x)
+    del block.experts[0].forward
     block(x)

@@ -17,7 +17,7 @@ from test_replay import _ep_block
 from torch import nn
 
 from autoep.detect.structure import detect_moe_structure
-from autoep.errors import UnsupportedModuleStructure
+from autoep.errors import FactChanged, UnsupportedModuleStructure
 from autoep.plan.resolve import resolve_plan
 from autoep.runtime.apply import apply_plan
 from autoep.runtime.recipes.replay import ReplayError
@@ -88,17 +88,19 @@ def test_experts_that_are_not_row_local_on_rows_are_refused_at_detection(expert,
 
 
 def test_an_expert_swapped_after_apply_is_not_flattened_on_a_stale_proof():
-    """The fact was proven for the experts at apply: an expert (or a module of one) replaced afterwards raises at
-    its N-D call, naming it, instead of being flattened unproven. Same-class experts and deep copies run."""
+    """The fact was proven for the experts at apply: an expert (or a module of one) replaced afterwards by another
+    class raises before the call (``recipes.watching_experts``), naming it, instead of being flattened unproven.
+    Same-class experts and deep copies run. (2-D calls: ``test_replay.py``.)"""
     block = _ep_block("whole_tensor", 1)
     x = torch.randn(2, 3, rb.D)
     torch.testing.assert_close(copy.deepcopy(block)(x), block(x))
     block.experts[2] = rb.SumSeqExpert()
-    with pytest.raises(ReplayError, match=r"WholeTensorMoE: experts\[2\] \(expert call 2\) is called on a tensor of "
-                                          r"shape \(2, 3, 8\), but its modules changed after apply_plan"):
+    with pytest.raises(FactChanged, match=r"WholeTensorMoE: experts\[2\] was replaced by a SumSeqExpert "
+                                          r"\(proven: a LastDimExpert\) after apply_plan"):
         block(x)
     block.experts[2] = rb.LastDimExpert()
     block(x)
     block.experts[1].norm = nn.BatchNorm1d(rb.FF)
-    with pytest.raises(ReplayError, match=r"experts\[1\] .* modules changed after apply_plan"):
+    with pytest.raises(FactChanged, match=r"experts\[1\].norm was replaced by a BatchNorm1d \(proven: a "
+                                          r"LayerNorm\)"):
         block(x)

@@ -265,3 +265,71 @@ def test_state_replay_cannot_put_back_is_named_as_such():
     assert str(info.value).startswith(
         "DeepOrderBlock.forward: its first expert call went to experts[3] in the record pass and to experts[0] in "
         "the replay: no expert output can explain it"), str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pass 1 on copies of the block's inputs (``replay_state.record_inputs``)
+# ---------------------------------------------------------------------------------------------
+
+
+class AliasedInputsBlock(_Moe):
+    """Scales ``hidden_states`` in place, then routes it plus ``residual`` (the caller passes one tensor as
+    both): the experts' rows see the edit twice only where the copies alias as the inputs do."""
+
+    def forward(self, hidden_states, residual):
+        hidden_states.mul_(2.0)
+        return self.run_experts(hidden_states + residual)
+
+
+def test_pass_one_copies_the_inputs_alike():
+    """Each plain tensor among the block's arguments (positional, keyword, in plain tuples, lists and dicts, an
+    integer mask too) is copied, with its strides, once (one tensor given twice: one copy), differentiably to the
+    original; views of one another, expanded tensors and parameters are left as they are."""
+    from autoep.runtime.recipes.replay_state import record_inputs
+
+    x = torch.randn(4, 6, requires_grad=True) * 1
+    mask = torch.tensor([1, 0, 2])
+    base = torch.randn(3, 4)
+    param = nn.Parameter(torch.randn(2))
+    sliced = torch.randn(4, 6)[:, ::2]
+    args, kwargs = record_inputs((x, [x, mask], {"m": mask}, sliced), {"views": (base, base[0]), "w": param,
+                                                                       "wide": torch.randn(1, 4).expand(3, 4)})
+    copy_x, (again, copy_mask), held, copy_sliced = args
+    assert copy_x is not x and again is copy_x and held["m"] is copy_mask and copy_mask is not mask
+    assert torch.equal(copy_x, x) and torch.equal(copy_mask, mask) and copy_sliced.stride() == sliced.stride()
+    assert kwargs["views"][0] is base and kwargs["views"][1]._base is base and kwargs["w"] is param
+    assert kwargs["wide"].stride() == (0, 1)
+    (copy_x * torch.arange(6.0)).sum().backward()
+    torch.testing.assert_close(x.grad if x.is_leaf else torch.autograd.grad(copy_x.sum(), x)[0], torch.ones(4, 6))
+
+
+def test_an_input_given_twice_is_edited_once_as_in_the_block():
+    torch.manual_seed(0)
+    own = AliasedInputsBlock()
+    block = _ep(copy.deepcopy(own))
+    x0 = torch.randn(2, 3, rb.D, requires_grad=True)
+    x1 = x0.detach().clone().requires_grad_()
+    a, b = x0 * 1, x1 * 1
+    want = own(a, a)
+    got = block(b, b)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(b, a)  # the input edited once
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(x1.grad, x0.grad)
+
+
+def test_input_edits_replay_cannot_copy_raise_as_before():
+    """An input that is a view of another input is not copied (separate copies would not see each other's
+    edits): its edit raises, naming it. A leaf input that requires grad refuses the edit in the block's own
+    forward, and in the replayed one alike."""
+    torch.manual_seed(0)
+    own = AliasedInputsBlock()
+    block = _ep(copy.deepcopy(own))
+    x = _x() * 1
+    with pytest.raises(ReplayError, match="AliasedInputsBlock.forward wrote its input hidden_states in place"):
+        block(x, x[:1])
+    leaf = _x().requires_grad_()
+    for b in (own, block):
+        with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+            b(leaf, leaf)

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import inspect
 import marshal
+from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from torch import Tensor, nn
@@ -149,9 +150,77 @@ def watching_under(block: nn.Module, path: str) -> None:
     experts._autoep_folded = tuple(e[len(prefix):] for e in getattr(block, "_autoep_folded", ()) if e.startswith(prefix))
 
 
+@dataclass(frozen=True)
+class ProvenExperts:
+    """The expert modules a block's proofs saw at apply (``watching_experts``): plain values, so a deep copy or a
+    pickle of the block checks its own experts."""
+
+    path: str  # the experts container, under the block
+    keys: tuple[str, ...]  # each expert's key in the container (``2``, ``expert_0``)
+    names: tuple[str, ...]  # how the model names each expert (``experts[2]``)
+    kinds: tuple[tuple, ...]  # per expert, ``module_kinds``
+
+
+def module_kinds(expert: nn.Module) -> tuple:
+    """An expert's modules as a proof sees them: each one's path, class and whether a ``forward`` is set on the
+    instance (which ``nn.Module.__call__`` would run instead of the class's)."""
+    return tuple((name, type(m), "forward" in m.__dict__) for name, m in expert.named_modules())
+
+
+def watching_experts(block: nn.Module, path: str, keys: tuple[str, ...], names: tuple[str, ...]) -> None:
+    """At each call of ``block`` (``check_proven``, once per call, where the recipe's code reaches its experts):
+    the experts at ``path`` under the container ``keys`` are still the modules its proofs saw at apply, of the
+    same classes, none with a ``forward`` set on the instance. A module replaced by one of another class (an
+    expert, or a submodule of one) or such a ``forward`` raises ``FactChanged`` naming the expert, instead of
+    running a plan proven for other code (a recipe that calls the experts' class forward would drop the
+    instance's silently)."""
+    container = block.get_submodule(path)
+    block._autoep_proven_experts = ProvenExperts(path, tuple(keys), tuple(names),
+                                          tuple(module_kinds(container._modules[k]) for k in keys))
+
+
+def _check_experts(block: nn.Module, proven: ProvenExperts) -> None:
+    container = block.get_submodule(proven.path)
+    for key, name, kinds in zip(proven.keys, proven.names, proven.kinds):
+        expert = container._modules.get(key)
+        now = module_kinds(expert) if expert is not None else ()
+        if now != kinds:
+            raise FactChanged(f"{type(block).__name__}: {_kinds_change(name, kinds, now)} after apply_plan; the "
+                              "expert-parallel plan was proven for the expert's modules as they were (their classes' "
+                              "code, each run by its class forward): set it back, or apply the plan again to a fresh "
+                              "model built with the new modules")
+
+
+def _kinds_change(name: str, then: tuple, now: tuple) -> str:
+    """The first difference between an expert's ``module_kinds`` at apply and now, in words."""
+    if not now:
+        return f"{name} was removed"
+    before = {path: (cls, own) for path, cls, own in then}
+    for path, cls, own in now:
+        where = f"{name}.{path}" if path else name
+        if path not in before:
+            return f"{where} ({cls.__name__}) was added"
+        if before[path][0] is not cls:
+            return f"{where} was replaced by a {cls.__name__} (proven: a {before[path][0].__name__})"
+        if own and not before[path][1]:
+            return f"{where} got a forward set on its instance"
+        if before[path][1] and not own:
+            return f"{where} lost the forward set on its instance"
+    gone = next(path for path, _, _ in then if path not in {p for p, _, _ in now})
+    return f"{name}.{gone} was removed"
+
+
 def check_proven(module: nn.Module) -> None:
     """Raise ``FactChanged`` where a value the proofs of ``module`` (a block, or experts whose forward a recipe
-    replaced) folded at apply has changed: ``watching_facts``' facts and ``watching_folded``'s constants."""
+    replaced) folded at apply has changed: ``watching_facts``' facts, ``watching_folded``'s constants and
+    ``watching_experts``' modules."""
+    _check_facts(module)
+    proven = getattr(module, "_autoep_proven_experts", None)
+    if proven is not None:
+        _check_experts(module, proven)
+
+
+def _check_facts(module: nn.Module) -> None:
     for fact in getattr(module, "_autoep_facts", ()):
         if not holds(fact, module):
             raise FactChanged(f"{fact.label(module)} is {fact.now(module)!r}, but the expert-parallel plan was proven "
@@ -166,7 +235,7 @@ def check_proven(module: nn.Module) -> None:
 
 
 def _check_proven_hook(module: nn.Module, args) -> None:
-    check_proven(module)
+    _check_facts(module)  # the experts' modules: once per call, where the recipe's code reaches them
 
 
 def checking_proven(region: Callable) -> Callable:

@@ -32,7 +32,10 @@ N-D calls: an expert called on ``(..., D)`` (VitPose runs every expert on the wh
 tensor) travels as its ``(prod(...), D)`` rows, and its output comes back reshaped to ``(..., P)``: exact
 only for an expert proven to treat every dim before the last alike (``row_local.ExpertProof.
 leading_dims_free``); for any other expert such a call raises ``ReplayError`` naming the block, the expert,
-the shape and the construct that reads a leading dim. 2-D calls are the rows as they are.
+the shape and the construct that reads a leading dim. 2-D calls are the rows as they are. Every proof holds
+for the experts' modules as they were at apply: before each call, an expert or a module of one replaced by
+another class, or a ``forward`` set on one (replay calls the class forward: it would be dropped), raises
+``FactChanged`` naming the expert (``recipes.watching_experts``, checked once per call with the folded facts).
 
 Cost: pass 1 repeats the block's own work outside the experts (routing, masks, casts) once more per call,
 on one copy of each of the block's tensor inputs (freed after pass 1 unless its rows' graph saved it).
@@ -64,6 +67,7 @@ from autoep.runtime.recipes import (
     as_structure,
     check_proven,
     join_backward_exchanges,
+    watching_experts,
     watching_facts,
     watching_folded,
 )
@@ -90,7 +94,6 @@ class _Replay:
     # per expert: "" where a call on (..., D) may travel as (prod(...), D) rows (``leading_dims_free``), else
     # the construct of its forward that reads a leading dim or the rank (the ReplayError names it)
     pinned: tuple[str, ...]
-    kinds: tuple[tuple, ...]  # per expert, its modules as proven (``_kinds``): the fact holds for these only
 
 
 @dataclass
@@ -125,11 +128,13 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
     # stay where the token is, as the rest of the block (``replay_proof.num_experts``, checked by validate).
     num_experts = replay_proof.num_experts(module, facts.experts_path)
     pinned = replay_proof.leading_dims_pinned(module, facts.experts_path)  # before the stand-ins replace experts
-    kinds = tuple(_kinds(m) for m in replay_proof.members(module.get_submodule(facts.experts_path))[:num_experts])
     place_experts(module, path=facts.experts_path, num_experts=num_experts, identity_experts=0, ep_mesh=ep_mesh,
                   swiglu=None, act="", fast_path=False, name=type(module).__name__)
     keys = tuple(f"{facts.experts_path}[{k if k.isdigit() else repr(k)}]" for k in spec_of(module).keys[:num_experts])
-    setattr(module, REPLAY, _Replay(_forward_code(type(module)), keys, pinned, kinds))
+    setattr(module, REPLAY, _Replay(_forward_code(type(module)), keys, pinned))
+    # The proofs hold for these modules: one of another class, or a forward set on one (replay calls the class
+    # forward and would drop it), raises before each call (``check_proven``), naming the expert.
+    watching_experts(module, facts.experts_path, spec_of(module).keys[:num_experts], keys)
     join_backward_exchanges(module, ep_mesh)
     watching_folded(module, facts.folded)  # e.g. an expert's dropout proven idle in eval
     # An instance attribute shadows the class forward; nn.Module.__call__ (and the block's hooks) still run.
@@ -269,7 +274,7 @@ class _Recorder:
         self._shapes: dict[tuple, tuple] = {}
 
     def record(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
-        rows, lead = _rows_of(self.block, self.replay, e, expert, len(self.calls), args, kwargs)
+        rows, lead = _rows_of(self.block, self.replay, e, len(self.calls), args, kwargs)
         now = _context()
         if now != self.context:
             changed = [name for name, a, b in zip(_CONTEXT, self.context, now) if a != b]
@@ -295,7 +300,7 @@ class _Replayer:
 
     def answer(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
         i, name, keys = self.position, type(self.block).__name__, self.replay.keys
-        rows, lead = _rows_of(self.block, self.replay, e, expert, i, args, kwargs)
+        rows, lead = _rows_of(self.block, self.replay, e, i, args, kwargs)
         if i >= len(self.calls):
             raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) was not called when the experts answered "
                               f"placeholders ({len(self.calls)} calls): which experts the block calls depends on an "
@@ -371,13 +376,7 @@ def _last(calls: list[_Call], i: int, keys: tuple[str, ...]) -> str:
     return f" (the expert called before it: {keys[calls[i - 1].expert]})" if i else ""
 
 
-def _kinds(expert: nn.Module) -> tuple:
-    """An expert's modules as a proof saw them: each one's path, class and whether it has an instance forward
-    (the expert's own excluded: replay answers its calls through one)."""
-    return tuple((name, type(m), bool(name) and "forward" in vars(m)) for name, m in expert.named_modules())
-
-
-def _rows_of(block: nn.Module, replay: _Replay, e: int, expert: nn.Module, i: int, args: tuple,
+def _rows_of(block: nn.Module, replay: _Replay, e: int, i: int, args: tuple,
              kwargs: dict) -> tuple[Tensor, tuple]:
     """The rows an expert call passes, as (rows, features), and the leading shape of its input: the experts
     are proven row-local for ``expert(rows)`` on 2-D rows (``autoep.detect.row_local``), and an ``(..., D)``
@@ -397,10 +396,6 @@ def _rows_of(block: nn.Module, replay: _Replay, e: int, expert: nn.Module, i: in
         raise ReplayError(f"{name}: {key} (expert call {i}) is called on a tensor of shape {tuple(x.shape)}; autoep "
                           "moves such a call as its (prod(leading dims), features) rows only for an expert that treats "
                           f"every dim before the last alike, and this one does not: {replay.pinned[e]}")
-    if _kinds(expert) != replay.kinds[e]:
-        raise ReplayError(f"{name}: {key} (expert call {i}) is called on a tensor of shape {tuple(x.shape)}, but its "
-                          "modules changed after apply_plan proved it treats every dim before the last alike (a "
-                          "module replaced, or a forward set on one); apply the plan again to a fresh model")
     lead = tuple(x.shape[:-1])
     # Layout change: (..., D) -> (n, D). A view where the input allows (its version counter is the input's, so a
     # later in-place edit of it is caught); else a copy of the values the expert was called with.

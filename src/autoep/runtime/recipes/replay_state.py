@@ -138,8 +138,8 @@ def record_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     lists and dicts) a copy of the same shape, strides, dtype and values, differentiable to the original (pass
     1's rows send their gradient to the real input); one tensor given twice is copied once (the copies alias
     alike). Not copied, so that an in-place edit of them in pass 1 still raises as any tensor's does: tensor
-    subclasses and parameters, tensors not strided or overlapping themselves (an ``expand``), empty ones, and
-    tensors sharing memory with another input (views of one another: separate copies would not see each other's
+    subclasses and parameters, tensors not strided or overlapping themselves (an ``expand``), and tensors
+    sharing memory with another input (views of one another: separate copies would not see each other's
     edits). Cost: one copy of each copied input per block call, freed after pass 1 unless pass 1's graph (the
     rows sent to the experts) saved it for the backward."""
     found: dict[int, Tensor] = {}
@@ -147,12 +147,18 @@ def record_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         found.setdefault(id(t), t)
     owners: dict[int, set[int]] = {}
     for t in found.values():
-        if t.layout == torch.strided and not t.is_meta and t.numel():
+        if _holds_memory(t):
             owners.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
     copies = {i: _copy(t) for i, t in found.items()
-              if type(t) is Tensor and t.layout == torch.strided and not t.is_meta and t.numel()
-              and len(owners[t.untyped_storage().data_ptr()]) == 1 and torch._debug_has_internal_overlap(t) == 0}
+              if type(t) is Tensor and t.layout == torch.strided and torch._debug_has_internal_overlap(t) == 0
+              and (not _holds_memory(t) or len(owners[t.untyped_storage().data_ptr()]) == 1)}
     return _replaced(args, copies), _replaced(kwargs, copies)
+
+
+def _holds_memory(t: Tensor) -> bool:
+    """Whether ``t`` has elements in memory another input could share (empty and ``meta`` tensors have none:
+    copied whatever their address says)."""
+    return t.layout == torch.strided and not t.is_meta and t.numel() > 0
 
 
 def _input_tensors(value, out: list) -> list:

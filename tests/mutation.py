@@ -343,8 +343,8 @@ def _container_blocks() -> dict[str, Callable[[], nn.Module]]:
 
 def _switch_block() -> nn.Module:
     """transformers 5.x ``SwitchTransformersSparseMLP`` with its experts' dropout at 0 (refused at its default
-    0.1) and no router jitter (it multiplies the block's input in place: a leaf input refuses it, and replay
-    raises, since it runs the forward twice)."""
+    0.1) and no router jitter (it multiplies the block's input in place, which the leaf input the fuzzer feeds
+    refuses in the model's own forward; on a non-leaf input replay is exact: ``test_container_loop_recipe``)."""
     from test_parity_hf import randomize_
     from transformers.models.switch_transformers import modeling_switch_transformers as m
 

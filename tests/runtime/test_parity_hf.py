@@ -234,8 +234,11 @@ def rotary_for(block: nn.Module, config):
                        f"builds from its config ({tried})")
 
 
-def _block_parity(rank: int, world_size: int, ref: nn.Module, D: int, config=None, prepare_ep=None) -> None:
-    """``prepare_ep(ep_block)``, if given, runs after ``apply_plan`` (e.g. switches activation checkpointing on)."""
+def _block_parity(rank: int, world_size: int, ref: nn.Module, D: int, config=None, prepare_ep=None,
+                  non_leaf: bool = False) -> None:
+    """``prepare_ep(ep_block)``, if given, runs after ``apply_plan`` (e.g. switches activation checkpointing on).
+    ``non_leaf``: both sides get ``x * 1`` (a layer's input; a block that edits its input in place, Switch's
+    router jitter, refuses a leaf that requires grad in its own forward)."""
     from autoep.runtime.apply import apply_plan
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
@@ -265,14 +268,14 @@ def _block_parity(rank: int, world_size: int, ref: nn.Module, D: int, config=Non
         a, b = sum(counts[:r]), sum(counts[: r + 1])
         x_ref = x[:, a:b].clone().requires_grad_()
         torch.manual_seed(100 + r)
-        out_ref = _first(ref(x_ref, **extra(a, b))).reshape(x_ref.shape)  # some blocks return flattened outputs
+        out_ref = _first(ref(x_ref * 1 if non_leaf else x_ref, **extra(a, b))).reshape(x_ref.shape)  # (or flattened)
         (out_ref * grad_out[:, a:b]).sum().backward()
         ref_outs.append(out_ref.detach())
         ref_x_grads.append(x_ref.grad)
 
     x_r = x[:, lo:hi].clone().requires_grad_()
     torch.manual_seed(100 + rank)
-    out_r = _first(ep_block(x_r, **extra(lo, hi))).reshape(x_r.shape)
+    out_r = _first(ep_block(x_r * 1 if non_leaf else x_r, **extra(lo, hi))).reshape(x_r.shape)
     (out_r * grad_out[:, lo:hi]).sum().backward()
     grads = gathered_grads(ep_block)
 

@@ -120,18 +120,20 @@ def test_training_branch_classes_refuse_their_dense_branch(rows):
 def switch_cases(rank: int, world_size: int) -> dict:
     """transformers 4.57 ``SwitchTransformersSparseMLP`` (rows assigned from a one-hot mask with capacity, a loop no
     fast path reads: record/exchange/replay runs it as written) with expert dropout 0: its default 0.1 is refused while training (the coverage
-    survey says so), so the idiom's parity is checked on a config that has none; nor router jitter, which the
-    router multiplies into its input in place (a leaf input with a gradient, as the harness feeds, cannot take
-    that in the model's own forward either)."""
+    survey says so), so the idiom's parity is checked on a config that has none; without router jitter, and with
+    it (0.1: the router multiplies its input by noise in place while training; a non-leaf input, as a layer gets
+    it, since a leaf with a gradient refuses that in the model's own forward too)."""
     from test_parity_hf import _block_parity, randomize_
     from transformers.models.switch_transformers import modeling_switch_transformers as m
 
     results = {}
-    config = m.SwitchTransformersConfig(d_model=32, d_ff=24, num_experts=8, expert_capacity=2, dropout_rate=0.0,
-                                         router_jitter_noise=0.0)
-    block = m.SwitchTransformersSparseMLP(config)
-    randomize_(block, 0)
-    guarded(results, "switch_transformers", _block_parity, rank, world_size, block, 32)
+    for jitter in (0.0, 0.1):
+        config = m.SwitchTransformersConfig(d_model=32, d_ff=24, num_experts=8, expert_capacity=2, dropout_rate=0.0,
+                                             router_jitter_noise=jitter)
+        block = m.SwitchTransformersSparseMLP(config)
+        randomize_(block, 0)
+        name = "switch_transformers" + ("_jitter" if jitter else "")
+        guarded(results, name, _block_parity, rank, world_size, block, 32, non_leaf=bool(jitter))
     return results
 
 
@@ -139,7 +141,7 @@ def switch_cases(rank: int, world_size: int) -> dict:
 def test_switch_loop_equals_its_own_forward(world_size):
     results = run_cases(world_size, "test_transformers_v4:switch_cases")
     failed = {name: errors for name, errors in results.items() if errors}
-    assert results and not failed, "\n".join(f"{n}: {e[0]}" for n, e in failed.items())
+    assert len(results) == 2 and not failed, "\n".join(f"{n}: {e[0]}" for n, e in failed.items())
 
 
 def test_switch_default_dropout_refused_while_training_accepted_in_eval(rows):

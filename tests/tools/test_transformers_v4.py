@@ -123,6 +123,8 @@ def switch_cases(rank: int, world_size: int) -> dict:
     survey says so), so the idiom's parity is checked on a config that has none; without router jitter, and with
     it (0.1: the router multiplies its input by noise in place while training; a non-leaf input, as a layer gets
     it, since a leaf with a gradient refuses that in the model's own forward too)."""
+    import functools
+
     from test_parity_hf import _block_parity, randomize_
     from transformers.models.switch_transformers import modeling_switch_transformers as m
 
@@ -133,7 +135,7 @@ def switch_cases(rank: int, world_size: int) -> dict:
         block = m.SwitchTransformersSparseMLP(config)
         randomize_(block, 0)
         name = "switch_transformers" + ("_jitter" if jitter else "")
-        guarded(results, name, _block_parity, rank, world_size, block, 32, non_leaf=bool(jitter))
+        guarded(results, name, functools.partial(_block_parity, non_leaf=bool(jitter)), rank, world_size, block, 32)
     return results
 
 

@@ -329,6 +329,7 @@ SWAPS = {  # name -> (the edit, on the EP block; what the error says)
                            "ComprehensionMoE: experts[1].fc1 was replaced by a Sequential (proven: a Linear)"),
     "submodule_added": (lambda b: b.experts[3].add_module("extra", nn.Linear(rb.D, rb.D)),
                         "ComprehensionMoE: experts[3].extra (Linear) was added"),
+    "submodule_removed": (lambda b: delattr(b.experts[3], "fc2"), "ComprehensionMoE: experts[3].fc2 was removed"),
     # replay calls the class forward: the instance's would be dropped (and deleted by the answering)
     "instance_forward": (lambda b: setattr(b.experts[0], "forward", types.MethodType(_twice, b.experts[0])),
                          "ComprehensionMoE: experts[0] got a forward set on its instance"),

@@ -175,8 +175,8 @@ def watching_experts(block: nn.Module, path: str, keys: tuple[str, ...], names: 
     running a plan proven for other code (a recipe that calls the experts' class forward would drop the
     instance's silently)."""
     container = block.get_submodule(path)
-    block._autoep_proven_experts = ProvenExperts(path, tuple(keys), tuple(names),
-                                          tuple(module_kinds(container._modules[k]) for k in keys))
+    kinds = tuple(module_kinds(container._modules[k]) for k in keys)
+    block._autoep_proven_experts = ProvenExperts(path, tuple(keys), tuple(names), kinds)
 
 
 def _check_experts(block: nn.Module, proven: ProvenExperts) -> None:
@@ -206,8 +206,8 @@ def _kinds_change(name: str, then: tuple, now: tuple) -> str:
             return f"{where} got a forward set on its instance"
         if before[path][1] and not own:
             return f"{where} lost the forward set on its instance"
-    gone = next(path for path, _, _ in then if path not in {p for p, _, _ in now})
-    return f"{name}.{gone} was removed"
+    gone = next((path for path, _, _ in then if path not in {p for p, _, _ in now}), None)
+    return f"{name}.{gone} was removed" if gone is not None else f"{name}'s modules were reordered"
 
 
 def check_proven(module: nn.Module) -> None:

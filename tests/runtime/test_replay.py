@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from autoep.detect import plain_experts
 from autoep.detect.structure import detect_moe_structure
 from autoep.errors import UnsupportedModuleStructure
 from autoep.plan.resolve import resolve_plan
@@ -85,8 +86,10 @@ def _check_block(name: str, rank: int, world_size: int) -> None:
     path = detect_moe_structure(_make(name), replay=True).experts_path
     # The experts as the runtime places them (an entry of the container that is no expert, ``named_entry``'s
     # norm, is dense: every rank holds it, its grads sum over ranks).
+    # Experts in a plain dict/list attribute keep the names the block registers them under (``expert_0.fc1.weight``).
+    view, prefix = plain_experts.resolve(ref, path)
     experts = set(expert_owners(block))
-    assert experts and all(n.startswith(path + ".") for n in experts), sorted(experts)
+    assert experts and experts <= {".".join(p for p in (prefix, n) if p) for n in view.state_dict()}, sorted(experts)
     # Collectives first, in the same order on every rank; compare after.
     dense = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
              for n, p in block.named_parameters() if n not in experts}

@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from autoep.detect import replay_proof
+from autoep.detect import plain_experts, replay_proof
 from autoep.detect.module_list_proof import global_hooks
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
@@ -66,9 +66,8 @@ from autoep.runtime.recipes import (
 )
 from autoep.runtime.recipes.local_experts import (
     GROUP,
-    container_of,
-    expert_modules,
     place_experts,
+    placed_experts,
     report_counts,
     spec_of,
 )
@@ -88,6 +87,8 @@ class _Replay:
     # the construct of its forward that reads a leading dim or the rank (the ReplayError names it)
     pinned: tuple[str, ...]
     kinds: tuple[tuple, ...]  # per expert, its modules as proven (``_kinds``): the fact holds for these only
+    # experts in a plain dict/list attribute of the block: which entry is which registered child (checked per call)
+    plain: plain_experts.PlainExperts | None = None
 
 
 @dataclass
@@ -122,11 +123,16 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
     # stay where the token is, as the rest of the block (``replay_proof.num_experts``, checked by validate).
     num_experts = replay_proof.num_experts(module, facts.experts_path)
     pinned = replay_proof.leading_dims_pinned(module, facts.experts_path)  # before the stand-ins replace experts
-    kinds = tuple(_kinds(m) for m in replay_proof.members(module.get_submodule(facts.experts_path))[:num_experts])
-    place_experts(module, path=facts.experts_path, num_experts=num_experts, identity_experts=0, ep_mesh=ep_mesh,
-                  swiglu=None, act="", fast_path=False, name=type(module).__name__)
-    keys = tuple(f"{facts.experts_path}[{k if k.isdigit() else repr(k)}]" for k in spec_of(module).keys[:num_experts])
-    setattr(module, REPLAY, _Replay(_forward_code(type(module)), keys, pinned, kinds))
+    labels, entries = replay_proof.expert_labels(module, facts.experts_path)
+    kinds = tuple(_kinds(m) for m in entries[:num_experts])
+    # Experts in a plain dict/list attribute are the block's own registered children: placed under their names
+    # (the attribute and the registration are one object each, so both reach the placed expert or its stand-in).
+    plain = plain_experts.holder(module, facts.experts_path) if replay_proof.is_plain(module, facts.experts_path) \
+        else None
+    place_experts(module, path="" if plain else facts.experts_path, num_experts=num_experts, identity_experts=0,
+                  ep_mesh=ep_mesh, swiglu=None, act="", fast_path=False, name=type(module).__name__,
+                  keys=plain.names if plain else None)
+    setattr(module, REPLAY, _Replay(_forward_code(type(module)), tuple(labels[:num_experts]), pinned, kinds, plain))
     join_backward_exchanges(module, ep_mesh)
     watching_folded(module, facts.folded)  # e.g. an expert's dropout proven idle in eval
     # An instance attribute shadows the class forward; nn.Module.__call__ (and the block's hooks) still run.
@@ -167,7 +173,9 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         raise ReplayError(f"{cls.__name__}.forward was replaced, or its __code__ swapped, after apply_plan; apply "
                           "the plan again to a fresh model built with the new code")
     spec = spec_of(self)
-    experts = expert_modules(container_of(self, spec))[:spec.num_experts]
+    # Raised in pass 1 (through the exchange's counts, so every peer stops too); its experts are not looked up.
+    changed = _plain_changed(self, replay, "was changed after apply_plan")
+    experts = placed_experts(self, spec)[:spec.num_experts] if changed is None else []
     group = getattr(self, GROUP).value if spec.ep_size > 1 else None
     rng = rng_state()
     recorder = _Recorder(self, replay, experts, _context())
@@ -176,6 +184,8 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         # After every pre-hook (a user's, registered after apply, may change a value the proofs folded): raised
         # through the exchange's counts, so every peer stops too.
         check_proven(self)
+        if changed is not None:
+            raise changed
         if global_hooks():
             raise ReplayError(f"{cls.__name__}: global module hooks are registered; replay calls each expert twice "
                               "(answered in the block's forward, and on its owner's rows), so such a hook would run on "
@@ -199,6 +209,9 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         with _answering(experts, replayer.answer):
             output = cls.forward(self, *args, **kwargs)
         replayer.finish()
+        changed = _plain_changed(self, replay, "was changed by the block's forward")
+        if changed is not None:
+            raise changed
         failure = None
     except Exception as exc:  # noqa: BLE001 - agreed with every peer first, then raised
         failure = exc
@@ -212,6 +225,17 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
 
 
 _CHECKPOINT_STOP = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+
+
+def _plain_changed(block: nn.Module, replay: _Replay, when: str) -> ReplayError | None:
+    """Experts in a plain dict/list attribute: the error to raise where it no longer maps the same ids to the
+    registered children autoep placed (an entry replaced or added, or a registered expert replaced with the entry
+    still holding the old one, would run a module autoep never placed, whose parameters may not be the model's)."""
+    drift = replay.plain.drift(block) if replay.plain is not None else ""
+    if drift:
+        return ReplayError(f"{type(block).__name__}.{replay.plain.attr} {when}: {drift}; autoep placed the experts it "
+                          f"held then. Apply the plan again to a fresh model built with the new experts")
+    return None
 
 
 def _needing_grad(output, returned: Tensor):

@@ -195,9 +195,10 @@ def replay_facts(block: nn.Module, path: str) -> dict:
                       "autoep would split it over the ep ranks as a batched expert weight")
     if is_plain(block, path):
         # Named as the block names them (``expert_3.dropout.p=0.0``): the attribute holds no state of its own.
+        n = num_experts(block, path)  # ``Refusal`` naming an entry that is not a registered expert
         view, _ = plain_experts.resolve(block, path)
         _no_whole_module_reads(block, None)
-        return module_list_proof.row_local_facts(view, path, members(view)[:num_experts(block, path)], folded_path="")
+        return module_list_proof.row_local_facts(view, path, members(view)[:n], folded_path="")
     container = block.get_submodule(path)
     _no_whole_module_reads(block, container)
     return module_list_proof.row_local_facts(container, path, members(container)[:num_experts(block, path)])

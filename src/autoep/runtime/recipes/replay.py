@@ -41,7 +41,9 @@ P the experts' output width, E routed experts, L experts local to this rank, W e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import marshal
 import math
 import types
 from dataclasses import dataclass
@@ -72,8 +74,10 @@ from autoep.runtime.recipes.local_experts import (
     spec_of,
 )
 from autoep.runtime.recipes.replay_state import ReplayError, Snapshot, rng_state, set_rng_state
+from autoep.runtime.shared import InstanceMethod
 
 REPLAY = "_autoep_replay"  # the block attribute holding its ``_Replay``
+PLACED = "_autoep_placed"  # on an expert held in a plain dict/list: (the attribute, its entry) when it was placed
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # the rows' dtypes the exchange sends
 
 
@@ -89,6 +93,15 @@ class _Replay:
     kinds: tuple[tuple, ...]  # per expert, its modules as proven (``_kinds``): the fact holds for these only
     # experts in a plain dict/list attribute of the block: which entry is which registered child (checked per call)
     plain: plain_experts.PlainExperts | None = None
+
+    def __reduce__(self):
+        # A code object does not pickle; its marshalled bytes do (``torch.save(model)``), read back at load.
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return _unmarshalled, (marshal.dumps(self.proven_code), *fields[1:])
+
+
+def _unmarshalled(code: bytes, *fields) -> _Replay:
+    return _Replay(marshal.loads(code), *fields)
 
 
 @dataclass
@@ -132,11 +145,13 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
     place_experts(module, path="" if plain else facts.experts_path, num_experts=num_experts, identity_experts=0,
                   ep_mesh=ep_mesh, swiglu=None, act="", fast_path=False, name=type(module).__name__,
                   keys=plain.names if plain else None)
+    for i, name in enumerate(plain.names if plain else ()):  # which entry each placed module is (``_plain_changed``)
+        setattr(module._modules[name], PLACED, (plain.attr, i))
     setattr(module, REPLAY, _Replay(_forward_code(type(module)), tuple(labels[:num_experts]), pinned, kinds, plain))
     join_backward_exchanges(module, ep_mesh)
     watching_folded(module, facts.folded)  # e.g. an expert's dropout proven idle in eval
     # An instance attribute shadows the class forward; nn.Module.__call__ (and the block's hooks) still run.
-    module.forward = types.MethodType(_replayed_forward, module)
+    module.forward = InstanceMethod(module, _replayed_forward)  # pickled by reference (``runtime.shared``)
 
 
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> None:
@@ -169,7 +184,8 @@ def _forward_code(cls: type):
 def _replayed_forward(self: nn.Module, *args, **kwargs):
     replay: _Replay = getattr(self, REPLAY)
     cls = type(self)
-    if _forward_code(cls) is not replay.proven_code:
+    code = _forward_code(cls)
+    if code is not replay.proven_code and code != replay.proven_code:  # equal: the same bytecode (a pickle's copy)
         raise ReplayError(f"{cls.__name__}.forward was replaced, or its __code__ swapped, after apply_plan; apply "
                           "the plan again to a fresh model built with the new code")
     spec = spec_of(self)
@@ -231,7 +247,13 @@ def _plain_changed(block: nn.Module, replay: _Replay, when: str) -> ReplayError 
     """Experts in a plain dict/list attribute: the error to raise where it no longer maps the same ids to the
     registered children autoep placed (an entry replaced or added, or a registered expert replaced with the entry
     still holding the old one, would run a module autoep never placed, whose parameters may not be the model's)."""
-    drift = replay.plain.drift(block) if replay.plain is not None else ""
+    if replay.plain is None:
+        return None
+    drift = replay.plain.drift(block)
+    if not drift:  # the same map; each entry still the module placed there (not a new one, nor two swapped)
+        drift = next((f"{replay.plain.label(i)} is no longer the module autoep placed there" for i, entry in
+                      enumerate(replay.plain.entries(block)) if getattr(entry, PLACED, None) != (replay.plain.attr, i)),
+                     "")
     if drift:
         return ReplayError(f"{type(block).__name__}.{replay.plain.attr} {when}: {drift}; autoep placed the experts it "
                           f"held then. Apply the plan again to a fresh model built with the new experts")

@@ -24,8 +24,10 @@ depend on expert outputs. Proven here, from source and attributes, never by runn
   forward twice inside one call of the block).
 
 ``replay_facts(block, path)`` returns the ``MoeStructure`` facts or raises ``Refusal``; ``num_experts(block,
-path)`` how many of the container's entries are experts; ``leading_dims_pinned(block, path)`` which experts may
-be called on ``(..., D)`` tensors (moved as their rows).
+path)`` how many of the container's entries are experts; ``expert_labels(block, path)`` how the model names each
+entry (``experts[2]``, ``expert_by_id[3]``) and the entries; ``leading_dims_pinned(block, path)`` which experts
+may be called on ``(..., D)`` tensors (moved as their rows); ``is_plain(block, path)`` whether ``path`` is a plain
+dict/list attribute.
 """
 from __future__ import annotations
 
@@ -163,7 +165,9 @@ def find_container(block: nn.Module) -> str:
             continue
         found += [f"{name}.{sub}" for sub, grandchild in child._modules.items()
                   if _is_container(grandchild) and _reads(child_forward, sub)]
-    for name in plain_experts.candidates(block):  # a plain dict/list of modules the forward reads
+    # A plain dict/list of modules the forward reads, only where no registered container is: a block that was
+    # taken for its ModuleList/ModuleDict keeps that decision (no detector outcome changes but refusals lifted).
+    for name in plain_experts.candidates(block) if not found else ():
         if _reads(forward_fns, name):
             chained = _chained(forward_fns, name)
             if chained is not None:

@@ -1,4 +1,5 @@
-"""Experts held as modules (a ``ModuleList`` or ``ModuleDict`` of expert modules) under expert parallelism:
+"""Experts held as modules (a ``ModuleList`` or ``ModuleDict`` of expert modules, or modules registered on the
+block one by one that a plain dict/list attribute maps expert ids to) under expert parallelism:
 which rank owns which expert, what a rank keeps, and how its local experts compute.
 
 After ``apply_plan`` the block keeps its container and every expert module, so parameter names and

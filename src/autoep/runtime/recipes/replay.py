@@ -26,6 +26,11 @@ called with zero rows on its owner (zero gradients, as the model gives); an expe
 A failed check on one rank raises on every rank (their flags travel with the exchange's counts, and one small
 all-reduce after pass 2), so no peer is left waiting in a collective.
 
+Experts in a plain dict/list attribute of the block (``autoep.detect.plain_experts``: ``self.expert_by_id =
+{i: self.expert_i}``, each value registered on the block) are placed under their registered names, so the entry
+and the registration reach the one placed module; each call checks the attribute still maps the same ids to
+those modules (``_plain_changed``: a change after apply or in the forward raises ``ReplayError`` naming the entry).
+
 N-D calls: an expert called on ``(..., D)`` (VitPose runs every expert on the whole ``(batch, seq, D)``
 tensor) travels as its ``(prod(...), D)`` rows, and its output comes back reshaped to ``(..., P)``: exact
 only for an expert proven to treat every dim before the last alike (``row_local.ExpertProof.

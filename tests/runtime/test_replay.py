@@ -465,3 +465,18 @@ def test_a_global_module_hook_at_forward_time_raises():
     finally:
         handle.remove()
     block(x)
+
+
+def test_a_plain_dict_plan_replays_and_rechecks_its_experts():
+    """``resolved.yaml`` of a plain-dict block replays as frozen (experts_path the attribute); an expert added to
+    the model since (registered, and in the dict) is drift, naming the count."""
+    from autoep.errors import DriftError
+
+    model = nn.ModuleDict({"mlp": _make("plain_dict")})
+    frozen = OmegaConf.to_container(resolve_plan({"ep_size": 2, "plan": [{"match": "mlp"}]}, model))
+    assert frozen["plan"][0]["decision"]["structure"]["experts_path"] == "expert_by_id"
+    assert OmegaConf.to_container(resolve_plan(frozen, model)) == frozen
+    model["mlp"].add_module("expert_4", rb.FeedForward())
+    model["mlp"].expert_by_id[4] = model["mlp"].expert_4
+    with pytest.raises(DriftError, match=r"num_experts 4 -> \[5\]"):
+        resolve_plan(frozen, model)

@@ -457,7 +457,7 @@ def rt_cached_experts(block, role):
         return None
 
     def apply(b):
-        object.__setattr__(router_of(b), "cached_experts", list(b.experts) if is_module_list(b) else [b.experts])
+        object.__setattr__(router_of(b), "cached_experts", expert_list(b) if is_module_list(b) else [experts_of(b)])
 
     return apply
 

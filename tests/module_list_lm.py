@@ -39,6 +39,29 @@ class ModuleListLM(nn.Module):
         return self.lm_head(x)
 
 
+class PlainDictLayer(nn.Module):
+    """A layer whose MoE block holds its experts in a plain dict attribute (``replay_blocks.PlainDictMoE``)."""
+
+    def __init__(self):
+        super().__init__()
+        from replay_blocks import D, PlainDictMoE
+
+        self.norm = nn.LayerNorm(D)
+        self.mlp = PlainDictMoE()
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def plain_dict_lm() -> ModuleListLM:
+    """``ModuleListLM`` at ``replay_blocks.D`` wide whose layers are ``PlainDictLayer``s (run by replay)."""
+    from replay_blocks import D
+
+    model = ModuleListLM(hidden=D)
+    model.model.layers = nn.ModuleList(PlainDictLayer() for _ in range(2))
+    return model
+
+
 def model_config() -> dict:
     return {"_target_": "module_list_lm.ModuleListLM", "vocab_size": 64, "hidden": 16, "ffn": 32, "num_experts": 4,
             "top_k": 2, "num_layers": 2}

@@ -52,10 +52,12 @@ def experts_attr(block: nn.Module) -> str:
 
 
 def experts_of(block: nn.Module) -> nn.Module | None:
-    try:
-        return block.get_submodule(experts_attr(block))
-    except AttributeError:
-        return getattr(block, "experts", None)
+    """The experts container (experts held in a plain dict/list attribute: a ModuleDict view of them, by the names
+    the block registers them under)."""
+    from autoep.detect import plain_experts
+
+    found = plain_experts.resolve(block, experts_attr(block))
+    return found[0] if found is not None else getattr(block, "experts", None)
 
 
 def expert_list(block: nn.Module) -> list[nn.Module]:
@@ -455,7 +457,7 @@ def rt_cached_experts(block, role):
         return None
 
     def apply(b):
-        object.__setattr__(router_of(b), "cached_experts", list(b.experts) if is_module_list(b) else [b.experts])
+        object.__setattr__(router_of(b), "cached_experts", expert_list(b) if is_module_list(b) else [experts_of(b)])
 
     return apply
 

@@ -2,9 +2,9 @@
 comprehensions over experts, ``zip(chunks, experts)``, DeepSeek's sorted-token ``vstack`` loop, Switch-style
 masked assignment through a cast, an outer loop over batch rows, a config-flag branch, an experts container
 with its own forward and an optional argument, experts nested under another module, a plain dict of expert
-modules, expert-choice routing, capacity dropping, every expert on the whole N-D tensor), blocks that edit their
-input in place (``INPUT_EDITS``: Switch's router jitter, a residual scaled in place), and their harmful one-edit
-twins.
+modules and a plain list of them, expert-choice routing, capacity dropping, every expert on the whole N-D tensor),
+blocks that edit their input in place (``INPUT_EDITS``: Switch's router jitter, a residual scaled in place), and
+their harmful one-edit twins.
 
 Every block takes ``(batch, seq, hidden)`` and returns the same shape; experts are biased GELU MLPs (row-local,
 not the SwiGLU fast path). ``BLOCKS`` and ``TWINS`` map a case name to a builder.
@@ -280,6 +280,28 @@ class PlainDictMoE(nn.Module):
         return out.reshape(hidden_states.shape)
 
 
+class PlainListMoE(nn.Module):
+    """Experts registered one by one, and held in a plain list attribute the forward zips with its chunks."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        for i in range(E):
+            setattr(self, f"ffn_{i}", FeedForward())
+        self.expert_list = [self.ffn_0, self.ffn_1, self.ffn_2, self.ffn_3]
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, selected = _top_k(self.router, x, K)
+        order = selected.flatten().argsort(stable=True)
+        counts = torch.bincount(selected.flatten(), minlength=len(self.expert_list)).tolist()
+        rows = x.repeat_interleave(K, dim=0)[order]
+        outs = [expert(chunk) for chunk, expert in zip(rows.split(counts), self.expert_list)]
+        y = torch.empty_like(rows)
+        y[order] = torch.cat(outs)
+        return (y.view(-1, K, x.shape[-1]) * weights[..., None]).sum(1).reshape(hidden_states.shape)
+
+
 class ExpertChoiceMoE(nn.Module):
     """Expert choice: each expert takes its top-c tokens of this batch (capacity factor 1)."""
 
@@ -400,6 +422,8 @@ BLOCKS = {
     "named_entry": NamedEntryMoE,
     "whole_tensor": WholeTensorMoE,
     "four_dim_calls": FourDimCallsMoE,
+    "plain_dict": PlainDictMoE,
+    "plain_list": PlainListMoE,
 }
 
 
@@ -637,6 +661,24 @@ class RankBranchExpert(LastDimExpert):
         return self.fc2(h.view(h.shape))
 
 
+class ReplacesEntryInForwardTwin(PlainDictMoE):
+    """Edit: the forward swaps the dict's entry 2 for a fresh module after its loop (a module autoep never placed)."""
+
+    def forward(self, hidden_states):
+        out = super().forward(hidden_states)
+        self.expert_by_id[2] = FeedForward()
+        return out
+
+
+class AppendsInForwardTwin(PlainListMoE):
+    """Edit: the forward appends to the list of experts after using it."""
+
+    def forward(self, hidden_states):
+        out = super().forward(hidden_states)
+        self.expert_list.append(self.expert_list[0])
+        return out
+
+
 # name -> (builder, the ReplayError text it must raise)
 TWINS = {
     "chained": (ChainedTwin, "ChainedTwin.forward: experts['expert_1'] (expert call 1) got its input from "
@@ -653,4 +695,10 @@ TWINS = {
     "softmax_over_seq": (lambda: WholeTensorMoE(SoftmaxDimOneExpert), "`F.softmax(h, dim=1)` reads dim 1"),
     "colon_slice": (lambda: WholeTensorMoE(ColonSliceExpert), "`h[:, :1]` reads dim 1 by position"),
     "rank_branch": (lambda: FourDimCallsMoE(RankBranchExpert), "`x.dim()` reads the rows' rank"),
+    # experts in a plain dict/list attribute, changed by the block's own forward
+    "plain_dict_entry_replaced": (ReplacesEntryInForwardTwin, "ReplacesEntryInForwardTwin.expert_by_id was changed "
+                                  "by the block's forward: expert_by_id[2] is no longer the module registered as "
+                                  "ReplacesEntryInForwardTwin.expert_2"),
+    "plain_list_appended": (AppendsInForwardTwin, "AppendsInForwardTwin.expert_list was changed by the block's "
+                            "forward: expert_list now holds the entries [0, 1, 2, 3, 4], not the 4 it held at apply"),
 }

@@ -4,7 +4,7 @@ The same user code runs on the single-process model and on the EP model (2 gloo 
 tokens), and values are compared, the model's own forward being the reference:
 
 - ``copy.deepcopy`` and ``torch.save(model)``/``torch.load`` of the applied model compute what it computes
-  (batched, ModuleList, grouped experts); an ``AveragedModel`` EMA updated from the live EP model over 3 SGD
+  (batched, ModuleList, grouped experts, experts in a plain dict attribute run by replay); an ``AveragedModel`` EMA updated from the live EP model over 3 SGD
   steps equals the EMA of the single-process model (every expert gathered);
 - ``model.load_state_dict`` of the single-process checkpoint (full expert tensors), of the EP model's own
   ``state_dict()`` (sharded) and with ``assign=True`` gives every rank its own slice, the model's outputs;
@@ -61,8 +61,15 @@ def grouped(kind: str):
     return build
 
 
+def plain_dict():
+    from module_list_lm import plain_dict_lm
+
+    torch.manual_seed(0)
+    return plain_dict_lm()
+
+
 MODELS = {"batched": qwen, "module_list": module_list, "grouped": grouped("aria_style"),
-          "grouped_titan": grouped("titan_padded")}
+          "grouped_titan": grouped("titan_padded"), "plain_dict": plain_dict}
 
 
 def tokens(rank: int, step: int = 0) -> torch.Tensor:
@@ -195,10 +202,10 @@ def two_rank_cases(rank, world, tmp):
     results = {}
     for kind in MODELS:
         guarded(results, f"copies_{kind}", copies_case, rank, world, kind, tmp)
-    for kind in ("batched", "module_list"):
+    for kind in ("batched", "module_list", "plain_dict"):
         guarded(results, f"ema_{kind}", ema_case, rank, world, kind)
     guarded(results, "ema_foreach_batched", ema_case, rank, world, "batched", True)
-    for kind in ("batched", "module_list", "grouped"):
+    for kind in ("batched", "module_list", "grouped", "plain_dict"):
         guarded(results, f"loads_{kind}", loads_case, rank, world, kind)
     guarded(results, "expert_copy", expert_copy_case, rank, world)
     for kind in ("batched", "module_list"):
@@ -273,8 +280,9 @@ def checkpoints(tmp_path_factory):
     return tmp, run_cases(WORLD, "test_copies:two_rank_cases", str(tmp))
 
 
-CASES = [*(f"copies_{k}" for k in MODELS), "ema_batched", "ema_module_list", "loads_batched", "loads_module_list",
-         "loads_grouped", "expert_copy", "resume_from_one_batched", "resume_from_one_module_list", "save_batched",
+CASES = [*(f"copies_{k}" for k in MODELS), "ema_batched", "ema_module_list", "ema_plain_dict", "loads_batched",
+         "loads_module_list", "loads_grouped", "loads_plain_dict", "expert_copy", "resume_from_one_batched",
+         "resume_from_one_module_list", "save_batched",
          "save_module_list"]
 
 

@@ -56,6 +56,14 @@ def _module_list() -> nn.Module:
     return blocks.MixtralStyleSparseMoeBlock(hidden=D, num_experts=4, top_k=2)
 
 
+def _plain_dict() -> nn.Module:
+    """Experts registered one by one and held in a plain dict attribute (record/exchange/replay)."""
+    import replay_blocks
+
+    torch.manual_seed(0)
+    return replay_blocks.PlainDictMoE()
+
+
 def _batched() -> nn.Module:
     return build_tiny_lm("qwen3_moe").model.layers[0].mlp
 
@@ -404,7 +412,7 @@ def _reset_loop(model: nn.Module) -> None:
 INIT_CASES = {
     f"model.apply({init.__name__[1:]}) after apply, {kind} experts": (
         lambda r, w, make=make, init=init: _init_parity(r, w, _with_dense_after(make), init))
-    for kind, make in (("ModuleList", _module_list), ("batched", _batched))
+    for kind, make in (("ModuleList", _module_list), ("batched", _batched), ("plain dict", _plain_dict))
     for init in (_normal, _xavier, _zeros, _reset)
     if not (kind == "batched" and init is _reset)  # batched experts have no reset_parameters
 }

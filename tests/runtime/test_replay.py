@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from autoep.detect import plain_experts
 from autoep.detect.structure import detect_moe_structure
 from autoep.errors import FactChanged, UnsupportedModuleStructure
 from autoep.plan.resolve import resolve_plan
@@ -87,8 +88,10 @@ def _check_block(name: str, rank: int, world_size: int, builders=rb.BLOCKS) -> N
     path = detect_moe_structure(_make(name, builders), replay=True).experts_path
     # The experts as the runtime places them (an entry of the container that is no expert, ``named_entry``'s
     # norm, is dense: every rank holds it, its grads sum over ranks).
+    # Experts in a plain dict/list attribute keep the names the block registers them under (``expert_0.fc1.weight``).
+    view, prefix = plain_experts.resolve(ref, path)
     experts = set(expert_owners(block))
-    assert experts and all(n.startswith(path + ".") for n in experts), sorted(experts)
+    assert experts and experts <= {".".join(p for p in (prefix, n) if p) for n in view.state_dict()}, sorted(experts)
     # Collectives first, in the same order on every rank; compare after.
     dense = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
              for n, p in block.named_parameters() if n not in experts}
@@ -225,12 +228,174 @@ def test_a_forward_reading_every_tensor_of_an_expert_is_refused():
         detect_moe_structure(_TouchesEveryExpert(), replay=True)
 
 
-@pytest.mark.xfail(strict=True, reason="experts in a plain dict attribute (registered one by one) are refused by "
-                                       "the live-state check (a cached reference outside the module tree); "
-                                       "replay does not place them yet")
-def test_plain_dict_of_experts():
-    _check_block_plain = detect_moe_structure(rb.PlainDictMoE(), replay=True)
-    assert _check_block_plain.execution == "replay"
+# ---------------------------------------------------------------------------------------------
+# Experts in a plain dict/list attribute (issue 21): parity is ``plain_dict``/``plain_list`` in the cases above
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plain_dict_and_list_experts_are_found_by_data_flow_and_keep_their_names():
+    """The attribute the forward reads is ``experts_path``; each expert is named by its entry
+    (``expert_by_id[3]``) and keeps the block's own parameter names; the plan table counts their bytes; both the
+    attribute and the registration reach the one placed module (a stand-in where another rank owns it)."""
+    for name, attr, label in (("plain_dict", "expert_by_id", "expert_by_id[3]"),
+                              ("plain_list", "expert_list", "expert_list[3]")):
+        found = detect_moe_structure(_make(name), replay=True)
+        assert (found.execution, found.experts_path, found.expert_kind) == ("replay", attr, "row_local")
+        model = nn.ModuleDict({"mlp": _make(name)})
+        resolved = resolve_plan({"ep_size": 2, "plan": [{"match": "mlp"}]}, model)
+        expert_bytes = sum(p.numel() * p.element_size() for n, p in model["mlp"].named_parameters()
+                           if not n.startswith(("gate.", "router.")))
+        assert plan_rows(model, resolved)[0][5] == expert_bytes // 2
+        block = _ep_block(name, 1)
+        assert block._autoep_replay.keys[3] == label
+        entries = block.expert_by_id if name == "plain_dict" else dict(enumerate(block.expert_list))
+        prefix = "expert" if name == "plain_dict" else "ffn"
+        assert all(entries[i] is block.get_submodule(f"{prefix}_{i}") for i in range(rb.E))
+
+
+def _plain(edit=None, cls=rb.PlainDictMoE):
+    torch.manual_seed(0)
+    block = cls()
+    if edit is not None:
+        edit(block)
+    return block
+
+
+def _unregistered(b):
+    b.expert_by_id[2] = rb.FeedForward()
+
+
+def _held_twice(b):
+    b.expert_by_id[2] = b.expert_1
+
+
+class _GateInDict(rb.PlainDictMoE):
+    """The gate held in the dict too, read there by its key."""
+
+    def __init__(self):
+        super().__init__()
+        self.expert_by_id["gate"] = self.gate
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        weights, selected = rb._top_k(self.expert_by_id["gate"], x, rb.K)
+        out = torch.zeros_like(x)
+        for i in range(rb.E):
+            tok, slot = torch.where(selected == i)
+            out.index_add_(0, tok, self.expert_by_id[i](x[tok]) * weights[tok, slot, None])
+        return out.reshape(hidden_states.shape)
+
+
+class _GateInListReadByName(rb.PlainListMoE):
+    """The router held in the list too, called by its own name."""
+
+    def __init__(self):
+        super().__init__()
+        self.expert_list.append(self.router)
+
+
+class _GateInListCalledThroughIt(rb.PlainListMoE):
+    """The router held last in the list and called through it, by position: not refusable from the names alone.
+    Replay takes it for an expert and raises: its call's output is not rows of the experts' width (and were it,
+    pass 1 answers it with a placeholder, so pass 2's routing on its true output would call other experts than
+    pass 1 recorded)."""
+
+    def __init__(self):
+        super().__init__()
+        del self.router
+        self.gate_last = nn.Linear(rb.D, rb.E, bias=False)
+        self.expert_list.append(self.gate_last)
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        *experts, gate = self.expert_list
+        weights, selected = rb._top_k(gate, x, rb.K)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(experts):
+            tok, slot = torch.where(selected == i)
+            out.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+        return out.reshape(hidden_states.shape)
+
+
+@pytest.mark.parametrize("block, match", [
+    (lambda: _plain(_unregistered), r"PlainDictMoE.expert_by_id\[2\] holds a FeedForward that is not a registered "
+                                    r"submodule of PlainDictMoE.*self.add_module"),
+    (lambda: _plain(_held_twice), r"PlainDictMoE.expert_by_id holds the module PlainDictMoE.expert_1 at "
+                             r"expert_by_id\[1\] and at expert_by_id\[2\]"),
+    (lambda: _plain(cls=_GateInDict), r"_GateInDict.expert_by_id\['gate'\] \(self.gate\) is read by name"),
+    (lambda: _plain(cls=_GateInListReadByName), r"expert_list\[4\] \(self.router\) is read by name"),
+])
+def test_plain_experts_one_edit_twins_are_refused_naming_the_attribute(block, match):
+    with pytest.raises(UnsupportedModuleStructure, match=match):
+        detect_moe_structure(block(), replay=True)
+
+
+def test_a_gate_called_through_the_plain_list_raises():
+    model = nn.ModuleDict({"mlp": _plain(cls=_GateInListCalledThroughIt)})
+    apply_plan(model, resolve_plan({"ep_size": 1, "plan": [{"match": "mlp"}]}, model), None)
+    # pass 1 already sends its (D-wide) expert rows with the router's (E-wide) rows: one kind of rows per exchange
+    with pytest.raises(ReplayError, match=r"_GateInListCalledThroughIt: its expert calls on this rank mix rows of "
+                                          r"different widths"):
+        model["mlp"](_data(1)[0][0])
+
+
+def _replace_entry(b):
+    b.expert_by_id[1] = rb.FeedForward()
+
+
+def _append_entry(b):
+    b.expert_by_id[rb.E] = b.expert_0
+
+
+def _replace_registered(b):
+    b.expert_1 = rb.FeedForward()
+
+
+def _replace_both(b):  # consistent again, but with a module autoep never placed
+    b.expert_1 = b.expert_by_id[1] = rb.FeedForward()
+
+
+def _list_appended(b):
+    b.expert_list.append(rb.FeedForward())
+
+
+def _list_replaced_attribute(b):
+    b.expert_list = list(b.expert_list)
+
+
+@pytest.mark.parametrize("name, edit, match", [
+    ("plain_dict", _replace_entry, r"expert_by_id\[1\] is no longer the module registered as PlainDictMoE.expert_1"),
+    ("plain_dict", _append_entry, r"expert_by_id now holds the entries \[0, 1, 2, 3, 4\], not the 4"),
+    ("plain_dict", _replace_registered, r"expert_by_id\[1\] is no longer the module registered as"),
+    ("plain_dict", lambda b: b.expert_by_id.pop(3), r"expert_by_id now holds the entries \[0, 1, 2\]"),
+    ("plain_list", _list_appended, r"expert_list now holds the entries \[0, 1, 2, 3, 4\]"),
+])
+def test_plain_experts_changed_after_apply_raise(name, edit, match):
+    block = _ep_block(name, 1)
+    x = _data(1)[0][0]
+    block(x)
+    edit(block)
+    with pytest.raises(ReplayError, match=r"\.(expert_by_id|expert_list) was changed after apply_plan: " + match):
+        block(x)
+
+
+def test_plain_experts_replaced_consistently_after_apply():
+    """The attribute and the registration both replaced by one new module: nothing autoep placed is left to tell
+    them apart by identity, so it is the new module's own stand-in-free run; as a ModuleList's ``experts[1] = m``,
+    the expert is no longer the one autoep placed: checked by the placed modules' marks."""
+    block = _ep_block("plain_dict", 1)
+    x = _data(1)[0][0]
+    _replace_both(block)
+    with pytest.raises(ReplayError, match=r"expert_by_id\[1\] is no longer the module autoep placed"):
+        block(x)
+
+
+def test_plain_list_copied_into_a_new_list_keeps_working():
+    """A new list holding the same modules, in the same order, is the same map (identity of entries is checked)."""
+    block, ref = _ep_block("plain_list", 1), _make("plain_list")
+    _list_replaced_attribute(block)
+    x = _data(1)[0][0]
+    torch.testing.assert_close(block(x), ref(x))
 
 
 def test_plan_table_shows_the_execution():
@@ -385,3 +550,18 @@ def test_same_class_experts_deep_copies_and_set_back_edits_run():
         block(x)
     del block.experts[0].forward
     block(x)
+
+
+def test_a_plain_dict_plan_replays_and_rechecks_its_experts():
+    """``resolved.yaml`` of a plain-dict block replays as frozen (experts_path the attribute); an expert added to
+    the model since (registered, and in the dict) is drift, naming the count."""
+    from autoep.errors import DriftError
+
+    model = nn.ModuleDict({"mlp": _make("plain_dict")})
+    frozen = OmegaConf.to_container(resolve_plan({"ep_size": 2, "plan": [{"match": "mlp"}]}, model))
+    assert frozen["plan"][0]["decision"]["structure"]["experts_path"] == "expert_by_id"
+    assert OmegaConf.to_container(resolve_plan(frozen, model)) == frozen
+    model["mlp"].add_module("expert_4", rb.FeedForward())
+    model["mlp"].expert_by_id[4] = model["mlp"].expert_4
+    with pytest.raises(DriftError, match=r"num_experts 4 -> \[5\]"):
+        resolve_plan(frozen, model)

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 import torch.nn as nn
 
+from autoep.detect import plain_experts
 from autoep.detect.source import Refusal, function_tree
 
 # Names whose use reads every submodule or tensor of a module (the experts with them).
@@ -197,18 +198,21 @@ def cached_experts(block: nn.Module, experts_path: str = "experts") -> None:
     """Refuse a plain (unregistered) attribute of any module of ``block`` that holds the experts container
     (at ``experts_path``), one expert, one of their tensors, or the block itself (directly or in a list, tuple,
     set or dict)."""
-    try:
-        experts = block.get_submodule(experts_path)
-    except AttributeError:
+    found = plain_experts.resolve(block, experts_path)
+    if found is None:
         return
+    experts, prefix = found
+    # A plain dict/list attribute of the block that maps expert ids to its registered experts is their container
+    # (``plain_experts``, checked per call by replay); any other reference is a cache.
+    container_attr = experts_path if not prefix else None
     protected = {id(block): "the block itself"}
     for n, m in experts.named_modules(remove_duplicate=False):
-        protected[id(m)] = f"{experts_path}.{n}".rstrip(".")
+        protected[id(m)] = f"{prefix}.{n}".strip(".")
     for n, t in [*experts.named_parameters(remove_duplicate=False), *experts.named_buffers(remove_duplicate=False)]:
-        protected[id(t)] = f"{experts_path}.{n}"
+        protected[id(t)] = f"{prefix}.{n}".strip(".")
     for path, module in block.named_modules(remove_duplicate=False):
         for key, value in vars(module).items():
-            if key in _INTERNAL:
+            if key in _INTERNAL or (module is block and key == container_attr):
                 continue
             held = _held(value, protected)
             if held is not None:

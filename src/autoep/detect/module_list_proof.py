@@ -135,12 +135,15 @@ def module_list_facts(experts: nn.Module, path: str = "experts") -> dict:
     return row_local_facts(experts, path)
 
 
-def row_local_facts(experts: nn.Module, path: str, members: list | None = None) -> dict:
+def row_local_facts(experts: nn.Module, path: str, members: list | None = None, folded_path: str | None = None
+                    ) -> dict:
     """``expert_kind="row_local"``: each expert proven on its own (heterogeneous experts are fine: each runs
     its own forward), no parameter object in two experts (its gradient would be split over ranks), no global
     hooks (they would see other batches of rows). ``folded``: the constant attributes the proofs read, as
     ``<path>.<e or *>.<attr>=<value>`` (``*``: the same in every expert). ``members``: the experts, where the
-    container holds more than them (default: every entry)."""
+    container holds more than them (default: every entry). ``folded_path``: the path the folded entries name
+    the experts under where it is not ``path`` ("": experts registered on the block itself, held in a plain
+    dict/list attribute; entries ``<key>.<attr>``, one per expert)."""
     if members is None:
         members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
     if not members:
@@ -156,7 +159,7 @@ def row_local_facts(experts: nn.Module, path: str, members: list | None = None) 
                               "parameter shared between experts would get its gradient on two ranks")
         per_expert.append(row_local.prove_expert(expert, f"{path}[{e}]").folded)
     return dict(expert_kind="row_local", expert_projs=(), expert_act="", identity_experts=0,
-                folded=_fold_entries(path, per_expert, expert_keys(experts)))
+                folded=_fold_entries(path if folded_path is None else folded_path, per_expert, expert_keys(experts)))
 
 
 def expert_keys(experts: nn.Module) -> list[str]:
@@ -172,10 +175,11 @@ def _fold_entries(path: str, per_expert: list, keys: list[str]) -> tuple[str, ..
     out = []
     for attr, by_expert in sorted(values.items()):
         # ``*`` reads every entry of the container: only where every entry is an expert
-        if len(by_expert) == len(per_expert) == len(keys) and len(set(by_expert.values())) == 1:
+        # (not for experts on the block itself, path "": ``*`` there would read every child of the block)
+        if path and len(by_expert) == len(per_expert) == len(keys) and len(set(by_expert.values())) == 1:
             out.append(f"{path}.*.{attr}={next(iter(by_expert.values()))}")
         else:
-            out.extend(f"{path}.{keys[e]}.{attr}={v}" for e, v in sorted(by_expert.items()))
+            out.extend(f"{path}.{keys[e]}.{attr}={v}".lstrip(".") for e, v in sorted(by_expert.items()))
     return tuple(out)
 
 

@@ -7,9 +7,11 @@ depend on expert outputs. Proven here, from source and attributes, never by runn
 
 - the experts: the modules of one container the block's forward reads (``self.<name>`` in its forward or the
   methods it calls), a ``ModuleList``/``ModuleDict`` (a subclass with a forward of its own too), a child of the
-  block or of a child module the block calls (``self.moe`` whose forward reads ``self.experts``), found by
-  data flow, not by the name ``experts``; several such containers are ambiguous and refused, and so is one
-  whose modules a loop chains (``x = layer(x)``: a stack of layers a model walks);
+  block or of a child module the block calls (``self.moe`` whose forward reads ``self.experts``), or a plain
+  dict/list attribute of the block whose values are its registered children (``autoep.detect.plain_experts``:
+  every entry an expert, none read by its name), found by data flow, not by the name ``experts``; several such
+  containers are ambiguous and refused, and so is one whose modules a loop chains (``x = layer(x)``: a stack
+  of layers a model walks);
 - which entries of the container are the experts: its leading entries, up to the first one the forward (or
   a method it calls, or the container's own forward) reads by name (``self.token_dropout``,
   ``self.experts.norm``, ``getattr(self, "norm")``): such a module is the block's own code, run where the
@@ -22,8 +24,10 @@ depend on expert outputs. Proven here, from source and attributes, never by runn
   forward twice inside one call of the block).
 
 ``replay_facts(block, path)`` returns the ``MoeStructure`` facts or raises ``Refusal``; ``num_experts(block,
-path)`` how many of the container's entries are experts; ``leading_dims_pinned(block, path)`` which experts may
-be called on ``(..., D)`` tensors (moved as their rows).
+path)`` how many of the container's entries are experts; ``expert_labels(block, path)`` how the model names each
+entry (``experts[2]``, ``expert_by_id[3]``) and the entries; ``leading_dims_pinned(block, path)`` which experts
+may be called on ``(..., D)`` tensors (moved as their rows); ``is_plain(block, path)`` whether ``path`` is a plain
+dict/list attribute.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import ast
 
 import torch.nn as nn
 
-from autoep.detect import module_list_proof, row_local
+from autoep.detect import module_list_proof, plain_experts, row_local
 from autoep.detect.expert_reads import WHOLE_MODULE_READS
 from autoep.detect.loop_context import plain_method, self_reads
 from autoep.detect.source import Refusal, function_tree
@@ -45,7 +49,10 @@ def members(container: nn.Module) -> list[nn.Module]:
 def num_experts(block: nn.Module, path: str) -> int:
     """How many leading entries of the container at ``path`` are experts (module docstring): every entry up
     to the first one read by name. ``Refusal`` where an entry read by name comes before an expert, or the
-    first entry is read by name."""
+    first entry is read by name. A plain dict/list attribute (``plain_experts``) holds experts only: every entry,
+    ``Refusal`` where one is read by name."""
+    if is_plain(block, path):
+        return _plain_num_experts(block, plain_experts.holder(block, path))
     container = block.get_submodule(path)
     keys = module_list_proof.expert_keys(container)
     named = _named_entries(block, path, set(keys))
@@ -60,12 +67,35 @@ def num_experts(block: nn.Module, path: str) -> int:
     return n
 
 
+def is_plain(block: nn.Module, path: str) -> bool:
+    """``path`` names a plain dict/list attribute of the block (``plain_experts``), not a submodule."""
+    return "." not in path and path not in block._modules and path in plain_experts.candidates(block)
+
+
+def _plain_num_experts(block: nn.Module, found: plain_experts.PlainExperts) -> int:
+    """Every entry of a plain dict/list attribute is an expert: ``Refusal`` where the block's forward (or a method
+    it calls) reads one by its registered name (``self.expert_3``, ``getattr(self, "expert_3")``) or by a string
+    key (``self.expert_by_id["gate"]``): such a module is the block's own code (a gate, a norm) or an expert also
+    used elsewhere, and replay would move each of its calls to one rank as an expert's."""
+    strings = {k for k in found.keys or () if isinstance(k, str)}
+    named = _named_entries(block, "", set(found.names))
+    for _, tree, _ in module_list_proof.block_methods(block).values():
+        named |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in strings}
+    for i, (name, key) in enumerate(zip(found.names, found.keys or found.names)):
+        if name in named or key in named:
+            raise Refusal(f"{type(block).__name__}.{found.label(i)} (self.{name}) is read by name in the forward, not "
+                          f"only called as an expert through {found.attr}; hold only the experts in {found.attr} (the "
+                          "gate, a norm or a shared expert as attributes of their own)")
+    return len(found.names)
+
+
 def _named_entries(block: nn.Module, path: str, keys: set[str]) -> set[str]:
     """The container's keys read by name (an attribute ``.key`` or ``getattr(..., "key")``) in the forward of
     the block and of every module on ``path`` (the container's own forward included) and the methods they
     call. A key spelled as an attribute elsewhere counts too: reading too many as named can only refuse or
     keep an expert unsharded, never move a module that is no expert."""
-    owners = [block] + [block.get_submodule(".".join(path.split(".")[:i + 1])) for i in range(path.count(".") + 1)]
+    owners = [block] + [block.get_submodule(".".join(path.split(".")[:i + 1])) for i in range(path.count(".") + 1)
+                        if path]
     named = set()
     for owner in owners:
         if owner is not block and type(owner).forward is nn.Module.forward:
@@ -135,9 +165,18 @@ def find_container(block: nn.Module) -> str:
             continue
         found += [f"{name}.{sub}" for sub, grandchild in child._modules.items()
                   if _is_container(grandchild) and _reads(child_forward, sub)]
+    # A plain dict/list of modules the forward reads, only where no registered container is: a block that was
+    # taken for its ModuleList/ModuleDict keeps that decision (no detector outcome changes but refusals lifted).
+    for name in plain_experts.candidates(block) if not found else ():
+        if _reads(forward_fns, name):
+            chained = _chained(forward_fns, name)
+            if chained is not None:
+                raise Refusal(f"{cls.__name__}.forward chains the modules of self.{name} (`{ast.unparse(chained)}`): "
+                              "each one's input is the previous one's output, a stack of layers, not experts")
+            found.append(name)
     if not found:
-        raise Refusal(f"{cls.__name__}: no ModuleList/ModuleDict of expert modules that its forward (or a module it "
-                      "calls) reads")
+        raise Refusal(f"{cls.__name__}: no ModuleList/ModuleDict (or plain dict/list) of expert modules that its "
+                      "forward (or a module it calls) reads")
     if len(found) > 1:
         raise Refusal(f"{cls.__name__}.forward reads several module containers ({found}); which one holds the "
                       "experts is ambiguous")
@@ -158,6 +197,12 @@ def replay_facts(block: nn.Module, path: str) -> dict:
     if own:  # apply_plan splits the parameters of ``block.experts`` itself over the ep ranks (batched experts)
         raise Refusal(f"{cls.__name__}.experts holds a parameter of its own ({own[0]}), not in an expert module; "
                       "autoep would split it over the ep ranks as a batched expert weight")
+    if is_plain(block, path):
+        # Named as the block names them (``expert_3.dropout.p=0.0``): the attribute holds no state of its own.
+        n = num_experts(block, path)  # ``Refusal`` naming an entry that is not a registered expert
+        view, _ = plain_experts.resolve(block, path)
+        _no_whole_module_reads(block, None)
+        return module_list_proof.row_local_facts(view, path, members(view)[:n], folded_path="")
     container = block.get_submodule(path)
     _no_whole_module_reads(block, container)
     return module_list_proof.row_local_facts(container, path, members(container)[:num_experts(block, path)])
@@ -167,19 +212,29 @@ def leading_dims_pinned(block: nn.Module, path: str) -> tuple[str, ...]:
     """Per expert at ``path`` (the proven ones, ``num_experts``): "" where ``expert(x)`` on ``(..., D)`` is its
     ``(prod(...), D)`` rows' output reshaped (``row_local.ExpertProof.leading_dims_free``), else the construct
     of its forward that reads a leading dim or the input's rank. ``Refusal`` where an expert is not row-local."""
+    labels, experts = expert_labels(block, path)
+    return tuple(row_local.prove_expert(expert, label).pinned_by
+                 for label, expert in zip(labels, experts[:num_experts(block, path)]))
+
+
+def expert_labels(block: nn.Module, path: str) -> tuple[list[str], list[nn.Module]]:
+    """How the model names each entry of the experts at ``path`` (``experts[2]``, ``experts['a']``,
+    ``expert_by_id[3]``) and the entries, in expert-id order."""
+    if is_plain(block, path):
+        found = plain_experts.holder(block, path)
+        return [found.label(i) for i in range(len(found.names))], [block._modules[n] for n in found.names]
     container = block.get_submodule(path)
     keys = module_list_proof.expert_keys(container)
-    return tuple(row_local.prove_expert(expert, f"{path}[{key}]").pinned_by
-                 for key, expert in zip(keys, members(container)[:num_experts(block, path)]))
+    return [f"{path}[{k if k.isdigit() else repr(k)}]" for k in keys], members(container)
 
 
-def _no_whole_module_reads(block: nn.Module, container: nn.Module) -> None:
+def _no_whole_module_reads(block: nn.Module, container: nn.Module | None) -> None:
     """Refuse a forward that reads every tensor of a module (``expert.parameters()``, ``self.state_dict()``,
     ...): under EP another rank's experts are stand-ins there, so such a read (minimind's ``0 * sum(p.sum() for p
     in expert.parameters())``) raises on the ranks that do not own the expert. Only calls of the experts move."""
     fns = [fn for fn, _, _ in module_list_proof.block_methods(block).values()]
     owner = block
-    for part in container_path_parts(block, container):
+    for part in container_path_parts(block, container) if container is not None else ():
         owner = owner._modules[part]
         if type(owner).forward is not nn.Module.forward and not type(owner).__module__.startswith("torch.nn"):
             fns.append(type(owner).forward)

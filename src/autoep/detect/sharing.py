@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 import torch.nn as nn
 
+from autoep.detect import plain_experts
+
 
 def tensor_paths(model: nn.Module) -> dict[int, list[str]]:
     """``{id(tensor): every name the model reaches it by}`` for every parameter and buffer (one pass)."""
@@ -31,25 +33,18 @@ def shared_expert_tensors(model: nn.Module, blocks: Mapping[str, nn.Module], exp
     paths = tensor_paths(model) if paths is None else paths
     found, seen = [], set()
     for name, block in blocks.items():
-        experts = _get(block, experts_path)
-        if experts is None:
+        resolved = plain_experts.resolve(block, experts_path)
+        if resolved is None:
             continue
+        experts, prefix = resolved
         own = dict(experts.named_parameters(remove_duplicate=False))
         own |= {n: b for n, b in experts.named_buffers(remove_duplicate=False) if b is not None}
         for local, t in own.items():
-            names = paths.get(id(t), [f"{name}.{experts_path}.{local}".lstrip(".")])
+            names = paths.get(id(t), [".".join(p for p in (name, prefix, local) if p)])
             if len(names) > 1 and id(t) not in seen:
                 seen.add(id(t))
                 found.append(f"{names[0]} is also {', '.join(names[1:4])}{' ...' if len(names) > 4 else ''}")
     return found
-
-
-def _get(block: nn.Module, path: str) -> nn.Module | None:
-    try:
-        module = block.get_submodule(path)
-    except AttributeError:
-        return None
-    return module if isinstance(module, nn.Module) else None
 
 
 SHARING_FIX = ("autoep shards each block's expert tensors into new parameters, so a tensor reached by two names "

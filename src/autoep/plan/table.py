@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from autoep.detect import plain_experts
 from autoep.targets import factory_spec
 
 COLUMNS = ("module", "structure", "execution", "compute fn", "experts/rank", "expert bytes/rank")
@@ -32,8 +33,8 @@ def plan_rows(model: nn.Module, parallel: DictConfig) -> list[tuple]:
         execution = s.get("execution", "spliced") if s is not None else "explicit"
         for name in decision.modules:
             block = model.get_submodule(name)
-            experts = block.get_submodule(path) if _has(block, path) else None
-            params = list(experts.parameters()) if experts is not None else []
+            found = plain_experts.resolve(block, path)  # a submodule, or a plain dict/list of registered experts
+            params = list(found[0].parameters()) if found is not None else []
             expert_ids |= {id(p) for p in params}
             total = sum(p.numel() * p.element_size() for p in params)
             per_rank = n // parallel.ep_size if n else "?"
@@ -56,8 +57,9 @@ def param_bytes(model: nn.Module, parallel: DictConfig) -> tuple[int, int]:
         path = s.get("experts_path", "experts") if s is not None else "experts"
         for name in entry.decision.modules:
             block = model.get_submodule(name)
-            if _has(block, path):
-                expert_ids |= {id(p) for p in block.get_submodule(path).parameters()}
+            found = plain_experts.resolve(block, path)
+            if found is not None:
+                expert_ids |= {id(p) for p in found[0].parameters()}
     return _split_bytes(model, expert_ids)
 
 
@@ -65,14 +67,6 @@ def _split_bytes(model: nn.Module, expert_ids: set[int]) -> tuple[int, int]:
     expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in expert_ids)
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_ids)
     return expert_bytes, dense_bytes
-
-
-def _has(block: nn.Module, path: str) -> bool:
-    try:
-        block.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def format_table(rows: list[tuple]) -> str:

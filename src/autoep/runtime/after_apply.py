@@ -118,14 +118,14 @@ def _refuse_expert_norm(grads: list[Tensor]) -> None:
 
 def _local_expert_grads() -> set[int]:
     """ids of the gradients of module experts (plain tensors) whose block is split over more than one ep rank."""
-    from autoep.runtime.recipes.local_experts import container_of, expert_modules, spec_of
+    from autoep.runtime.recipes.local_experts import placed_experts, spec_of
 
     found = set()
     for model in list(_APPLIED):
         for block in model.modules():
             spec = spec_of(block)
             if spec is not None and spec.ep_size > 1:
-                for expert in expert_modules(container_of(block, spec))[spec.first: spec.first + spec.num_local]:
+                for expert in placed_experts(block, spec)[spec.first: spec.first + spec.num_local]:
                     found |= {id(p.grad) for p in expert.parameters() if p.grad is not None}
     return found
 

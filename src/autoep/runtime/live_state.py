@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autoep.detect import elementwise, expert_reads, genuine, sharing
+from autoep.detect import elementwise, expert_reads, genuine, plain_experts, sharing
 from autoep.detect.source import Refusal
 from autoep.errors import LiveStateError, UnsupportedModuleStructure
 
@@ -83,12 +83,13 @@ def before_block(block: nn.Module, name: str, experts_path: str = EXPERTS) -> li
         expert_reads.cached_experts(block, experts_path)
     except Refusal as exc:
         raise UnsupportedModuleStructure(cls, f"{name}: {exc}") from None
-    experts = _experts(block, experts_path)
-    if experts is None:
+    found = plain_experts.resolve(block, experts_path)
+    if found is None:
         return []
+    experts, prefix = found
     held = []
     for pname, p in experts.named_parameters(remove_duplicate=False):
-        where = f"{name}.{experts_path}.{pname}"
+        where = ".".join(part for part in (name, prefix, pname) if part)
         if type(p) is not nn.Parameter and not _is_dtensor(p):
             raise UnsupportedModuleStructure(cls, f"{where} is a {type(p).__name__} (a tensor subclass weight, e.g. "
                                              f"fake-quant); autoep's grouped GEMM and sharding would not apply it. "
@@ -113,10 +114,10 @@ def after_block(block: nn.Module, name: str, held: list[_Held], experts_path: st
             raise UnsupportedModuleStructure(cls, f"{h.name} carries {' and '.join(h.state)}; autoep replaces it by "
                                              f"a new (stacked or sharded) parameter, which would not run them. "
                                              f"Register them after apply_plan, on the parameters it leaves")
-    experts = _experts(block, experts_path)
+    found = plain_experts.resolve(block, experts_path)
     before = {h.tensor.requires_grad for h in held}
-    after = {p.requires_grad for n, p in block.named_parameters()
-             if n.startswith(f"{experts_path}.") and f"{name}.{n}" not in remote} if experts is not None else before
+    after = {p.requires_grad for n, p in found[0].named_parameters()
+             if ".".join(part for part in (name, found[1], n) if part) not in remote} if found is not None else before
     if held and after != before:
         raise UnsupportedModuleStructure(cls, f"{name}.{experts_path}: requires_grad was {sorted(before)} before autoep "
                                          f"replaced the expert parameters and is {sorted(after)} after")
@@ -131,13 +132,6 @@ def param_state(p: torch.Tensor) -> list[str]:
         state.append(f"{len(p._post_accumulate_grad_hooks)} post-accumulate-grad hook(s) "
                      f"(register_post_accumulate_grad_hook, e.g. an optimizer in backward)")
     return state
-
-
-def _experts(block: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return block.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def _is_dtensor(t) -> bool:

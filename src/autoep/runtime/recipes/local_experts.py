@@ -1,4 +1,5 @@
-"""Experts held as modules (a ``ModuleList`` or ``ModuleDict`` of expert modules) under expert parallelism:
+"""Experts held as modules (a ``ModuleList`` or ``ModuleDict`` of expert modules, or modules registered on the
+block one by one that a plain dict/list attribute maps expert ids to) under expert parallelism:
 which rank owns which expert, what a rank keeps, and how its local experts compute.
 
 After ``apply_plan`` the block keeps its container and every expert module, so parameter names and
@@ -131,6 +132,19 @@ def expert_modules(container: nn.Module) -> list[nn.Module]:
     raise TypeError(f"experts container is a {type(container).__name__}, not a ModuleList or ModuleDict")
 
 
+def placed_experts(block: nn.Module, spec: LocalExperts) -> list[nn.Module]:
+    """The block's expert modules in expert-id order (identity experts after the computing ones): its container's
+    entries, or, where the block itself holds them (``spec.path`` "", experts registered on it one by one and
+    mapped by a plain dict/list attribute: ``autoep.detect.plain_experts``), its children named by ``spec.keys``."""
+    return _entries(container_of(block, spec), spec)
+
+
+def _entries(container: nn.Module, spec: LocalExperts) -> list[nn.Module]:
+    if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+        return expert_modules(container)
+    return [container._modules[k] for k in spec.keys]
+
+
 def container_keys(container: nn.Module) -> tuple[str, ...]:
     return tuple(container.keys()) if isinstance(container, nn.ModuleDict) else tuple(map(str, range(len(container))))
 
@@ -141,8 +155,11 @@ def container_keys(container: nn.Module) -> tuple[str, ...]:
 
 
 def place_experts(block: nn.Module, *, path: str, num_experts: int, identity_experts: int, ep_mesh,
-                  swiglu: tuple[str, str, str] | None, act: str, fast_path: bool, name: str) -> LocalExperts:
+                  swiglu: tuple[str, str, str] | None, act: str, fast_path: bool, name: str,
+                  keys: tuple[str, ...] | None = None) -> LocalExperts:
     """Record where ``block``'s experts live (``block._autoep_experts``) and release the ones another ep rank owns.
+    ``keys``: the block's own children that are its experts, in expert-id order, where ``path`` is "" and the
+    block is no container (experts registered on the block one by one; default: the container's keys).
 
     ``PlanError`` where ep_size does not divide the computing experts; ``UnsupportedModuleStructure`` where
     an expert's tensor is shared with another expert or with the rest of the block (releasing it would
@@ -154,7 +171,7 @@ def place_experts(block: nn.Module, *, path: str, num_experts: int, identity_exp
         raise PlanError(f"parallel.ep_size={ep_size} does not divide num_experts={num_experts} of {name}; pick one "
                         f"of {divisors}")
     container = block.get_submodule(path)
-    spec = LocalExperts(path=path, keys=container_keys(container), num_experts=num_experts,
+    spec = LocalExperts(path=path, keys=container_keys(container) if keys is None else keys, num_experts=num_experts,
                         identity_experts=identity_experts, ep_rank=ep_rank, ep_size=ep_size, swiglu=swiglu, act=act,
                         fast_path=fast_path)
     _check_unshared(block, spec, name)
@@ -173,7 +190,7 @@ def _keep_stand_ins(block: nn.Module, state_dict: dict, prefix: str, *_) -> None
     tensors, another rank's) are replaced by this rank's stand-ins, and absent ones are not reported missing
     (``assign=True`` keeps the stand-ins). Within ``remote_experts_hidden`` they have no entries at all."""
     spec = spec_of(block)
-    experts = expert_modules(container_of(block, spec))
+    experts = placed_experts(block, spec)
     for e in range(spec.num_experts):
         if not spec.is_local(e):
             base = prefix + _join(spec.path, spec.keys[e])
@@ -181,7 +198,7 @@ def _keep_stand_ins(block: nn.Module, state_dict: dict, prefix: str, *_) -> None
 
 
 def _check_unshared(block: nn.Module, spec: LocalExperts, name: str) -> None:
-    experts = expert_modules(container_of(block, spec))
+    experts = placed_experts(block, spec)
     seen: dict[int, str] = {}
     for e, expert in enumerate(experts):
         for t in (*expert.parameters(), *expert.buffers()):
@@ -189,11 +206,15 @@ def _check_unshared(block: nn.Module, spec: LocalExperts, name: str) -> None:
                 raise UnsupportedModuleStructure(type(block).__name__, f"{name}: experts {seen[id(t)]} and {e} share "
                                                  f"a tensor; EP keeps each expert on one rank")
             seen[id(t)] = str(e)
-    if not spec.path:
-        return  # the block is the container (its own forward was replaced): every child is inside it
+    if isinstance(container_of(block, spec), (nn.ModuleList, nn.ModuleDict)):
+        if not spec.path:
+            return  # the block is the container (its own forward was replaced): every child is inside it
+        roots = [spec.path]
+    else:  # experts registered on the block itself: everything else on it is outside them
+        roots = list(spec.keys)
     inside = {id(m) for expert in experts for m in expert.modules()}
     for mname, m in block.named_modules(remove_duplicate=False):
-        if mname == spec.path or mname.startswith(f"{spec.path}."):
+        if any(mname == root or mname.startswith(f"{root}.") for root in roots):
             continue
         shared = id(m) in inside or any(id(t) in seen for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
         if shared:
@@ -210,7 +231,7 @@ def _release(block: nn.Module, spec: LocalExperts) -> None:
     """Every remote expert's parameters and buffers become ``meta`` stand-ins (``requires_grad=False``,
     ``autoep.runtime.stand_in``) that module conversions keep on ``meta``."""
     container = container_of(block, spec)
-    for e, expert in enumerate(expert_modules(container)[: spec.num_experts]):
+    for e, expert in enumerate(_entries(container, spec)[: spec.num_experts]):
         if not spec.is_local(e):
             remote = RemoteExpert(type(block).__name__, e, spec.owner(e), spec.ep_rank)
             for m in expert.modules():  # every module of it: a submodule's own conversion makes stand-ins too
@@ -244,7 +265,7 @@ def _experts_apply(container: nn.Module, spec: LocalExperts, fn) -> nn.Module:
     """``nn.Module.apply`` for an experts container (``autoep.runtime.reinit``): each remote expert is allocated in
     full on the local experts' device for the time of its own ``apply``, then becomes a stand-in again, so ``fn``
     draws for every expert, in the model's order."""
-    experts = expert_modules(container)
+    experts = _entries(container, spec)
     remote = {id(experts[e]) for e in range(spec.num_experts) if not spec.is_local(e)}
     device = _device_of(container)
     for child in container.children():
@@ -311,7 +332,7 @@ def expert_owners(model: nn.Module) -> dict[str, ExpertOwner]:
         if spec is None:
             continue
         prefix = ".".join(p for p in (block_name, spec.path) if p)
-        experts = expert_modules(container_of(block, spec))
+        experts = placed_experts(block, spec)
         for e in range(spec.num_experts):
             place = ExpertOwner(block_name, e, spec.owner(e), spec.is_local(e))
             for key in _state_keys(experts[e]):
@@ -347,7 +368,7 @@ def remote_experts_hidden(model: nn.Module):
         spec = spec_of(block)
         if spec is None:
             continue
-        experts = expert_modules(container_of(block, spec))
+        experts = placed_experts(block, spec)
         for e in range(spec.num_experts):
             if not spec.is_local(e):
                 for m in experts[e].modules():
@@ -371,7 +392,7 @@ def gather_expert_optim_state(model: nn.Module, optim_state: dict) -> dict:
         if spec is None or spec.ep_size == 1:
             continue
         group = _ep_group(block, spec)
-        experts = expert_modules(container_of(block, spec))
+        experts = placed_experts(block, spec)
         prefix = ".".join(p for p in (block_name, spec.path) if p)
         for owner in range(spec.ep_size):
             fqns = [_join(prefix, spec.keys[e], n) for e in range(owner * spec.num_local, (owner + 1) * spec.num_local)
@@ -428,7 +449,7 @@ def gather_experts(block: nn.Module, *, grad: bool = False) -> dict[str, Tensor]
     rank, keyed relative to the block (``experts.{e}.gate_proj.weight``). A collective over the ep group: every
     ep rank calls it. Tensors are detached clones."""
     spec = spec_of(block)
-    experts = expert_modules(container_of(block, spec))
+    experts = placed_experts(block, spec)
     group = _ep_group(block, spec)
     out: dict[str, Tensor] = {}
     for owner in range(spec.ep_size):
@@ -517,7 +538,7 @@ def local_expert_fn(block: nn.Module):
     Called before the exchange: raises ``LiveStateError`` (on every rank alike) where an expert carries state
     drawn or updated per call that EP cannot keep as the model does (``_check_drawn_state``)."""
     spec = spec_of(block)
-    every = expert_modules(container_of(block, spec))
+    every = placed_experts(block, spec)
     _check_drawn_state(block, spec, every)
     experts = every[spec.first: spec.first + spec.num_local]
     stacked = getattr(block, STACKED, None)
@@ -564,7 +585,7 @@ def local_idle(block: nn.Module, mode: str, visited_E: Tensor | None = None) -> 
     """The exchange's ``Idle`` for ``block``'s module experts: its loop's ``mode`` for an expert without rows, each
     expert's parameters its own."""
     spec = spec_of(block)
-    experts = expert_modules(container_of(block, spec))[spec.first: spec.first + spec.num_local]
+    experts = placed_experts(block, spec)[spec.first: spec.first + spec.num_local]
     return Idle(mode, per_expert=True, visited_E=visited_E, params=lambda e: list(experts[e].parameters()))
 
 

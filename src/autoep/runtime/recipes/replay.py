@@ -28,6 +28,11 @@ called with zero rows on its owner (zero gradients, as the model gives); an expe
 A failed check on one rank raises on every rank (their flags travel with the exchange's counts, and one small
 all-reduce after pass 2), so no peer is left waiting in a collective.
 
+Experts in a plain dict/list attribute of the block (``autoep.detect.plain_experts``: ``self.expert_by_id =
+{i: self.expert_i}``, each value registered on the block) are placed under their registered names, so the entry
+and the registration reach the one placed module; each call checks the attribute still maps the same ids to
+those modules (``_plain_changed``: a change after apply or in the forward raises ``ReplayError`` naming the entry).
+
 N-D calls: an expert called on ``(..., D)`` (VitPose runs every expert on the whole ``(batch, seq, D)``
 tensor) travels as its ``(prod(...), D)`` rows, and its output comes back reshaped to ``(..., P)``: exact
 only for an expert proven to treat every dim before the last alike (``row_local.ExpertProof.
@@ -47,7 +52,9 @@ P the experts' output width, E routed experts, L experts local to this rank, W e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
+import marshal
 import math
 import types
 from dataclasses import dataclass
@@ -57,7 +64,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from autoep.detect import replay_proof
+from autoep.detect import plain_experts, replay_proof
 from autoep.detect.module_list_proof import global_hooks
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
@@ -73,15 +80,16 @@ from autoep.runtime.recipes import (
 )
 from autoep.runtime.recipes.local_experts import (
     GROUP,
-    container_of,
-    expert_modules,
     place_experts,
+    placed_experts,
     report_counts,
     spec_of,
 )
 from autoep.runtime.recipes.replay_state import ReplayError, Snapshot, record_inputs, rng_state, set_rng_state
+from autoep.runtime.shared import InstanceMethod
 
 REPLAY = "_autoep_replay"  # the block attribute holding its ``_Replay``
+PLACED = "_autoep_placed"  # on an expert held in a plain dict/list: (the attribute, its entry) when it was placed
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # the rows' dtypes the exchange sends
 
 
@@ -94,6 +102,17 @@ class _Replay:
     # per expert: "" where a call on (..., D) may travel as (prod(...), D) rows (``leading_dims_free``), else
     # the construct of its forward that reads a leading dim or the rank (the ReplayError names it)
     pinned: tuple[str, ...]
+    # experts in a plain dict/list attribute of the block: which entry is which registered child (checked per call)
+    plain: plain_experts.PlainExperts | None = None
+
+    def __reduce__(self):
+        # A code object does not pickle; its marshalled bytes do (``torch.save(model)``), read back at load.
+        fields = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return _unmarshalled, (marshal.dumps(self.proven_code), *fields[1:])
+
+
+def _unmarshalled(code: bytes, *fields) -> _Replay:
+    return _Replay(marshal.loads(code), *fields)
 
 
 @dataclass
@@ -128,17 +147,25 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
     # stay where the token is, as the rest of the block (``replay_proof.num_experts``, checked by validate).
     num_experts = replay_proof.num_experts(module, facts.experts_path)
     pinned = replay_proof.leading_dims_pinned(module, facts.experts_path)  # before the stand-ins replace experts
-    place_experts(module, path=facts.experts_path, num_experts=num_experts, identity_experts=0, ep_mesh=ep_mesh,
-                  swiglu=None, act="", fast_path=False, name=type(module).__name__)
-    keys = tuple(f"{facts.experts_path}[{k if k.isdigit() else repr(k)}]" for k in spec_of(module).keys[:num_experts])
-    setattr(module, REPLAY, _Replay(_forward_code(type(module)), keys, pinned))
+    labels, _ = replay_proof.expert_labels(module, facts.experts_path)
+    # Experts in a plain dict/list attribute are the block's own registered children: placed under their names
+    # (the attribute and the registration are one object each, so both reach the placed expert or its stand-in).
+    plain = plain_experts.holder(module, facts.experts_path) if replay_proof.is_plain(module, facts.experts_path) \
+        else None
+    place_experts(module, path="" if plain else facts.experts_path, num_experts=num_experts, identity_experts=0,
+                  ep_mesh=ep_mesh, swiglu=None, act="", fast_path=False, name=type(module).__name__,
+                  keys=plain.names if plain else None)
+    for i, name in enumerate(plain.names if plain else ()):  # which entry each placed module is (``_plain_changed``)
+        setattr(module._modules[name], PLACED, (plain.attr, i))
+    names = tuple(labels[:num_experts])
+    setattr(module, REPLAY, _Replay(_forward_code(type(module)), names, pinned, plain))
     # The proofs hold for these modules: one of another class, or a forward set on one (replay calls the class
     # forward and would drop it), raises before each call (``check_proven``), naming the expert.
-    watching_experts(module, facts.experts_path, spec_of(module).keys[:num_experts], keys)
+    watching_experts(module, "" if plain else facts.experts_path, spec_of(module).keys[:num_experts], names)
     join_backward_exchanges(module, ep_mesh)
     watching_folded(module, facts.folded)  # e.g. an expert's dropout proven idle in eval
     # An instance attribute shadows the class forward; nn.Module.__call__ (and the block's hooks) still run.
-    module.forward = types.MethodType(_replayed_forward, module)
+    module.forward = InstanceMethod(module, _replayed_forward)  # pickled by reference (``runtime.shared``)
 
 
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> None:
@@ -171,11 +198,14 @@ def _forward_code(cls: type):
 def _replayed_forward(self: nn.Module, *args, **kwargs):
     replay: _Replay = getattr(self, REPLAY)
     cls = type(self)
-    if _forward_code(cls) is not replay.proven_code:
+    code = _forward_code(cls)
+    if code is not replay.proven_code and code != replay.proven_code:  # equal: the same bytecode (a pickle's copy)
         raise ReplayError(f"{cls.__name__}.forward was replaced, or its __code__ swapped, after apply_plan; apply "
                           "the plan again to a fresh model built with the new code")
     spec = spec_of(self)
-    experts = expert_modules(container_of(self, spec))[:spec.num_experts]
+    # Raised in pass 1 (through the exchange's counts, so every peer stops too); its experts are not looked up.
+    changed = _plain_changed(self, replay, "was changed after apply_plan")
+    experts = placed_experts(self, spec)[:spec.num_experts] if changed is None else []
     group = getattr(self, GROUP).value if spec.ep_size > 1 else None
     rng = rng_state()
     recorder = _Recorder(self, replay, experts, _context())
@@ -184,6 +214,8 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         # After every pre-hook (a user's, registered after apply, may change a value the proofs folded): raised
         # through the exchange's counts, so every peer stops too.
         check_proven(self)
+        if changed is not None:
+            raise changed
         if global_hooks():
             raise ReplayError(f"{cls.__name__}: global module hooks are registered; replay calls each expert twice "
                               "(answered in the block's forward, and on its owner's rows), so such a hook would run on "
@@ -211,6 +243,9 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         with _answering(experts, replayer.answer):
             output = cls.forward(self, *args, **kwargs)
         replayer.finish()
+        changed = _plain_changed(self, replay, "was changed by the block's forward")
+        if changed is not None:
+            raise changed
         failure = None
     except Exception as exc:  # noqa: BLE001 - agreed with every peer first, then raised
         failure = exc
@@ -224,6 +259,23 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
 
 
 _CHECKPOINT_STOP = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+
+
+def _plain_changed(block: nn.Module, replay: _Replay, when: str) -> ReplayError | None:
+    """Experts in a plain dict/list attribute: the error to raise where it no longer maps the same ids to the
+    registered children autoep placed (an entry replaced or added, or a registered expert replaced with the entry
+    still holding the old one, would run a module autoep never placed, whose parameters may not be the model's)."""
+    if replay.plain is None:
+        return None
+    drift = replay.plain.drift(block)
+    if not drift:  # the same map; each entry still the module placed there (not a new one, nor two swapped)
+        drift = next((f"{replay.plain.label(i)} is no longer the module autoep placed there" for i, entry in
+                      enumerate(replay.plain.entries(block)) if getattr(entry, PLACED, None) != (replay.plain.attr, i)),
+                     "")
+    if drift:
+        return ReplayError(f"{type(block).__name__}.{replay.plain.attr} {when}: {drift}; autoep placed the experts it "
+                          f"held then. Apply the plan again to a fresh model built with the new experts")
+    return None
 
 
 def _needing_grad(output, returned: Tensor):

@@ -481,11 +481,14 @@ class _RowLocal:
         return bool(self.constant(stmt, node))
 
     def constant(self, stmt: ast.If, node):
-        value = self.eval(node)
+        rows = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in self.env})
+        value = None if rows else self.eval(node)
         if not (isinstance(value, Obj) and (value.value is None or type(value.value) in (bool, int, float))):
             self.refuse(stmt.test, f"(the test of the `if` on line {stmt.lineno}) is not a constant: "
-                                   f"`{ast.unparse(node)[:40]}` is computed from the rows, so which branch runs "
-                                   "would depend on the rows EP hands this function")
+                                   f"`{ast.unparse(node)[:40]}` is computed from the rows ({', '.join(rows)}), so "
+                                   "which branch runs would depend on the rows EP hands this function" if rows else
+                                   f"(the test of the `if` on line {stmt.lineno}) is not a constant: "
+                                   f"`{ast.unparse(node)[:40]}` is not a number or None")
         return value.value
 
     def assign(self, stmt):

@@ -105,6 +105,7 @@ TWINS = [
     (dict(test="if up.shape[0] > 3:"), r"`up.shape\[0\]` is computed from the rows \(up\)"),
     (dict(test="if self.training:"), "train/eval"),
     (dict(test="if self.limit_t is not None:"), "not a number"),
+    (dict(test="if self.limit is not self.limit_same:"), "compares numbers by identity"),
     (dict(clamp="gate.clamp(max=self.limit) - gate.mean(0)"), "not proven row-local"),
 ]
 
@@ -113,6 +114,7 @@ def _twin(block: nn.Module, **edit) -> nn.Module:
     src = GATE.format(**{**ORIGINAL, **edit})
     block.experts.__class__ = exec_subclass(type(block.experts), textwrap.indent(src, "    "), check="_apply_gate")
     block.experts.limit_t = torch.tensor(LIMIT)
+    block.experts.limit_same = block.experts.limit  # the same object now; an equal one set later need not be
     return block
 
 

@@ -476,6 +476,10 @@ class _RowLocal:
             left, result = self.constant(stmt, node.left), True
             for op, right in zip(node.ops, node.comparators):
                 right = self.constant(stmt, right)
+                if isinstance(op, (ast.Is, ast.IsNot)) and not any(v is None or type(v) is bool for v in (left, right)):
+                    # identity of numbers: an equal value set later (what the runtime re-checks) may not be the same
+                    self.refuse(stmt.test, f"(the test of the `if` on line {stmt.lineno}) compares numbers by "
+                                           "identity; compare them with == or test `is None`")
                 result, left = result and _COMPARE[type(op)](left, right), right
             return result
         return bool(self.constant(stmt, node))

@@ -119,13 +119,19 @@ def _twin(block: nn.Module, **edit) -> nn.Module:
 
 
 @pytest.mark.parametrize("family", list(CLASSES))
-def test_the_original_written_again_is_accepted(family):
-    """The twins below differ from this by one edit: their refusal is the edit's, not the rewrite's."""
+@pytest.mark.parametrize("test", [ORIGINAL["test"], "if self.limit is not None and self.limit > 0:"])
+def test_the_original_written_again_is_accepted(family, test):
+    """The twins below differ from this by one edit: their refusal is the edit's, not the rewrite's. A
+    short-circuit reads only what Python reads (``None > 0`` is never evaluated)."""
     for limit, activation in ((None, "own_gate"), (LIMIT, "clamped_glu")):
-        block = _twin(tiny_block(family, limit)[0])
+        block = _twin(tiny_block(family, limit)[0], test=test)
         s = detect_moe_structure(block)
         assert s.activation == activation
-        _assert_exact(block, make_ep(block, s, None))
+        ep = make_ep(block, s, None)
+        _assert_exact(block, ep)
+        ep.experts.limit = LIMIT if limit is None else None
+        with pytest.raises(FactChanged, match=r"experts.limit"):
+            ep(_x(block))
 
 
 @pytest.mark.parametrize("family", list(CLASSES))

@@ -449,27 +449,25 @@ class _RowLocal:
     def branch(self, stmt: ast.If) -> None:
         """``if <test>:`` on constants alone (numbers, ``None``, the experts' own attributes holding them:
         Step3p7's ``if self.limit is not None:``) is folded: only the branch the values select runs, so only it is
-        proven. The attributes the test reads are recorded as facts (``names.fold_attr``, ``None`` included), so a
-        change after apply raises instead of running the branch not proven. A test on the rows is refused: which
+        proven. The attributes the test reads are recorded as facts (``names.fold_attr``, ``None`` included; the
+        operands a short-circuit skips are not read), so a change after apply raises instead of running the branch
+        not proven. A test on the rows is refused: which
         branch runs would depend on the rows. Names bound afterwards are those of the branch taken."""
         for node in ast.walk(stmt.test):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
                     and node.attr in NOT_FACTS:
                 self.refuse(stmt.test, f"(the test of the `if` on line {stmt.lineno}) reads self.{node.attr}, which "
                                        "changes by design (train/eval); the gate must compute the same in both")
-        taken = self.truth(stmt, stmt.test)
-        for node in ast.walk(stmt.test):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-                fold_attr(self.experts, node.attr)
+        taken = self.truth(stmt, stmt.test)  # the attributes it reads are recorded as they are read (eval)
         for inner in stmt.body if taken else stmt.orelse:
             self.statement(inner)
 
     def truth(self, stmt: ast.If, node) -> bool:
         """The truth of ``node``, a test built of constants alone (``is``, ``==``, ``<``, ..., ``and``, ``or``,
         ``not``); refused where a part is not a constant (a value of the rows)."""
-        if isinstance(node, ast.BoolOp):
-            values = [self.truth(stmt, v) for v in node.values]  # every operand must be a constant
-            return all(values) if isinstance(node.op, ast.And) else any(values)
+        if isinstance(node, ast.BoolOp):  # short-circuit as Python does (`x is not None and x > 0`)
+            decisive = isinstance(node.op, ast.Or)
+            return decisive if any(self.truth(stmt, v) is decisive for v in node.values) else not decisive
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
             return not self.truth(stmt, node.operand)
         if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
@@ -534,6 +532,7 @@ class _RowLocal:
                 elementwise.check_activation_module(value, what)
                 return "act"
             if value is None or type(value) in (bool, int, float):
+                fold_attr(self.experts, node.attr)  # None too: a number set later is checked, not assumed
                 return Obj(value)
             self.refuse(node, "reads an attribute that is not a number")
         if isinstance(node, ast.Attribute):

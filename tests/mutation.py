@@ -128,6 +128,16 @@ def _transformers_block(family: str, cls_name: str) -> Callable[[], nn.Module]:
     return build
 
 
+def _with_limit(build: Callable[[], nn.Module], limit: float) -> Callable[[], nn.Module]:
+    """``build``'s block with its experts' SwiGLU clamp ``limit`` set (what a per-layer ``swiglu_limits`` gives)."""
+    def limited() -> nn.Module:
+        block = build()
+        block.experts.limit = limit
+        return block
+
+    return limited
+
+
 def _hand_written_block(name: str, make: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         torch.manual_seed(sum(map(ord, name)))
@@ -245,6 +255,8 @@ def targets() -> list[Target]:
         Target("v5/float32_experts", _hand_written_block("float32_experts", _v5_float32_experts), flat=True),
         *(Target(f"v4/{n}", _hand_written_block(n, make)) for n, make in grouped_v4.items()),
         Target("hf/dbrx", _dbrx_block, empty_rank=False),  # flattened (E*F, D) experts on a submodule
+        # transformers 5.25 Step3p7: ``if self.limit is not None:`` in ``_apply_gate`` folded, the clamp taken
+        Target("hf/step3p7_limit", _with_limit(_transformers_block("step3p7", "Step3p7SparseMoeBlock"), 0.2)),
         # The remote-code block in eval: its @torch.no_grad() argsort/split helper runs instead.
         Target("v4/deepseek_remote_eval", _in_eval(_hand_written_block(
             "deepseek_remote", lambda: DeepseekRemoteMoE(hidden=16, num_experts=4, top_k=2)))),
@@ -393,7 +405,7 @@ NEW_TARGETS = frozenset({
     "hf/nemotron_h", "hf/inkling2", "hf/openai_privacy_filter", "hf/flint", "hf/phimoe",
     "v4/mistral_inference", "v4/capped_router", "v4/closure", "v5/float32_experts",
     "v4/titan_grouped", "v4/tune_grouped", "v4/aria_grouped", "v4/titan_padded_grouped", "hf/dbrx",
-    "hf/muse_spark",
+    "hf/muse_spark", "hf/step3p7_limit",
     "v4/llama4_equal_groups", "hf/llama4",
     "v4/sorted_split", "v4/sorted_split_host_counts", "v4/zero_experts", "v4/deepseek_remote",
     "v4/deepseek_remote_eval", "v4/minimind", "v4/expert_dropout_p0",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import operator
 import sys
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from autoep.detect import elementwise, row_norm, training_branch
 from autoep.detect.expert_loop import Attr, Obj, Opaque, Prover, no_grad_block
 from autoep.detect.flat_experts import AccView, FlatLayout, FlatProver, flat_layout
 from autoep.detect.loop_context import plain_method
-from autoep.detect.names import Scope, attribute, instance_attr
+from autoep.detect.names import NOT_FACTS, Scope, attribute, fold_attr, instance_attr
 from autoep.detect.source import Refusal, function_tree
 
 # ---------------------------------------------------------------------------------------------
@@ -398,6 +399,8 @@ def _check_batched_params(experts: nn.Module, facts: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 _SLICES = {"(..., ::2)": "strided", "(..., 1::2)": "strided"}
+_COMPARE = {ast.Is: operator.is_, ast.IsNot: operator.is_not, ast.Eq: operator.eq, ast.NotEq: operator.ne,
+            ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge}
 
 
 def apply_gate_facts(cls: type, experts: nn.Module) -> tuple[str, str]:
@@ -433,9 +436,62 @@ class _RowLocal:
         """Prove the body returns a row-local value."""
         body = [s for s in self.tree.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
         for stmt in body[:-1]:
-            self.assign(stmt)
+            self.statement(stmt)
         if not isinstance(body[-1], ast.Return) or body[-1].value is None or self.eval(body[-1].value) != "row":
             raise Refusal(f"{self.what} line {body[-1].lineno} does not return a row-local value")
+
+    def statement(self, stmt):
+        if isinstance(stmt, ast.If):
+            self.branch(stmt)
+        else:
+            self.assign(stmt)
+
+    def branch(self, stmt: ast.If) -> None:
+        """``if <test>:`` on constants alone (numbers, ``None``, the experts' own attributes holding them:
+        Step3p7's ``if self.limit is not None:``) is folded: only the branch the values select runs, so only it is
+        proven. The attributes the test reads are recorded as facts (``names.fold_attr``, ``None`` included; the
+        operands a short-circuit skips are not read), so a change after apply raises instead of running the branch
+        not proven. A test on the rows is refused: which
+        branch runs would depend on the rows. Names bound afterwards are those of the branch taken."""
+        for node in ast.walk(stmt.test):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                    and node.attr in NOT_FACTS:
+                self.refuse(stmt.test, f"(the test of the `if` on line {stmt.lineno}) reads self.{node.attr}, which "
+                                       "changes by design (train/eval); the gate must compute the same in both")
+        taken = self.truth(stmt, stmt.test)  # the attributes it reads are recorded as they are read (eval)
+        for inner in stmt.body if taken else stmt.orelse:
+            self.statement(inner)
+
+    def truth(self, stmt: ast.If, node) -> bool:
+        """The truth of ``node``, a test built of constants alone (``is``, ``==``, ``<``, ..., ``and``, ``or``,
+        ``not``); refused where a part is not a constant (a value of the rows)."""
+        if isinstance(node, ast.BoolOp):  # short-circuit as Python does (`x is not None and x > 0`)
+            decisive = isinstance(node.op, ast.Or)
+            return decisive if any(self.truth(stmt, v) is decisive for v in node.values) else not decisive
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return not self.truth(stmt, node.operand)
+        if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
+            left, result = self.constant(stmt, node.left), True
+            for op, right in zip(node.ops, node.comparators):
+                right = self.constant(stmt, right)
+                if isinstance(op, (ast.Is, ast.IsNot)) and not any(v is None or type(v) is bool for v in (left, right)):
+                    # identity of numbers: an equal value set later (what the runtime re-checks) may not be the same
+                    self.refuse(stmt.test, f"(the test of the `if` on line {stmt.lineno}) compares numbers by "
+                                           "identity; compare them with == or test `is None`")
+                result, left = result and _COMPARE[type(op)](left, right), right
+            return result
+        return bool(self.constant(stmt, node))
+
+    def constant(self, stmt: ast.If, node):
+        rows = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in self.env})
+        value = None if rows else self.eval(node)
+        if not (isinstance(value, Obj) and (value.value is None or type(value.value) in (bool, int, float))):
+            self.refuse(stmt.test, f"(the test of the `if` on line {stmt.lineno}) is not a constant: "
+                                   f"`{ast.unparse(node)[:40]}` is computed from the rows ({', '.join(rows)}), so "
+                                   "which branch runs would depend on the rows EP hands this function" if rows else
+                                   f"(the test of the `if` on line {stmt.lineno}) is not a constant: "
+                                   f"`{ast.unparse(node)[:40]}` is not a number or None")
+        return value.value
 
     def assign(self, stmt):
         if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
@@ -475,7 +531,8 @@ class _RowLocal:
             if node.attr == "act_fn":
                 elementwise.check_activation_module(value, what)
                 return "act"
-            if type(value) in (int, float):
+            if value is None or type(value) in (bool, int, float):
+                fold_attr(self.experts, node.attr)  # None too: a number set later is checked, not assumed
                 return Obj(value)
             self.refuse(node, "reads an attribute that is not a number")
         if isinstance(node, ast.Attribute):

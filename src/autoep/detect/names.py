@@ -163,6 +163,15 @@ def instance_attr(owner, name: str, where: str):
     return value
 
 
+def fold_attr(owner, name: str) -> None:
+    """Record ``owner.<name>``, read by ``instance_attr`` for the test of an ``if`` a proof folded, whatever plain
+    value it holds (``None`` too, which ``instance_attr`` does not record): the runtime checks it still holds."""
+    record = _RECORD.get()
+    value = getattr(owner, name, None)
+    if record is not None and _watched(value) and name not in NOT_FACTS:
+        record.setdefault((id(owner), name), (owner, name, value))
+
+
 def attribute(base, name: str):
     """``base.<name>`` of a module or class a proof reads (``settings.SCALE``, ``Settings.use_gate``,
     ``torch.float32``); a plain constant of one that is not a library's is recorded (``recording``)."""

@@ -171,7 +171,7 @@ def test_the_norm_applied_elsewhere_is_refused():
         ("self.post_expert_norm(self.post_expert_norm(nn.functional.linear(h, self.down_proj[expert_idx])))",
          "more than once"),
         ("nn.functional.linear(self.post_expert_norm(h), self.down_proj[expert_idx])", "down_proj"),
-        ("nn.functional.linear(h, self.down_proj[expert_idx]) + self.post_expert_norm(current_state)", ""),
+        ("nn.functional.linear(h, self.down_proj[expert_idx]) + self.post_expert_norm(current_state)", "not understood"),
         ("self.post_expert_norm(current_state)", "down_proj"),
         ("self.post_expert_norm(nn.functional.linear(h, self.down_proj[expert_idx]), 1e-6)", "rows alone"),
     ]:

@@ -29,8 +29,9 @@ loop skips, a class a function builds; grouped experts called as ``experts(x_sor
   a dim given as ``axis=``; a default whose global was rebound.
 
 Verdicts (``evaluate``): the detector raising anything but ``UnsupportedModuleStructure`` is a **crash**;
-a mutant whose own forward/backward raises is **invalid** (listed, not counted, whatever the detector
-said); a refusal (at detection, at apply, or at forward: ``LiveStateError``, ``FactChanged``, raised before
+a mutant whose own forward/backward raises, or whose outputs differ from EP's only because its own forward
+reads memory it never wrote (``reads_uninitialised``: NaN-filled vs zero-filled empties, whatever ran before in
+the process), is **invalid** (listed, not counted, whatever the detector said); a refusal (at detection, at apply, or at forward: ``LiveStateError``, ``FactChanged``, raised before
 any expert work) is **refused**; otherwise the recipe from ``compute_fn_config`` runs on a deep copy at
 ``ep_mesh=None`` and outputs, input grad and every parameter grad must equal the mutant's own (fp32,
 default ``assert_close``): **accepted_exact**, else **accepted_wrong** (with the largest difference or
@@ -70,6 +71,7 @@ from mutation_runtime import (
 )
 from mutation_source import function_tree, self_attr, with_method
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoep.detect.structure import detect_moe_structure
 from autoep.errors import FactChanged, LiveStateError, UnsupportedModuleStructure
@@ -828,15 +830,41 @@ def evaluate(mutant: Mutant) -> Outcome:
     return verdict("accepted_wrong", "; ".join(diffs[:3])) if diffs else verdict("accepted_exact")
 
 
+class FilledEmpties(TorchDispatchMode):
+    """Every tensor an ``empty`` op returns filled with ``value`` (0: not NaN). With ``fill_uninitialized_memory``'s
+    NaN run it makes ``reads_uninitialised`` a function of the block and input alone: a plain run instead reads
+    whatever the allocator hands back, and in a process that already ran the NaN check (any earlier mutant's) that
+    can be NaN in exactly the rows the block never writes, so the two runs agreed and an uninitialised read was
+    judged a real difference (``v4/deepseek_remote/router/call_override`` was accepted_wrong in one test run)."""
+
+    EMPTIES = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+                         torch.ops.aten.new_empty.default, torch.ops.aten.empty_strided.default,
+                         torch.ops.aten.new_empty_strided.default})
+
+    def __init__(self, value: float = 0.0):
+        super().__init__()
+        self.value = value
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.EMPTIES and isinstance(out, torch.Tensor):
+            out.fill_(self.value)
+        return out
+
+
 def reads_uninitialised(block: nn.Module, x: torch.Tensor, flat: bool) -> bool:
-    """The block's own outputs change when torch fills uninitialised memory with NaN: they are garbage
-    (DeepSeek's ``torch.empty_like`` rows that no expert writes when a mutant's ids match none), so there
-    is no value to compare an EP run against."""
-    ref = forward_backward(copy.deepcopy(block), x, seed=100, flat=flat)
+    """The block's own outputs or grads are NaN when torch fills uninitialised memory with NaN and finite when
+    every empty tensor starts at 0 (``FilledEmpties``): they are garbage (DeepSeek's ``torch.empty_like`` rows
+    that no expert writes when a mutant's ids match none), so there is no value to compare an EP run against.
+    Neither run reads memory left by earlier work, so the answer does not depend on what ran before in this
+    process (nor differs between ranks); a NaN the block computes (rsqrt of a negative mean) is in both."""
     fill = torch.utils.deterministic.fill_uninitialized_memory
     was = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        with FilledEmpties(0.0):
+            zeroed = forward_backward(copy.deepcopy(block), x, seed=100, flat=flat)
         torch.utils.deterministic.fill_uninitialized_memory = True
         filled = forward_backward(copy.deepcopy(block), x, seed=100, flat=flat)
     except Exception:  # noqa: BLE001 - an op without a deterministic kernel: no evidence either way
@@ -844,8 +872,13 @@ def reads_uninitialised(block: nn.Module, x: torch.Tensor, flat: bool) -> bool:
     finally:
         torch.use_deterministic_algorithms(was)
         torch.utils.deterministic.fill_uninitialized_memory = fill
-    return any(isinstance(a, torch.Tensor) and a.is_floating_point() and bool((b.isnan() & ~a.isnan()).any())
-               for a, b in zip(ref.outputs, filled.outputs))
+    return any(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point()
+               and bool((b.isnan() & ~a.isnan()).any()) for a, b in zip(_tensors(zeroed), _tensors(filled)))
+
+
+def _tensors(run: Run) -> list:
+    """A run's outputs, input grad and parameter grads (by name), in one fixed order."""
+    return [*run.outputs, run.x_grad, *(run.grads[n] for n in sorted(run.grads))]
 
 
 def evaluate_all(mutants) -> list[Outcome]:

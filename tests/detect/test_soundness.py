@@ -168,6 +168,46 @@ def test_nan_compares_equal_only_where_the_own_forward_has_it():
     assert mutation._mismatch(a, torch.tensor([1.0, 2.0, 3.0]))
 
 
+
+def test_an_uninitialised_read_is_found_whatever_ran_before():
+    """``reads_uninitialised`` is a function of the block and input, not of what the allocator hands back: with
+    every empty tensor NaN on arrival (the buffers an earlier mutant's NaN-filled check freed, reused) the rows
+    DeepSeek's ``torch.empty_like`` gets and no expert writes (its router's ids scaled to 1.5, 4.5) are still
+    found; before, the plain run read those NaN too, the check saw nothing, and the garbage rows' difference was
+    reported as accepted_wrong in one test run. A NaN the block computes, or a block that writes every row, is
+    no uninitialised read whatever the memory held."""
+    import contextlib
+
+    import torch
+    from torch import nn
+
+    class Stale(mutation.FilledEmpties):  # what the allocator hands back; torch's NaN fill still overwrites it
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    class NaNRows(nn.Module):  # rsqrt of a negative mean: NaN rows it computes
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.proj(x)
+            return h * h.mean(-1, keepdim=True).rsqrt()
+
+    names = ["v4/deepseek_remote/router/call_override", "v4/deepseek_remote/unmodified"]
+    mutant, control = mutation.mutants_by_name(names)
+    garbage, computed, written = mutant.build(), NaNRows(), control.build()
+    x = mutation.inputs(garbage)
+    assert mutation.forward_backward(computed, x, seed=100).outputs[0].isnan().any()
+    for stale in (None, 0.0, float("nan"), 1e30):
+        with Stale(stale) if stale is not None else contextlib.nullcontext():
+            assert mutation.reads_uninitialised(garbage, x, False), stale
+            assert not mutation.reads_uninitialised(computed, x, False), stale
+            assert not mutation.reads_uninitialised(written, x, False), stale
+
+
 # Issue 17, sharing: multi-block targets. Each target's block twice in a model, its expert tensors then reached
 # by two names; ``resolve_plan`` (on the whole model) must refuse every one, whatever the family.
 def _share_pool(m):

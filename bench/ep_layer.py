@@ -23,6 +23,11 @@ MixtralStyleSparseMoeBlock, softmax top-k renormalised, as Qwen3-MoE with norm_t
   ml-own       the experts' own forward (fast_path=False), one nn.Linear chain per local expert (execution=spliced)
   ml-replay    the same block with execution=replay (plan entry ``execution: replay``): record / exchange / replay,
                the block's forward twice, each local expert's own forward on its owner
+The transformers 4.x DeepseekV2 spelling (tests/blocks.py SortedSplitMoE: argsort, a loop over the counts, cat):
+  split-plain  its own forward, all experts, no exchange
+  split-auto   what the plan picks for it (``--interleave split-auto split-replay``: the same time when auto is
+               replay; before issue 21's split-splice deletion auto spliced the loop out)
+  split-replay execution=replay
 Executions side by side (``--interleave ml-own ml-replay ml-fast autoep``): replay vs spliced (ml-own: the same
 experts' own forward; ml-fast: with the grouped GEMM) vs grouped (autoep: the batched twin's grouped recipe).
 Memory per layer (interleaved comparison): the bytes autograd saves for backward in one forward of the layer
@@ -97,6 +102,23 @@ def module_list_block(block, top_k: int) -> nn.Module:
             expert.gate_proj.weight.copy_(block.experts.gate_up_proj[e, : twoF // 2])
             expert.up_proj.weight.copy_(block.experts.gate_up_proj[e, twoF // 2:])
             expert.down_proj.weight.copy_(block.experts.down_proj[e])
+    return twin
+
+
+def split_block(block, top_k: int) -> nn.Module:
+    """The transformers 4.x DeepseekV2 spelling of the Qwen3 block's experts (``tests/blocks.py`` SortedSplitMoE:
+    argsort, a loop over the counts, ``torch.cat``; its own softmax top-k, not renormalised): each expert's w1/w3/w2
+    the gate/up/down rows of the batched weights."""
+    from blocks import SortedSplitMoE
+
+    E, twoF, D = block.experts.gate_up_proj.shape
+    twin = SortedSplitMoE(hidden=D, ffn=twoF // 2, num_experts=E, top_k=top_k)
+    with torch.no_grad():
+        twin.gate.weight.copy_(block.gate.weight)
+        for e, expert in enumerate(twin.experts):
+            expert.w1.weight.copy_(block.experts.gate_up_proj[e, : twoF // 2])
+            expert.w3.weight.copy_(block.experts.gate_up_proj[e, twoF // 2:])
+            expert.w2.weight.copy_(block.experts.down_proj[e])
     return twin
 
 
@@ -272,6 +294,12 @@ def build(name: str, block, ep_mesh, args) -> nn.Module:
         return autoep_block(module_list_block(block, args.top_k), ep_mesh, fast_path=False)
     if name == "ml-replay":
         return autoep_block(module_list_block(block, args.top_k), ep_mesh, execution="replay")
+    if name == "split-plain":
+        return split_block(block, args.top_k)
+    if name == "split-auto":
+        return autoep_block(split_block(block, args.top_k), ep_mesh)
+    if name == "split-replay":
+        return autoep_block(split_block(block, args.top_k), ep_mesh, execution="replay")
     raise ValueError(f"--interleave takes autoep and ml-* contenders, not {name!r}")
 
 

@@ -590,13 +590,15 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Cal
 
     # Each called local expert's own forward, once, on the rows every rank sent it (grouped by source rank,
     # then by expert: regrouped here by expert, then by source rank). Layout change on the host's offsets.
-    starts = [sum(recv_splits[:r]) + sum(recv_counts[r][:l]) for r in range(W) for l in range(L)]
+    # One split (one backward node that concatenates the pieces' gradients), not a narrow per piece: each
+    # narrow's backward fills a zero tensor of the whole exchange's size, W * L of them per block call.
+    received = torch.split(x_recv_RD, [recv_counts[r][l] for r in range(W) for l in range(L)])
     pieces: dict[tuple[int, int], Tensor] = {}
     for l in range(L):
         if not called_L[l]:
             continue  # no rank called it: not called (its gradients stay None, as the model leaves them)
         n_r = [recv_counts[r][l] for r in range(W)]
-        rows = torch.cat([x_recv_RD.narrow(0, starts[r * L + l], n_r[r]) for r in range(W)])
+        rows = torch.cat([received[r * L + l] for r in range(W)])
         out = experts[spec.first + l](rows)
         if not isinstance(out, Tensor) or out.shape[0] != rows.shape[0] or out.dim() != 2:
             raise ReplayError(f"{type(block).__name__}: expert {spec.first + l} returned "
@@ -616,11 +618,13 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Cal
     else:
         y_back_SP = y_send_RP
     outputs: list[Tensor] = [None] * len(calls)  # type: ignore[list-item]
-    offset = 0
-    for i in order:
-        n = calls[i].rows.shape[0]
-        outputs[i] = y_back_SP.narrow(0, offset, n)
-        offset += n
+    # One split, as for the received rows: a narrow per call would fill a zero tensor of all the calls' rows in
+    # each call's backward. Each piece is cloned (one copy of the rows in all): the block may edit an expert's
+    # output in place, which autograd forbids on a view of a split, and each call's output keeps a grad_fn of its
+    # own (``_source_call`` tells the calls apart by it).
+    if order:
+        for i, out in zip(order, torch.split(y_back_SP, [calls[i].rows.shape[0] for i in order])):
+            outputs[i] = out.clone()
     return outputs, y_back_SP
 
 

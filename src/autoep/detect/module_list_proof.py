@@ -344,7 +344,8 @@ def module_list_plan(block: nn.Module, attr: str = "experts") -> tuple[SplicePla
     trees = _block_trees(block)
     found = [(m, path, i, loop) for m, (_, t, _) in trees.items() for path, i, loop in regions.expert_loops(t, attr)]
     if not found:
-        raise Refusal(f"{cls.__name__} has no loop over self.{attr} in its forward or the methods it calls")
+        raise Refusal(f"{cls.__name__}: no `for` statement of its forward, or of the methods it calls, iterates "
+                      f"self.{attr} (a comprehension, `zip` or `map` over the experts is run by record/replay only)")
     loops = {id(loop) for *_, loop in found}
     helpers = {}
     for m, (_, t, _) in trees.items():

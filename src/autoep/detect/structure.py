@@ -264,7 +264,7 @@ def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
         raise refused
     try:
         path = replay_proof.find_container(module)
-    except Refusal:
+    except Refusal:  # no module experts to call: the fast paths' reason is the one about this block's experts
         raise refused from None
     try:
         facts = replay_proof.replay_facts(module, path)
@@ -272,9 +272,15 @@ def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
                                  shared_experts=routing_proof.shared_kind(module), jitter=hasattr(module, "jitter_noise"),
                                  experts_path=path, execution="replay", **facts)
         _live_state(module, structure)
-    except Refusal as exc:  # both refuse: the fast path's reason first (it names the loop), then replay's
-        raise Refusal(f"{refused}; record/replay refuses it too: {exc}") from None
+    except Refusal as exc:  # module experts found and refused: replay's reason names what in them it cannot run
+        raise Refusal(_both(refused, exc)) from None
     return structure
+
+
+def _both(fast: Refusal, replay: Refusal) -> str:
+    """Record/replay's refusal of module experts it found (what in them it cannot run), then the fast paths'
+    (their loop proofs), once where both say the same."""
+    return str(replay) if str(fast) == str(replay) else f"{replay} (record/replay; no fast path either: {fast})"
 
 
 def _live_state(module: nn.Module, structure: MoeStructure) -> None:

@@ -57,6 +57,7 @@ import inspect
 import marshal
 import math
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -337,7 +338,7 @@ class _Recorder:
         given = args[0]
         key = (e, given.shape[1:] if given.dim() == 2 else given.shape, given.dtype)
         if key not in self._shapes:
-            self._shapes[key] = _meta_output(expert, given, rows, self.block, self.replay.keys[e])
+            self._shapes[key] = _output_of(expert, given, rows, self.block, self.replay.keys[e], self.context)
         width, dtype = self._shapes[key]
         self.calls.append(_Call(e, rows, lead, rows._version, width, dtype))
         return torch.zeros((*lead, *width), dtype=dtype, device=rows.device)
@@ -452,6 +453,25 @@ def _rows_of(block: nn.Module, replay: _Replay, e: int, i: int, args: tuple,
     # Layout change: (..., D) -> (n, D). A view where the input allows (its version counter is the input's, so a
     # later in-place edit of it is caught); else a copy of the values the expert was called with.
     return x.reshape(math.prod(lead), x.shape[-1]), lead
+
+
+# Per expert module, what ``_meta_output`` found for a 2-D call, by everything its output's width and dtype can
+# depend on besides facts the proofs watch at every call (a changed one raises before the call): the rows' width,
+# dtype and device, the grad/autocast/mode context, each of its tensors' dtype, shape and device, each of its
+# modules' training flag. Running its forward on meta for every call cost the CPU layer ~20% of a step (16 experts).
+_OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _output_of(expert: nn.Module, given: Tensor, rows: Tensor, block: nn.Module, key: str,
+               context: tuple) -> tuple[tuple[int, ...], torch.dtype]:
+    if given.dim() != 2:  # an N-D call: its leading shape is checked against the expert's output each time
+        return _meta_output(expert, given, rows, block, key)
+    tensors = tuple((t.dtype, t.shape, t.device) for t in (*expert.parameters(), *expert.buffers()))
+    found = (given.shape[1], given.dtype, given.device, context, tensors, tuple(m.training for m in expert.modules()))
+    known = _OUTPUTS.setdefault(expert, {})
+    if found not in known:
+        known[found] = _meta_output(expert, given, rows, block, key)
+    return known[found]
 
 
 def _meta_output(expert: nn.Module, given: Tensor, rows: Tensor, block: nn.Module,

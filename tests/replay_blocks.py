@@ -407,8 +407,26 @@ class FourDimCallsMoE(WholeTensorMoE):
         return out
 
 
+class InPlaceScaledMoE(ComprehensionMoE):
+    """The comprehension block scaling each expert's output in place by its weights (``out.mul_(w)``) before
+    adding it: the expert's output is the block's own tensor to edit, under replay as in the model."""
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, selected = _top_k(self.gate, x, K)
+        hits = [torch.where(selected == i) for i in range(len(self.experts))]
+        outs = [self.experts[i](x[tok]) for i, (tok, _) in enumerate(hits)]
+        y = torch.zeros_like(x)
+        for (tok, slot), out in zip(hits, outs):
+            out.mul_(weights[tok, slot, None].to(out.dtype))
+            y.index_add_(0, tok, out)
+        return y.reshape(shape)
+
+
 BLOCKS = {
     "comprehension": ComprehensionMoE,
+    "in_place_scaled": InPlaceScaledMoE,
     "zip_chunks": ZipChunksMoE,
     "vstack": VstackMoE,
     "cast_masked": CastMaskedMoE,

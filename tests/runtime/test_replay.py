@@ -565,3 +565,19 @@ def test_a_plain_dict_plan_replays_and_rechecks_its_experts():
     model["mlp"].expert_by_id[4] = model["mlp"].expert_4
     with pytest.raises(DriftError, match=r"num_experts 4 -> \[5\]"):
         resolve_plan(frozen, model)
+
+
+def test_placeholders_follow_casts_after_the_first_call():
+    """Pass 1's placeholders take each expert's output width and dtype from its forward on meta, kept per expert
+    by what they depend on (the rows' width and dtype, autocast and grad mode, the expert's tensors' dtypes,
+    training flags): the block cast to float64, then bfloat16, then back after a float32 call gets the dtype its
+    own forward gives each time, and exactly its own output."""
+    ref = _make("comprehension")
+    block = _ep_block("comprehension", 1)
+    x = _data(1)[0][0]
+    torch.testing.assert_close(block(x), ref(x))
+    for dtype in (torch.float64, torch.bfloat16, torch.float32):
+        ref.to(dtype), block.to(dtype)
+        out, want = block(x.to(dtype)), ref(x.to(dtype))
+        assert out.dtype == want.dtype == dtype
+        torch.testing.assert_close(out, want, rtol=0, atol=0)

@@ -94,15 +94,7 @@ def module_list_block(block, top_k: int) -> nn.Module:
     """The v4-style twin of the Qwen3 block: same gate, each expert's gate/up/down rows of the batched weights."""
     from blocks import MixtralStyleSparseMoeBlock
 
-    E, twoF, D = block.experts.gate_up_proj.shape
-    twin = MixtralStyleSparseMoeBlock(hidden=D, ffn=twoF // 2, num_experts=E, top_k=top_k)
-    with torch.no_grad():
-        twin.gate.weight.copy_(block.gate.weight)
-        for e, expert in enumerate(twin.experts):
-            expert.gate_proj.weight.copy_(block.experts.gate_up_proj[e, : twoF // 2])
-            expert.up_proj.weight.copy_(block.experts.gate_up_proj[e, twoF // 2:])
-            expert.down_proj.weight.copy_(block.experts.down_proj[e])
-    return twin
+    return _twin(block, MixtralStyleSparseMoeBlock, top_k, ("gate_proj", "up_proj", "down_proj"))
 
 
 def split_block(block, top_k: int) -> nn.Module:
@@ -111,14 +103,21 @@ def split_block(block, top_k: int) -> nn.Module:
     the gate/up/down rows of the batched weights."""
     from blocks import SortedSplitMoE
 
+    return _twin(block, SortedSplitMoE, top_k, ("w1", "w3", "w2"))
+
+
+def _twin(block, cls, top_k: int, names: tuple[str, str, str]) -> nn.Module:
+    """``cls`` built at the Qwen3 block's sizes with its gate, each expert's (gate, up, down) projections, named
+    ``names``, the rows of the batched weights."""
     E, twoF, D = block.experts.gate_up_proj.shape
-    twin = SortedSplitMoE(hidden=D, ffn=twoF // 2, num_experts=E, top_k=top_k)
+    twin = cls(hidden=D, ffn=twoF // 2, num_experts=E, top_k=top_k)
+    gate, up, down = names
     with torch.no_grad():
         twin.gate.weight.copy_(block.gate.weight)
         for e, expert in enumerate(twin.experts):
-            expert.w1.weight.copy_(block.experts.gate_up_proj[e, : twoF // 2])
-            expert.w3.weight.copy_(block.experts.gate_up_proj[e, twoF // 2:])
-            expert.w2.weight.copy_(block.experts.down_proj[e])
+            getattr(expert, gate).weight.copy_(block.experts.gate_up_proj[e, : twoF // 2])
+            getattr(expert, up).weight.copy_(block.experts.gate_up_proj[e, twoF // 2:])
+            getattr(expert, down).weight.copy_(block.experts.down_proj[e])
     return twin
 
 

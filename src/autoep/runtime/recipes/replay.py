@@ -464,7 +464,9 @@ _OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _output_of(expert: nn.Module, given: Tensor, rows: Tensor, block: nn.Module, key: str,
                context: tuple) -> tuple[tuple[int, ...], torch.dtype]:
-    if given.dim() != 2:  # an N-D call: its leading shape is checked against the expert's output each time
+    # An N-D call: its leading shape is checked against the expert's output each time. An active torch-function
+    # or dispatch mode: the context holds how many, not which, so nothing is kept under one.
+    if given.dim() != 2 or context[-1] or context[-2]:
         return _meta_output(expert, given, rows, block, key)
     tensors = tuple((t.dtype, t.shape, t.device) for t in (*expert.parameters(), *expert.buffers()))
     found = (given.shape[1], given.dtype, given.device, context, tensors, tuple(m.training for m in expert.modules()))

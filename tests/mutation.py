@@ -882,8 +882,12 @@ def _tensors(run: Run) -> list:
 
 
 def evaluate_all(mutants) -> list[Outcome]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the fuzzer shares small machines; its tensors are tiny
-    return [evaluate(m) for m in mutants]
+    try:
+        return [evaluate(m) for m in mutants]
+    finally:  # not the process's setting for what runs after (a pytest session's later tests)
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------

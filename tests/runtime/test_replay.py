@@ -35,7 +35,10 @@ from autoep.runtime.recipes.replay import ReplayError
 
 SEQ = 3
 BATCH_PER_RANK = {1: [4], 2: [1, 3], 4: [2, 0, 3, 1]}
-PEER_FAILED = ("another ep rank's replay check failed", "failed their record check")
+# Experts under autocast inside the block: their owner runs one bf16 GEMM over every rank's rows, where the model
+# summed one per rank in fp32 (.grad): the expert weights' gradients agree to bf16 rounding, not fp32's.
+EXPERT_GRAD_TOLERANCE = {"autocast_around_experts": {"atol": 1e-2, "rtol": 1.6e-2}}
+PEER_FAILED = ("another ep rank's replay check failed", "failed in the block's forward")
 
 
 def _make(name: str, builders=rb.BLOCKS) -> nn.Module:
@@ -120,7 +123,7 @@ def _check_block(name: str, rank: int, world_size: int, builders=rb.BLOCKS) -> N
         assert (grad is None) == (want is None), f"{n}: grad {'None' if grad is None else 'set'} under EP, " \
                                                  f"{'None' if want is None else 'set'} in the block's own run"
         if want is not None:
-            torch.testing.assert_close(grad, want, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(grad, want, msg=lambda m: f"{n}: {m}", **EXPERT_GRAD_TOLERANCE.get(name, {}))
 
 
 def _check_twin(name: str, rank: int, world_size: int) -> None:
@@ -333,9 +336,10 @@ def test_plain_experts_one_edit_twins_are_refused_naming_the_attribute(block, ma
 def test_a_gate_called_through_the_plain_list_raises():
     model = nn.ModuleDict({"mlp": _plain(cls=_GateInListCalledThroughIt)})
     apply_plan(model, resolve_plan({"ep_size": 1, "plan": [{"match": "mlp"}]}, model), None)
-    # pass 1 already sends its (D-wide) expert rows with the router's (E-wide) rows: one kind of rows per exchange
-    with pytest.raises(ReplayError, match=r"_GateInListCalledThroughIt: its expert calls on this rank mix rows of "
-                                          r"different widths"):
+    # the gate is called as an expert: its output is pending, and the routing reads it on the host
+    with pytest.raises(ReplayError, match=r"_GateInListCalledThroughIt: where of a pending expert output cannot run "
+                                          r"before the exchange: its result depends on the values .* line \d+: "
+                                          r"`tok, slot = torch.where\(selected == i\)`"):
         model["mlp"](_data(1)[0][0])
 
 

@@ -179,12 +179,14 @@ def join_exchanges(output):
     join is an identity whose backward gives the dropped output a zero gradient. Returns ``output``
     (a copy of its first tensor joined where something was dropped)."""
     outs, _open.outs = getattr(_open, "outs", None) or [], None
+    # The first floating tensor: the block's hidden states (a layer may drop the rest, e.g. router logits).
     tensors = [(i, t) for i, t in enumerate(output if isinstance(output, (tuple, list)) else [output])
-               if isinstance(t, Tensor) and t.requires_grad and t.grad_fn is not None]
+               if isinstance(t, Tensor) and t.is_floating_point()][:1]
     if not outs or not tensors:
         return output
     i, head = tensors[0]
-    dropped = [o for o in outs if o.grad_fn is not None and not any(_reaches(t.grad_fn, o.grad_fn) for _, t in tensors)]
+    dropped = [o for o in outs if o.grad_fn is not None and not (head.grad_fn is not None and
+                                                                _reaches(head.grad_fn, o.grad_fn))]
     if not dropped:
         return output
     joined = _Join.apply(head, *dropped)

@@ -214,13 +214,14 @@ def check_proven(module: nn.Module) -> None:
     """Raise ``FactChanged`` where a value the proofs of ``module`` (a block, or experts whose forward a recipe
     replaced) folded at apply has changed: ``watching_facts``' facts, ``watching_folded``'s constants and
     ``watching_experts``' modules."""
-    _check_facts(module)
+    check_facts(module)
     proven = getattr(module, "_autoep_proven_experts", None)
     if proven is not None:
         _check_experts(module, proven)
 
 
-def _check_facts(module: nn.Module) -> None:
+def check_facts(module: nn.Module) -> None:
+    """``check_proven``'s folded values alone (not the experts' modules)."""
     for fact in getattr(module, "_autoep_facts", ()):
         if not holds(fact, module):
             raise FactChanged(f"{fact.label(module)} is {fact.now(module)!r}, but the expert-parallel plan was proven "
@@ -235,7 +236,7 @@ def _check_facts(module: nn.Module) -> None:
 
 
 def _check_proven_hook(module: nn.Module, args) -> None:
-    _check_facts(module)  # the experts' modules: once per call, where the recipe's code reaches them
+    check_facts(module)  # the experts' modules: once per call, where the recipe's code reaches them
 
 
 def checking_proven(region: Callable) -> Callable:

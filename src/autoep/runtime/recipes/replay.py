@@ -69,10 +69,11 @@ from autoep.detect import plain_experts, replay_proof
 from autoep.detect.module_list_proof import global_hooks
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
-from autoep.errors import UnsupportedModuleStructure
+from autoep.errors import FactChanged, UnsupportedModuleStructure
 from autoep.runtime.dispatch import _exchanged, _Join, all_to_all
 from autoep.runtime.recipes import (
     as_structure,
+    check_facts,
     check_proven,
     join_backward_exchanges,
     watching_experts,
@@ -86,7 +87,7 @@ from autoep.runtime.recipes.local_experts import (
     report_counts,
     spec_of,
 )
-from autoep.runtime.recipes.replay_state import ReplayError, Snapshot, record_inputs, rng_state, set_rng_state
+from autoep.runtime.recipes.deferred import Call, Deferring, ReplayError, Tape, _ctx, entered
 from autoep.runtime.shared import InstanceMethod
 
 REPLAY = "_autoep_replay"  # the block attribute holding its ``_Replay``
@@ -114,20 +115,6 @@ class _Replay:
 
 def _unmarshalled(code: bytes, *fields) -> _Replay:
     return _Replay(marshal.loads(code), *fields)
-
-
-@dataclass
-class _Call:
-    """One recorded expert call: the expert id, its input rows (pass 1's, with their graph; an N-D input's
-    flattened to 2-D), the leading shape of the input (``(n,)`` for 2-D rows), the rows' version counter at the
-    call, and the output's width and dtype (from the expert's forward on ``meta``)."""
-
-    expert: int
-    rows: Tensor
-    lead: tuple[int, ...]
-    version: int
-    out_width: tuple[int, ...]
-    out_dtype: torch.dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,58 +191,54 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         raise ReplayError(f"{cls.__name__}.forward was replaced, or its __code__ swapped, after apply_plan; apply "
                           "the plan again to a fresh model built with the new code")
     spec = spec_of(self)
-    # Raised in pass 1 (through the exchange's counts, so every peer stops too); its experts are not looked up.
+    # Raised before the forward (through the exchange's counts, so every peer stops too); experts not looked up.
     changed = _plain_changed(self, replay, "was changed after apply_plan")
     experts = placed_experts(self, spec)[:spec.num_experts] if changed is None else []
     group = getattr(self, GROUP).value if spec.ep_size > 1 else None
-    rng = rng_state()
-    recorder = _Recorder(self, replay, experts, _context())
-    before = Snapshot(self, args, kwargs)
+    device = _device(args, kwargs, self)
+    tape = Tape(cls.__name__)
+    output, failure = None, None
     try:
-        # After every pre-hook (a user's, registered after apply, may change a value the proofs folded): raised
-        # through the exchange's counts, so every peer stops too.
+        # After every pre-hook (a user's, registered after apply, may change a value the proofs folded).
         check_proven(self)
         if changed is not None:
             raise changed
-        if global_hooks():
-            raise ReplayError(f"{cls.__name__}: global module hooks are registered; replay calls each expert twice "
-                              "(answered in the block's forward, and on its owner's rows), so such a hook would run on "
-                              "both, on other batches of rows than the model's own call: remove it around the forward "
-                              "(or leave this block out of parallel.plan)")
-        # On copies of the block's inputs: an in-place edit of its input (Switch's router jitter) lands on a
-        # copy here and is made once, on the input itself, in pass 2, as in the block's own call.
-        record_args, record_kwargs = record_inputs(args, kwargs)
-        with _answering(experts, recorder.record):
-            cls.forward(self, *record_args, **record_kwargs)
-        del record_args, record_kwargs  # freed unless pass 1's rows saved them for the backward
-        failure = None
-    except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
-        failure = exc
-    finally:
-        set_rng_state(rng)
-    try:
-        before.undo(cls.__name__)
-        _rows_unchanged(recorder)
-    except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
-        failure = failure or exc
-    outputs, returned = _exchange(self, spec, experts, recorder.calls, failure, group, _device(args, kwargs, self))
-    replayer = _Replayer(self, replay, recorder.calls, outputs)
-    try:
-        with _answering(experts, replayer.answer):
+        _check_hooks(self, replay, experts)
+        with _answering(experts, _Caller(self, replay, tape).call), Deferring(tape):
             output = cls.forward(self, *args, **kwargs)
-        replayer.finish()
+        if tape.failure is not None:  # raised in the forward and caught there: still a failure
+            raise tape.failure
         changed = _plain_changed(self, replay, "was changed by the block's forward")
         if changed is not None:
             raise changed
-        failure = None
-    except Exception as exc:  # noqa: BLE001 - agreed with every peer first, then raised
+        _facts_unchanged(self, "after its last expert call")
+        tape.check_unchanged()
+    except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
         failure = exc
-    # A non-reentrant checkpoint's recomputation stops at the last tensor the forward saved, which may be in
-    # pass 2 on one rank and past the block on another: no failure; this rank still joins the agreement.
+    stages, stage = 1, 0
+    while stage < stages:  # every rank joins each exchange until no rank has pending work
+        stage += 1
+        sent = [c for c in tape.calls if c.stage == stage - 1] if failure is None else []
+        try:
+            rows = [_rows_of_call(self, replay, tape, c) for c in sent]
+        except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts
+            failure, rows = exc, []
+        outputs, returned, stages = _exchange(self, spec, experts, sent, rows, failure, group, device,
+                                              tape.stages if stage == 1 else stages)
+        for call, out in zip(sent, outputs):
+            tape.answer(call, out)
+        del sent, rows, outputs  # the tape's references alone (``Tape.settle``)
+        try:
+            tape.run(stage)
+        except Exception as exc:  # noqa: BLE001 - agreed with every peer (the next exchange, or below)
+            failure = exc
+    # A non-reentrant checkpoint's recomputation stops at the last tensor the forward saved, which may be in the
+    # deferred calls on one rank and past the block on another: no failure; this rank still joins the agreement.
     stop = failure if isinstance(failure, _CHECKPOINT_STOP) else None
-    _agree(None if stop else failure, group, cls.__name__, _device(args, kwargs, self))
+    _agree(None if stop else failure, group, cls.__name__, device)
     if stop is not None:
         raise stop
+    tape.settle()
     return _needing_grad(output, returned) if group is not None else output
 
 
@@ -280,27 +263,57 @@ def _plain_changed(block: nn.Module, replay: _Replay, when: str) -> ReplayError 
 
 
 def _needing_grad(output, returned: Tensor):
-    """``output``, its first tensor joined to the returned rows where the exchange needs a backward and no
-    output tensor needs a gradient (a rank whose block made no expert call: the block's output may not depend
-    on anything trainable, yet peers wait in the exchange's backward). Values unchanged; the hooks
-    ``join_backward_exchanges`` installs join a dropped exchange to an output that does need a gradient."""
+    """``output``, its first floating tensor (the block's hidden states; a layer may drop the rest, e.g. router
+    logits) joined to the returned rows where the exchange needs a backward and that tensor has no graph (a rank
+    whose block made no expert call: peers wait in the exchange's backward). Values unchanged; the hooks
+    ``join_backward_exchanges`` installs join a dropped exchange to that tensor where it has a graph."""
     if not returned.requires_grad:
         return output
     items = list(output) if isinstance(output, (tuple, list)) else [output]
-    tensors = [i for i, t in enumerate(items) if isinstance(t, Tensor) and t.is_floating_point()]
+    head = next((i for i, t in enumerate(items) if isinstance(t, Tensor) and t.is_floating_point()), None)
     # A leaf output (the block returned its input as it is) is no path either: joined too.
-    if not tensors or any(items[i].requires_grad and items[i].grad_fn is not None for i in tensors):
+    if head is None or items[head].requires_grad and items[head].grad_fn is not None:
         return output
-    items[tensors[0]] = _Join.apply(items[tensors[0]], returned)
+    items[head] = _Join.apply(items[head], returned)
     if isinstance(output, Tensor):
         return items[0]
     return type(output)(items) if isinstance(output, list) or type(output) is tuple else type(output)(*items)
 
 
+def _facts_unchanged(block: nn.Module, when: str) -> None:
+    """The values the proofs folded (an expert's attribute, a global its forward reads) as at apply: the owner runs
+    the experts after the block's forward, so one the forward changes around a call would not reach it."""
+    try:
+        check_facts(block)
+    except FactChanged as exc:
+        raise ReplayError(f"{type(block).__name__}.forward changed a value its experts' proofs read ({exc}) {when}; "
+                          "autoep runs the experts on their owner once the forward returns, so they would not see "
+                          "it: set it outside the block's forward, or opt out") from None
+
+
+def _check_hooks(block: nn.Module, replay: _Replay, experts: list[nn.Module]) -> None:
+    """Hooks on an expert run at the caller, around its pending call, as in the model; hooks on a module inside an
+    expert (and global module hooks) would run on the owner's rows: refused."""
+    if global_hooks():
+        raise ReplayError(f"{type(block).__name__}: global module hooks are registered (torch.nn.modules.module."
+                          "register_module_forward_hook and friends, or a mode that installs them); the experts' "
+                          "modules run on their owner, on every rank's rows together, so such a hook would see other "
+                          "rows than in the model: remove it around the forward (or leave this block out of "
+                          "parallel.plan)")
+    for key, expert in zip(replay.keys, experts):
+        for name, module in expert.named_modules():
+            if name and (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                         or module._backward_pre_hooks):
+                raise ReplayError(f"{type(block).__name__}: {key}.{name} has a hook; the expert's modules run on its "
+                                  "owner on every rank's rows together, so the hook would see other rows than in the "
+                                  f"model: register it on {key} itself (it runs at the caller), or remove it")
+
+
 @contextlib.contextmanager
 def _answering(experts: list[nn.Module], answer):
     """Within: each expert's call (``expert(x)`` or ``expert.forward(x)``) is ``answer(e, expert, args,
-    kwargs)``; the instance attributes go again on exit, whatever happens."""
+    kwargs)``, inside ``nn.Module.__call__`` (so the expert's own hooks run around it, at the caller, once); the
+    instance attributes go again on exit, whatever happens."""
     for e, expert in enumerate(experts):
         expert.forward = types.MethodType(_Answer(e, answer), expert)
     try:
@@ -318,130 +331,40 @@ class _Answer:
         return self.answer(self.e, expert, args, kwargs)
 
 
-class _Recorder:
-    """Pass 1: records each expert call and answers it with zeros of its output's shape and dtype."""
+class _Caller:
+    """Answers each expert call in the block's forward with a pending output (``deferred.Tape.expert_call``)."""
 
-    def __init__(self, block: nn.Module, replay: _Replay, experts: list[nn.Module], context: tuple):
-        self.block, self.replay, self.experts, self.context = block, replay, experts, context
-        self.calls: list[_Call] = []
-        self._shapes: dict[tuple, tuple] = {}
+    def __init__(self, block: nn.Module, replay: _Replay, tape: Tape):
+        self.block, self.replay, self.tape = block, replay, tape
 
-    def record(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
-        rows, lead = _rows_of(self.block, self.replay, e, len(self.calls), args, kwargs)
-        now = _context()
-        if now != self.context:
-            changed = [name for name, a, b in zip(_CONTEXT, self.context, now) if a != b]
-            raise ReplayError(f"{type(self.block).__name__}: {self.replay.keys[e]} (expert call {len(self.calls)}) is "
-                              f"called with {', '.join(changed)} changed by the block's forward around it; autoep runs "
-                              "the experts on their owner under the state the block was called in, so they would "
-                              "compute otherwise (move the autocast / no_grad outside the block, or opt out)")
-        given = args[0]
-        key = (e, given.shape[1:] if given.dim() == 2 else given.shape, given.dtype)
-        if key not in self._shapes:
-            self._shapes[key] = _output_of(expert, given, rows, self.block, self.replay.keys[e], self.context)
-        width, dtype = self._shapes[key]
-        self.calls.append(_Call(e, rows, lead, rows._version, width, dtype))
-        return torch.zeros((*lead, *width), dtype=dtype, device=rows.device)
+    def call(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
+        i, name = len(self.tape.calls), type(self.block).__name__
+        if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
+            given = [type(a).__name__ for a in args] + [f"{k}=" for k in kwargs]
+            raise self.tape.fail(f"{self.replay.keys[e]} (expert call {i}) is called with ({', '.join(given)}); autoep "
+                                 "proves experts row-local for one (rows, features) tensor and moves only that")
+        x = args[0]
+        _facts_unchanged(self.block, f"before {self.replay.keys[e]} (expert call {i})")
+        if x.dim() != 2:
+            _lead_of(self.block, self.replay, e, i, x)  # raises where the expert may not take N-D rows
+        width, dtype = _output_of(expert, x, self.block, self.replay.keys[e])
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in expert.parameters()))
+        with torch._C.DisableTorchFunction():
+            shadow = torch.empty((*x.shape[:-1], *width), dtype=dtype, device="meta")
+            shadow = shadow.requires_grad_().clone() if grad else shadow  # computed: no leaf
+        return self.tape.expert_call(e, x, shadow, x.device)
 
 
-class _Replayer:
-    """Pass 2: each expert call is checked against the call recorded at its position and gets its output."""
-
-    def __init__(self, block: nn.Module, replay: _Replay, calls: list[_Call], outputs: list[Tensor]):
-        self.block, self.replay, self.calls, self.outputs = block, replay, calls, outputs
-        self.position = 0
-
-    def answer(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
-        i, name, keys = self.position, type(self.block).__name__, self.replay.keys
-        rows, lead = _rows_of(self.block, self.replay, e, i, args, kwargs)
-        if i >= len(self.calls):
-            raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) was not called when the experts answered "
-                              f"placeholders ({len(self.calls)} calls): which experts the block calls depends on an "
-                              f"earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
-        recorded = self.calls[i]
-        if i == 0 and (recorded.expert != e or recorded.lead != lead or not _same(rows, recorded.rows)):
-            raise ReplayError(f"{name}.forward: its first expert call went to {keys[recorded.expert]} in the record "
-                              f"pass and to {keys[e]} in the replay{'' if recorded.expert != e else ', on other rows'}"
-                              ": no expert output can explain it, so the forward's state changed between the passes "
-                              "(something pass 1 wrote that autoep does not put back: a write outside the block's "
-                              "modules, classes, the globals its methods read and their plain containers); "
-                              "record/exchange/replay cannot run it (opt out: an explicit local_compute_fn._target_)")
-        if recorded.expert != e:
-            raise ReplayError(f"{name}.forward: expert call {i} went to {keys[recorded.expert]} when the experts "
-                              f"answered placeholders and to {keys[e]} with their true outputs: which expert the block "
-                              f"calls depends on an earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
-        if recorded.lead != lead:
-            raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) got an input of leading shape {lead} "
-                              f"with the experts' true outputs and {recorded.lead} with placeholders: its input "
-                              f"depends on an earlier expert's output{_last(self.calls, i, keys)}; {_ONE_EXCHANGE}")
-        if not _same(rows, recorded.rows):
-            j = _source_call(rows, self.outputs, i)
-            source = f"{keys[self.calls[j].expert]}'s output (expert call {j})" if j is not None else \
-                f"an earlier expert's output{_last(self.calls, i, keys)}"
-            raise ReplayError(f"{name}.forward: {keys[e]} (expert call {i}) got its input from {source}; "
-                              f"{_ONE_EXCHANGE}")
-        self.position += 1
-        out = self.outputs[i]
-        # Layout change: an N-D call's rows came back as (n, P); the expert would have returned (..., P).
-        return out if len(lead) == 1 else out.reshape(*lead, *out.shape[1:])
-
-    def finish(self) -> None:
-        if self.position != len(self.calls):
-            raise ReplayError(f"{type(self.block).__name__}.forward made {self.position} expert calls with the experts' "
-                              f"true outputs and {len(self.calls)} with placeholders: which experts it calls depends "
-                              f"on an earlier expert's output; {_ONE_EXCHANGE}")
+def _rows_of_call(block: nn.Module, replay: _Replay, tape: Tape, call: Call) -> Tensor:
+    """The 2-D rows a call sends: its input's value, ``(..., D)`` flattened to ``(prod(...), D)`` (a layout change;
+    exact for an expert proven to treat its leading dims alike, ``_lead_of``)."""
+    x = tape.value(call.x)
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
-_ONE_EXCHANGE = ("record/exchange/replay runs all of a call's experts in one exchange, so no expert's input or "
-                 "choice may depend on another expert's output (opt out: an explicit local_compute_fn._target_)")
-
-
-def _source_call(rows: Tensor, outputs: list[Tensor], upto: int) -> int | None:
-    """The latest expert call before ``upto`` whose output ``rows`` were computed from, found in the autograd
-    graph of ``rows`` (None where the outputs carry no graph: no_grad, frozen experts)."""
-    nodes = [outputs[j].grad_fn for j in range(upto)]  # alive while their ids are compared
-    held = {id(n): j for j, n in enumerate(nodes) if n is not None}
-    stack, seen, found = [rows.grad_fn], {}, []
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node  # held: an id is not reused while the walk compares ids
-        if id(node) in held:
-            found.append(held[id(node)])
-        stack += [next_node for next_node, _ in node.next_functions]
-    return max(found) if found else None
-
-
-_CONTEXT = ("grad mode", "inference mode", "cpu autocast", "cpu autocast dtype", "cuda autocast",
-            "cuda autocast dtype", "torch-function modes", "dispatch modes")
-
-
-def _context() -> tuple:
-    """What decides how an expert's forward computes besides its input: grad and inference mode, autocast,
-    active modes. The owner runs the experts under the block's entry state; a call under another is refused."""
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
-            torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-            torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack())
-
-
-def _last(calls: list[_Call], i: int, keys: tuple[str, ...]) -> str:
-    return f" (the expert called before it: {keys[calls[i - 1].expert]})" if i else ""
-
-
-def _rows_of(block: nn.Module, replay: _Replay, e: int, i: int, args: tuple,
-             kwargs: dict) -> tuple[Tensor, tuple]:
-    """The rows an expert call passes, as (rows, features), and the leading shape of its input: the experts
-    are proven row-local for ``expert(rows)`` on 2-D rows (``autoep.detect.row_local``), and an ``(..., D)``
-    input is its ``(prod(...), D)`` rows only for an expert proven to treat its leading dims alike."""
+def _lead_of(block: nn.Module, replay: _Replay, e: int, i: int, x: Tensor) -> tuple:
+    """The leading shape of an N-D call, where the expert is proven to treat every dim before the last alike."""
     name, key = type(block).__name__, replay.keys[e]
-    if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
-        given = [type(a).__name__ for a in args] + [f"{k}=" for k in kwargs]
-        raise ReplayError(f"{name}: {key} (expert call {i}) is called with ({', '.join(given)}); "
-                          "autoep proves experts row-local for one (rows, features) tensor and moves only that")
-    x = args[0]
-    if x.dim() == 2:
-        return x, (x.shape[0],)
     if x.dim() < 2:
         raise ReplayError(f"{name}: {key} (expert call {i}) is called on a tensor of shape {tuple(x.shape)}; autoep "
                           "proves experts row-local on (rows, features) and moves rows")
@@ -449,71 +372,54 @@ def _rows_of(block: nn.Module, replay: _Replay, e: int, i: int, args: tuple,
         raise ReplayError(f"{name}: {key} (expert call {i}) is called on a tensor of shape {tuple(x.shape)}; autoep "
                           "moves such a call as its (prod(leading dims), features) rows only for an expert that treats "
                           f"every dim before the last alike, and this one does not: {replay.pinned[e]}")
-    lead = tuple(x.shape[:-1])
-    # Layout change: (..., D) -> (n, D). A view where the input allows (its version counter is the input's, so a
-    # later in-place edit of it is caught); else a copy of the values the expert was called with.
-    return x.reshape(math.prod(lead), x.shape[-1]), lead
+    return tuple(x.shape[:-1])
 
 
-# Per expert module, what ``_meta_output`` found for a 2-D call, by everything its output's width and dtype can
-# depend on besides facts the proofs watch at every call (a changed one raises before the call): the rows' width,
-# dtype and device, the grad/autocast/mode context, each of its tensors' dtype, shape and device, each of its
-# modules' training flag. Running its forward on meta for every call cost the CPU layer ~20% of a step (16 experts).
+# Per expert module, what ``_meta_output`` found for a call, by everything its output's width and dtype can depend on
+# besides facts the proofs watch at every call (a changed one raises before the call): the input's trailing shape
+# (all of it for an N-D call), dtype and device, the grad/autocast context, each of its tensors' dtype, shape and
+# device, each of its modules' training flag. Running its forward for every call cost the CPU layer ~20% of a step.
 _OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _output_of(expert: nn.Module, given: Tensor, rows: Tensor, block: nn.Module, key: str,
-               context: tuple) -> tuple[tuple[int, ...], torch.dtype]:
-    # An N-D call: its leading shape is checked against the expert's output each time. An active torch-function
-    # or dispatch mode: the context holds how many, not which, so nothing is kept under one.
-    if given.dim() != 2 or context[-1] or context[-2]:
-        return _meta_output(expert, given, rows, block, key)
+def _output_of(expert: nn.Module, x: Tensor, block: nn.Module, key: str) -> tuple[tuple[int, ...], torch.dtype]:
     tensors = tuple((t.dtype, t.shape, t.device) for t in (*expert.parameters(), *expert.buffers()))
-    found = (given.shape[1], given.dtype, given.device, context, tensors, tuple(m.training for m in expert.modules()))
+    found = (tuple(x.shape[1:]) if x.dim() == 2 else tuple(x.shape), x.dtype, x.device, _ctx(), tensors,
+             tuple(m.training for m in expert.modules()))
     known = _OUTPUTS.setdefault(expert, {})
     if found not in known:
-        known[found] = _meta_output(expert, given, rows, block, key)
+        known[found] = _meta_output(expert, x, block, key)
     return known[found]
 
 
-def _meta_output(expert: nn.Module, given: Tensor, rows: Tensor, block: nn.Module,
-                 key: str) -> tuple[tuple[int, ...], torch.dtype]:
-    """The width and dtype of ``expert(given)``, from its own forward on ``meta`` (no data read, nothing
-    allocated): its tensors as meta copies, its recorder stepped aside for the run. For an N-D input, its
-    output must be ``(..., P)`` and the rows' ``(n, P)`` of the same dtype (what the owner returns, reshaped)."""
-    answer = expert.__dict__.pop("forward")
-    try:
-        state = {n: t.to("meta") for n, t in [*expert.named_parameters(), *expert.named_buffers()]}
-        with torch.no_grad():
-            outs = [torch.func.functional_call(expert, state, (t.detach().to("meta"),))
-                    for t in ((rows,) if given.dim() == 2 else (given, rows))]
-    finally:
-        expert.forward = answer
+def _meta_output(expert: nn.Module, x: Tensor, block: nn.Module, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """The width and dtype of ``expert(x)`` (its class forward, no hooks) on fake tensors of the rows' device (no
+    data read, nothing allocated; autocast applies as on the rows). For an N-D input, its output must be
+    ``(..., P)`` and the rows' ``(n, P)`` of the same dtype (what the owner returns, reshaped)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shapes = [(x.shape[0], x.shape[-1])] if x.dim() == 2 else [tuple(x.shape), (math.prod(x.shape[:-1]), x.shape[-1])]
+    with torch._C.DisableTorchFunction(), FakeTensorMode(allow_non_fake_inputs=False) as fake:
+        state = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=x.device)
+                 for n, t in [*expert.named_parameters(), *expert.named_buffers()]}
+        outs = []
+        with torch.nn.utils.stateless._reparametrize_module(expert, state), torch.no_grad():
+            for shape in shapes:
+                outs.append(type(expert).forward(expert, torch.empty(shape, dtype=x.dtype, device=x.device)))
+        del fake
     out = outs[0]
-    lead = tuple(given.shape[:-1])
-    if not isinstance(out, Tensor) or out.dim() != given.dim() or tuple(out.shape[:-1]) != lead or not (
-            len(outs) == 1 or isinstance(outs[1], Tensor) and outs[1].shape == (rows.shape[0], out.shape[-1])
+    lead = tuple(x.shape[:-1])
+    if not isinstance(out, Tensor) or out.dim() != x.dim() or tuple(out.shape[:-1]) != lead or not (
+            len(outs) == 1 or isinstance(outs[1], Tensor) and tuple(outs[1].shape) == (shapes[1][0], out.shape[-1])
             and outs[1].dtype == out.dtype):
         raise ReplayError(f"{type(block).__name__}: {key} returns {type(out).__name__} "
-                          f"{tuple(getattr(out, 'shape', ()))} for an input of shape {tuple(given.shape)}; autoep moves "
+                          f"{tuple(getattr(out, 'shape', ()))} for an input of shape {tuple(x.shape)}; autoep moves "
                           "one row of output per row of input, of the same leading shape")
     return tuple(out.shape[-1:]), out.dtype
 
 
-def _same(a: Tensor, b: Tensor) -> bool:
-    """Bit-identical: shape, dtype, device and every element (NaN where the other is NaN)."""
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    if torch.equal(a, b):
-        return True
-    if not a.is_floating_point():
-        return False
-    both_nan = torch.isnan(a) & torch.isnan(b)
-    return bool(((a == b) | both_nan).all())
-
-
 # ---------------------------------------------------------------------------------------------
-# Pass 1 leaves nothing behind: ``replay_state``
+# The exchange
 # ---------------------------------------------------------------------------------------------
 
 
@@ -529,19 +435,6 @@ def _tensors(value, out: list) -> list:
     return out
 
 
-def _rows_unchanged(recorder: _Recorder) -> None:
-    for i, call in enumerate(recorder.calls):
-        if call.rows._version != call.version:
-            raise ReplayError(f"{type(recorder.block).__name__}.forward wrote the rows it gave "
-                              f"{recorder.replay.keys[call.expert]} (expert call {i}) in place after the call, during "
-                              "the record pass")
-
-
-# ---------------------------------------------------------------------------------------------
-# The exchange
-# ---------------------------------------------------------------------------------------------
-
-
 def _device(args: tuple, kwargs: dict, block: nn.Module) -> torch.device:
     found = _tensors((args, kwargs), [])
     if found:
@@ -549,33 +442,50 @@ def _device(args: tuple, kwargs: dict, block: nn.Module) -> torch.device:
     return next((p.device for p in block.parameters() if not p.is_meta), torch.device("cpu"))
 
 
-def _meta_row(spec, calls: list[_Call], failure, experts: list[nn.Module]) -> list[int]:
+def _ctx_code(ctx: tuple) -> int:
+    """A call's context (``deferred._ctx``) as one number the exchange carries: every rank's calls of one exchange
+    run on their owners under one context."""
+    grad, inference, cpu, cpu_dtype, cuda, cuda_dtype = ctx
+    return (int(grad) + 2 * int(inference) + 4 * int(cpu) + 8 * _DTYPES.index(cpu_dtype) + 64 * int(cuda)
+            + 128 * _DTYPES.index(cuda_dtype))
+
+
+def _ctx_of(code: int) -> tuple:
+    return (bool(code & 1), bool(code & 2), bool(code & 4), _DTYPES[(code >> 3) & 7], bool(code & 64),
+            _DTYPES[(code >> 7) & 7])
+
+
+def _meta_row(spec, calls: list[Call], rows: list[Tensor], failure, experts: list[nn.Module], stages: int) -> list[int]:
     """What this rank tells every peer before the rows move: rows and calls per expert, the rows' width and
     dtype, the outputs' width and dtype (-1: no calls), whether the exchange needs a backward here (rows or
-    local experts needing gradients), and whether its pass 1 held."""
+    local experts needing gradients), the calls' context (-1: none), how many exchanges its forward needs, and
+    whether its forward held."""
     E = spec.num_experts
     counts, called = [0] * E, [0] * E
-    for c in calls:
-        counts[c.expert] += c.rows.shape[0]
+    for c, r in zip(calls, rows):
+        counts[c.expert] += r.shape[0]
         called[c.expert] = 1
-    shapes = {(c.rows.shape[1], c.rows.dtype, c.out_width, c.out_dtype) for c in calls}
-    ok = failure is None and len(shapes) <= 1 and all(len(s[2]) == 1 and s[1] in _DTYPES and s[3] in _DTYPES
-                                                      for s in shapes)
+    shapes = {(r.shape[1], r.dtype, tuple(c.out.shape[-1:]), c.out.dtype) for c, r in zip(calls, rows)}
+    ctxs = {c.ctx for c in calls}
+    ok = failure is None and len(shapes) <= 1 and len(ctxs) <= 1 and all(
+        len(s[2]) == 1 and s[1] in _DTYPES and s[3] in _DTYPES for s in shapes)
     width, dtype, out_width, out_dtype = next(iter(shapes)) if shapes and ok else (-1, None, (-1,), None)
     codes = [_DTYPES.index(d) if d is not None else -1 for d in (dtype, out_dtype)]
+    ctx = next(iter(ctxs)) if ctxs and ok else None
     local = experts[spec.first: spec.first + spec.num_local]
-    grad = torch.is_grad_enabled() and (any(c.rows.requires_grad for c in calls) or any(
-        p.requires_grad for expert in local for p in expert.parameters()))
-    return counts + called + [width, codes[0], out_width[0], codes[1], int(grad), int(ok)]
+    grad = (ctx[0] if ctx else torch.is_grad_enabled()) and not (ctx or _ctx())[1] and (
+        any(r.requires_grad for r in rows) or any(p.requires_grad for expert in local for p in expert.parameters()))
+    return counts + called + [width, codes[0], out_width[0], codes[1], int(grad),
+                              _ctx_code(ctx) if ctx else -1, stages, int(ok)]
 
 
-def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Call], failure, group,
-              device: torch.device) -> tuple[list[Tensor], Tensor]:
-    """The true output of every recorded call (differentiable in pass 1's rows and the experts' parameters),
-    and the rows the reverse exchange returned. Raises on every rank when any rank's pass 1 failed
-    (``failure`` here: re-raised as it is)."""
+def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[Call], rows: list[Tensor], failure,
+              group, device: torch.device, stages: int) -> tuple[list[Tensor], Tensor, int]:
+    """The true output of every call of this exchange (differentiable in its rows and the experts' parameters), the
+    rows the reverse exchange returned, and how many exchanges the slowest rank's forward needs. Raises on every
+    rank when any rank's forward failed (``failure`` here: re-raised as it is)."""
     E, W, L = spec.num_experts, spec.ep_size, spec.num_local
-    mine = _meta_row(spec, calls, failure, experts)
+    mine = _meta_row(spec, calls, rows, failure, experts, stages)
     if W > 1:
         # Layout: column block p of what this rank sends holds the counts of peer p's experts.
         per_peer = [torch.tensor(mine[p * L:(p + 1) * L] + mine[E + p * L:E + (p + 1) * L] + mine[2 * E:],
@@ -586,14 +496,18 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Cal
         dist.all_to_all_single(meta_W, send, group=group)
     else:
         meta_W = torch.tensor([mine[:L] + mine[E:E + L] + mine[2 * E:]], dtype=torch.long, device=device)
-    # NOTE: .tolist() syncs the host once per block call for the split sizes and the peers' checks.
+    # NOTE: .tolist() syncs the host once per exchange for the split sizes and the peers' checks.
     meta = meta_W.tolist()
-    _raise_if_failed(block, failure, [row[2 * L + 5] for row in meta], mine)
+    _raise_if_failed(block, failure, [row[-1] for row in meta], mine)
+    stages = max(row[-2] for row in meta)
     widths = {(row[2 * L], row[2 * L + 1], row[2 * L + 2], row[2 * L + 3]) for row in meta if row[2 * L] >= 0}
-    if len(widths) > 1:
-        raise ReplayError(f"{type(block).__name__}: ep ranks call its experts on rows of different widths or dtypes "
-                          f"({sorted(widths)}); autoep sends one kind of rows per exchange")
+    ctxs = {row[2 * L + 5] for row in meta if row[2 * L + 5] >= 0}
+    if len(widths) > 1 or len(ctxs) > 1:
+        raise ReplayError(f"{type(block).__name__}: ep ranks call its experts on rows of different widths or dtypes, "
+                          f"or under different grad/autocast states, in one exchange ({sorted(widths)}, contexts "
+                          f"{sorted(ctxs)}); autoep sends one kind of rows per exchange")
     width, dtype_code, out_width, out_code = next(iter(widths)) if widths else (0, 0, 0, 0)
+    ctx = _ctx_of(next(iter(ctxs))) if ctxs else _ctx()
     recv_counts = [row[:L] for row in meta]  # recv_counts[r][l]: rows rank r sends to local expert l
     report_counts(block, torch.tensor([sum(c[l] for c in recv_counts) for l in range(L)], dtype=torch.long))
     called_L = [any(row[L + l] for row in meta) for l in range(L)]
@@ -601,53 +515,54 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[_Cal
     recv_splits = [sum(c) for c in recv_counts]
 
     order = sorted(range(len(calls)), key=lambda i: calls[i].expert)  # stable: call order within an expert
-    x_send_SD = torch.cat([calls[i].rows for i in order]) if calls else \
-        torch.empty((0, width), dtype=_DTYPES[dtype_code], device=device)
-    # Every rank runs the exchanges' backward where any rank does (its peers wait in it): where a peer needs
-    # gradients, rows that need none here become a leaf that does (its gradient is dropped).
-    needs_grad = any(row[2 * L + 4] for row in meta)
-    if needs_grad and not x_send_SD.requires_grad:
-        x_send_SD = x_send_SD.detach().requires_grad_()
-    x_recv_RD = all_to_all(x_send_SD, recv_splits, send_splits, group) if W > 1 else x_send_SD
+    with entered(ctx):
+        x_send_SD = torch.cat([rows[i] for i in order]) if calls else \
+            torch.empty((0, width), dtype=_DTYPES[dtype_code], device=device)
+        # Every rank runs the exchanges' backward where any rank does (its peers wait in it): where a peer needs
+        # gradients, rows that need none here become a leaf that does (its gradient is dropped).
+        needs_grad = any(row[2 * L + 4] for row in meta)
+        if needs_grad and not x_send_SD.requires_grad:
+            x_send_SD = x_send_SD.detach().requires_grad_()
+        x_recv_RD = all_to_all(x_send_SD, recv_splits, send_splits, group) if W > 1 else x_send_SD
 
-    # Each called local expert's own forward, once, on the rows every rank sent it (grouped by source rank,
-    # then by expert: regrouped here by expert, then by source rank). Layout change on the host's offsets.
-    # One split (one backward node that concatenates the pieces' gradients), not a narrow per piece: each
-    # narrow's backward fills a zero tensor of the whole exchange's size, W * L of them per block call.
-    received = torch.split(x_recv_RD, [recv_counts[r][l] for r in range(W) for l in range(L)])
-    pieces: dict[tuple[int, int], Tensor] = {}
-    for l in range(L):
-        if not called_L[l]:
-            continue  # no rank called it: not called (its gradients stay None, as the model leaves them)
-        n_r = [recv_counts[r][l] for r in range(W)]
-        rows = torch.cat([received[r * L + l] for r in range(W)])
-        out = experts[spec.first + l](rows)
-        if not isinstance(out, Tensor) or out.shape[0] != rows.shape[0] or out.dim() != 2:
-            raise ReplayError(f"{type(block).__name__}: expert {spec.first + l} returned "
-                              f"{tuple(getattr(out, 'shape', ()))} for {tuple(rows.shape)} rows")
-        for r, part in zip(range(W), torch.split(out, n_r)):
-            pieces[(r, l)] = part
-    out_dtype = _DTYPES[out_code] if widths else torch.float32
-    back = [pieces[(r, l)] for r in range(W) for l in range(L) if (r, l) in pieces]
-    y_send_RP = torch.cat(back) if back else torch.empty((0, out_width), dtype=out_dtype, device=device)
-    if not back and x_recv_RD.requires_grad:
-        # No local expert called: the received (zero) rows reach nothing, so their exchange's backward would
-        # not run here. Joined to what goes back (an identity; their gradient is zero).
-        y_send_RP = _Join.apply(y_send_RP, x_recv_RD)
-    if W > 1:
-        y_back_SP = all_to_all(y_send_RP, send_splits, recv_splits, group)
-        _exchanged(y_back_SP)  # joined to the block's output if the block drops it (a rank without calls)
-    else:
-        y_back_SP = y_send_RP
-    outputs: list[Tensor] = [None] * len(calls)  # type: ignore[list-item]
-    # One split, as for the received rows: a narrow per call would fill a zero tensor of all the calls' rows in
-    # each call's backward. Each piece is cloned (one copy of the rows in all): the block may edit an expert's
-    # output in place, which autograd forbids on a view of a split, and each call's output keeps a grad_fn of its
-    # own (``_source_call`` tells the calls apart by it).
-    if order:
-        for i, out in zip(order, torch.split(y_back_SP, [calls[i].rows.shape[0] for i in order])):
-            outputs[i] = out.clone()
-    return outputs, y_back_SP
+        # Each called local expert's class forward (its own hooks ran at the caller), once, on the rows every rank
+        # sent it (grouped by source rank, then by expert: regrouped here by expert, then by source rank). One
+        # split (one backward node that concatenates the pieces' gradients), not a narrow per piece: each narrow's
+        # backward fills a zero tensor of the whole exchange's size, W * L of them per exchange.
+        received = torch.split(x_recv_RD, [recv_counts[r][l] for r in range(W) for l in range(L)])
+        pieces: dict[tuple[int, int], Tensor] = {}
+        for l in range(L):
+            if not called_L[l]:
+                continue  # no rank called it: not called (its gradients stay None, as the model leaves them)
+            n_r = [recv_counts[r][l] for r in range(W)]
+            expert = experts[spec.first + l]
+            x_rows = torch.cat([received[r * L + l] for r in range(W)])
+            out = type(expert).forward(expert, x_rows)
+            if not isinstance(out, Tensor) or out.shape[0] != x_rows.shape[0] or out.dim() != 2:
+                raise ReplayError(f"{type(block).__name__}: expert {spec.first + l} returned "
+                                  f"{tuple(getattr(out, 'shape', ()))} for {tuple(x_rows.shape)} rows")
+            for r, part in zip(range(W), torch.split(out, n_r)):
+                pieces[(r, l)] = part
+        out_dtype = _DTYPES[out_code] if widths else torch.float32
+        back = [pieces[(r, l)] for r in range(W) for l in range(L) if (r, l) in pieces]
+        y_send_RP = torch.cat(back) if back else torch.empty((0, out_width), dtype=out_dtype, device=device)
+        if not back and x_recv_RD.requires_grad:
+            # No local expert called: the received (zero) rows reach nothing, so their exchange's backward would
+            # not run here. Joined to what goes back (an identity; their gradient is zero).
+            y_send_RP = _Join.apply(y_send_RP, x_recv_RD)
+        if W > 1:
+            y_back_SP = all_to_all(y_send_RP, send_splits, recv_splits, group)
+            _exchanged(y_back_SP)  # joined to the block's output if the block drops it (a rank without calls)
+        else:
+            y_back_SP = y_send_RP
+        outputs: list[Tensor] = [None] * len(calls)  # type: ignore[list-item]
+        # One split, as for the received rows. Each piece is cloned (one copy of the rows in all): the block may
+        # edit an expert's output in place, which autograd forbids on a view of a split. Layout change: an N-D
+        # call's rows go back to its (..., P).
+        if order:
+            for i, out in zip(order, torch.split(y_back_SP, [rows[i].shape[0] for i in order])):
+                outputs[i] = out.clone().view(calls[i].out.shape)
+    return outputs, y_back_SP, stages
 
 
 def _raise_if_failed(block: nn.Module, failure, oks: list[int], mine: list[int]) -> None:
@@ -659,7 +574,7 @@ def _raise_if_failed(block: nn.Module, failure, oks: list[int], mine: list[int])
                           "exchange")
     failed = [r for r, ok in enumerate(oks) if not ok]
     if failed:
-        raise ReplayError(f"{type(block).__name__}: ep rank(s) {failed} failed their record check (their error "
+        raise ReplayError(f"{type(block).__name__}: ep rank(s) {failed} failed in the block's forward (their error "
                           "names it); every rank stops here rather than wait in an exchange")
 
 

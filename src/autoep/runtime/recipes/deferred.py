@@ -1,0 +1,456 @@
+"""Deferred expert outputs: the block's forward runs once; what depends on an expert's output waits for the exchange.
+
+``Deferring`` (a ``TorchFunctionMode``, above autograd) is active while a block's class forward runs. Each expert
+call answers a ``Pending`` tensor: shape, dtype and strides from a meta *shadow*, no storage. A torch call that
+reads a pending value, or a tensor whose storage a deferred call writes (``out.index_add_(0, idx, pending)``,
+``out[idx] += w * pending``), is not run: it goes on the tape with its arguments and its grad/autocast context,
+and answers pending results computed on meta. Everything else (routing, masks, Python side effects, hooks) runs
+once, now, as in the model.
+
+Stages. A value is available after exchange ``s`` (its *stage*): real tensors at 0, an expert call's output one
+stage after its input. A taped call runs at the stage of its latest input (and, where it writes a tensor, no
+earlier than any taped call already reading or writing that storage: the model's order of reads and writes on
+one storage is kept). ``Tape.run(stage)`` runs that stage's calls in the order the forward made them; autograd
+records them then. Chained experts (an expert on another's output) are calls of a later stage.
+
+What needs a pending value now raises ``ReplayError`` naming the block's line: a host read (``item``,
+``bool``, ``tolist``, numpy, printing, a data pointer), a call without a meta kernel (data-dependent shapes:
+``nonzero``, ``unique``), an in-place change of a tensor's shape. The error is kept on the tape too
+(``Tape.failure``), so a block that catches it still fails. An immediate in-place write into a tensor a taped
+call reads (the version counter moved between the record and the run) raises in ``Tape.check_unchanged``.
+
+At the end ``Tape.settle`` swaps every pending object with its real tensor (``torch.utils.swap_tensors``), so
+what the block kept (its return value, attributes, lists, hook stores) holds real values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import sys
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+_AUTOEP_RUNTIME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+class ReplayError(RuntimeError):
+    """A block's call cannot run under EP as its own forward would (raised on every rank, naming the line)."""
+
+
+class Pending(Tensor):
+    """An expert output (or a value computed from one) before the exchange: metadata only. Torch calls on it
+    inside ``Deferring`` are taped; anything reaching the dispatcher (outside the mode) raises."""
+
+    shadow: Tensor
+    stage: int
+
+    @staticmethod
+    def __new__(cls, shadow: Tensor, device: torch.device, stage: int):
+        pending = Tensor._make_wrapper_subclass(cls, shadow.shape, strides=shadow.stride(), dtype=shadow.dtype,
+                                                device=device, requires_grad=shadow.requires_grad)
+        pending.shadow, pending.stage = shadow, stage
+        return pending
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise ReplayError(f"a pending expert output reached {func} outside the block's forward; autoep swaps it for "
+                            "its value when the block returns (was it kept past a failed call?)")
+
+
+# Calls that read a tensor's values into Python (or hand its memory out): never taped.
+_HOST = {Tensor.item, Tensor.tolist, Tensor.__bool__, Tensor.__int__, Tensor.__float__, Tensor.__index__,
+         Tensor.__complex__, Tensor.numpy, Tensor.__array__, Tensor.data_ptr, Tensor.__repr__, Tensor.__str__,
+         Tensor.__format__, Tensor.untyped_storage, Tensor.storage, Tensor._typed_storage, Tensor.__reduce_ex__,
+         Tensor.__dlpack__, Tensor.__deepcopy__, torch.equal, torch.is_nonzero, Tensor.is_nonzero}
+_HOST_NAMES = {"item", "tolist", "numpy", "data_ptr", "untyped_storage", "storage", "__array__", "__repr__",
+               "__format__", "__deepcopy__", "__reduce_ex__"}
+# Calls kept on the tape whatever they return: hooks on a pending value go on its real tensor.
+_TAPED = {"register_hook", "retain_grad", "register_post_accumulate_grad_hook"}
+_HANDLES = {"register_hook", "register_post_accumulate_grad_hook"}
+# In-place dunders (their names do not end in ``_``) and setters: they write their first argument.
+_WRITES = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+           "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "data:set", "grad:set"}
+_DEVICE_GETTERS = {"device:get", "is_cpu:get", "is_cuda:get", "is_meta:get", "get_device"}
+
+
+def _ctx() -> tuple:
+    """What a call computes under besides its arguments: grad mode, inference mode, autocast (CPU and CUDA)."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+
+
+@contextlib.contextmanager
+def entered(ctx: tuple):
+    """Run under ``ctx`` (``_ctx()``'s tuple), whatever the current state."""
+    grad, inference, cpu, cpu_dtype, cuda, cuda_dtype = ctx
+    with contextlib.ExitStack() as stack:
+        if torch.is_inference_mode_enabled() != inference:
+            stack.enter_context(torch.inference_mode(inference))
+        stack.enter_context(torch.set_grad_enabled(grad))
+        if (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) != (cpu, cpu_dtype):
+            stack.enter_context(torch.autocast("cpu", dtype=cpu_dtype, enabled=cpu))
+        if (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) != (cuda, cuda_dtype):
+            stack.enter_context(torch.autocast("cuda", dtype=cuda_dtype, enabled=cuda))
+        yield
+
+
+def user_line(block_name: str) -> str:
+    """The innermost frame of the caller's code (not torch's, not autoep's runtime): ``file:line: `code```."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not (path.startswith(_TORCH) or path.startswith(_AUTOEP_RUNTIME) or path.startswith("<")):
+            code = linecache.getline(path, frame.f_lineno).strip()
+            return f"{frame.f_code.co_name} ({os.path.basename(path)} line {frame.f_lineno}: `{code}`)"
+        frame = frame.f_back
+    return f"{block_name}.forward"
+
+
+def _key(t: Tensor) -> int:
+    """The storage a tensor reads and writes (a pending one: its shadow's), shared with its views."""
+    try:
+        return (t.shadow if type(t) is Pending else t).untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor): itself
+        return id(t)
+
+
+@dataclass
+class Entry:
+    """A taped torch call (``func``; ``call`` for an expert call, recorded by ``Tape.expert_call``)."""
+
+    func: object
+    args: tuple
+    kwargs: dict
+    out: object  # the pending results (a structure), or the written tensor for an in-place call
+    stage: int
+    ctx: tuple
+    writes: bool  # in place (or ``out=``): ``out`` already stands for its real tensor
+
+
+@dataclass
+class Call:
+    """One expert call: the expert id, its input (real or pending; ``(..., D)``), the pending output and context."""
+
+    expert: int
+    x: Tensor
+    out: Pending
+    stage: int  # the stage of the input: the call travels in exchange ``stage + 1``
+    ctx: tuple
+
+
+@dataclass
+class Tape:
+    """The calls a block's forward deferred, and how to run them (module docstring)."""
+
+    block_name: str = field(repr=True)
+    entries: list[Entry] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
+    pendings: list = field(default_factory=list)  # weak references to every pending object made
+    written: dict = field(default_factory=dict)  # storage key -> the stage its last taped write is available at
+    touched: dict = field(default_factory=dict)  # storage key -> the latest stage a taped call reads or writes it
+    versions: list = field(default_factory=list)  # (real tensor, its version counter when a taped call read it)
+    keep: list = field(default_factory=list)  # the storages keyed above, alive until the tape goes (keys stay unique)
+    real: dict = field(default_factory=dict)  # id(pending) -> its real tensor, as stages run
+    bound: set = field(default_factory=set)  # ids of the real tensors in ``real`` (each swaps with one pending)
+    failure: Exception | None = None
+
+    @property
+    def stages(self) -> int:
+        return max([e.stage for e in self.entries] + [c.stage + 1 for c in self.calls], default=0)
+
+    # -- recording ------------------------------------------------------------------------------------------
+
+    def deferred(self, t) -> bool:
+        return isinstance(t, Tensor) and (type(t) is Pending or (bool(self.written) and _key(t) in self.written))
+
+    def stage_of(self, t: Tensor) -> int:
+        return self.written.get(_key(t), 0) if type(t) is not Pending else max(t.stage, self.written.get(_key(t), 0))
+
+    def fail(self, message: str) -> ReplayError:
+        error = ReplayError(f"{self.block_name}: {message} at {user_line(self.block_name)}")
+        self.failure = self.failure or error
+        return error
+
+    def record(self, func, args: tuple, kwargs: dict):
+        """Tape ``func(*args, **kwargs)`` (some argument deferred) and answer its pending results."""
+        name = _name(func)
+        if func in _HOST or name in _HOST_NAMES:
+            raise self.fail(f"{name} reads a pending expert output on the host before the exchange (its value "
+                            "exists only after the block's forward returns); compute it from the block's output, or "
+                            "opt out (an explicit local_compute_fn._target_)")
+        tensors = _tensors((args, kwargs), [])
+        device = next((t.device for t in tensors if t.device.type != "meta"), torch.device("cpu"))
+        if name in _DEVICE_GETTERS:  # the real device, not the shadow's
+            with torch._C.DisableTorchFunction():
+                return func(*[torch.empty(0, device=device) if isinstance(a, Tensor) else a for a in args], **kwargs)
+        written = _written(name, args, kwargs)
+        stage = max(self.stage_of(t) for t in tensors)
+        for t in written:
+            stage = max(stage, self.touched.get(_key(t), 0))
+        try:
+            with torch._C.DisableTorchFunction():
+                shadow = func(*_shadows(_masks_as_indices(name, args)), **_shadows(kwargs))
+        except Exception as exc:  # noqa: BLE001 - no meta kernel: its result depends on the values
+            why = str(exc).split("\n")[0][:160]
+            raise self.fail(f"{name} of a pending expert output cannot run before the exchange: its result depends "
+                            f"on the values (a data-dependent shape such as nonzero/where on a mask, or a host read; "
+                            f"meta: {why})") from None
+        if not written and name not in _TAPED and not _tensors(shadow, []):
+            return _pendings(shadow, device, stage, self)  # metadata (shape, dtype, requires_grad): nothing to run
+        for t in tensors:
+            key = _key(t)
+            self.touched[key] = max(self.touched.get(key, 0), stage)
+            if type(t) is not Pending and key not in self.written:
+                self.versions.append((t, _version(t)))
+        self.keep.extend(tensors)
+        for t in written:
+            if type(t) is not Pending and isinstance(shadow, Tensor) and t is (args[0] if args else None) and \
+                    (t.shape, t.stride()) != (shadow.shape, shadow.stride()):
+                raise self.fail(f"{name} changes the shape of a tensor a pending expert output is written into")
+            self.written[_key(t)] = stage
+        out = written[0] if written else _pendings(shadow, device, stage, self)
+        if name in _TAPED:
+            out = _LateHandle() if name in _HANDLES else None
+        self.entries.append(Entry(func, args, kwargs, out, stage, _ctx(), bool(written)))
+        return None if name in ("__setitem__", "data:set", "grad:set") else out
+
+    def expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device) -> Pending:
+        """Tape a call of expert ``e`` on ``x`` (its output's metadata: ``shadow``) and answer its pending output."""
+        with torch._C.DisableTorchFunction():  # called inside ``Deferring``: these reads are the tape's own
+            return self._expert_call(e, x, shadow, device)
+
+    def _expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device) -> Pending:
+        stage = self.stage_of(x)
+        key = _key(x)
+        self.touched[key] = max(self.touched.get(key, 0), stage + 1)  # read at the exchange after ``stage``
+        if type(x) is not Pending and key not in self.written:
+            self.versions.append((x, _version(x)))
+        self.keep.append(x)
+        out = Pending(shadow, device, stage + 1)
+        self.pendings.append(weakref.ref(out))
+        self.calls.append(Call(e, x, out, stage, _ctx()))
+        return out
+
+    # -- running --------------------------------------------------------------------------------------------
+
+    def check_unchanged(self) -> None:
+        """Every real tensor a taped call reads is as it was when the call was taped (no immediate write since)."""
+        for t, version in self.versions:
+            if _version(t) != version and not (isinstance(version, Tensor) and torch.equal(t, version)):
+                raise ReplayError(f"{self.block_name}.forward wrote in place into a tensor (shape "
+                                    f"{tuple(t.shape)}) after passing it to an expert or to a computation on an "
+                                    "expert's output; autoep computes those after the forward returns, so they would "
+                                    "read the new values: write into a copy (x = x.clone()) or opt out")
+
+    def value(self, t):
+        if type(t) is Pending:
+            return self.real[id(t)]
+        return t
+
+    def answer(self, call: Call, out: Tensor) -> None:
+        self.real[id(call.out)] = out
+
+    def run(self, stage: int) -> None:
+        """Run the taped calls of ``stage`` in the forward's order, each under its context."""
+        for entry in self.entries:
+            if entry.stage != stage:
+                continue
+            args, kwargs = _substituted(entry.args, self), _substituted(entry.kwargs, self)
+            with entered(entry.ctx) if entry.ctx != _ctx() else contextlib.nullcontext():
+                result = entry.func(*args, **kwargs)
+            if isinstance(entry.out, _LateHandle):
+                entry.out.bind(result)
+            elif not entry.writes and (type(entry.out) is Pending or isinstance(entry.out, (list, tuple))):
+                _bind(entry.out, result, self, {id(t) for t in _tensors((args, kwargs), [])})
+
+    def settle(self) -> None:
+        """Every pending object still held (the block's output, what it kept in attributes, lists, hook stores)
+        becomes its real tensor. The tape's own references go first, so only those objects are left: each takes
+        the real tensor's place (``swap_tensors``), or an alias of it where autograd holds the tensor too."""
+        held = [(pending, self.real.get(id(pending))) for pending in (ref() for ref in self.pendings)
+                if pending is not None]
+        self.pendings.clear()  # the weak references go: swap_tensors refuses a tensor that has one
+        self.entries.clear(), self.calls.clear(), self.keep.clear(), self.versions.clear(), self.real.clear()
+        for pending, real in held:
+            if real is None:
+                continue
+            try:
+                torch.utils.swap_tensors(pending, real)
+            except RuntimeError:  # autograd saved the tensor (its impl has other owners): an alias takes its place
+                torch.utils.swap_tensors(pending, real.view_as(real))
+
+class _LateHandle:
+    """The handle a tensor hook registered on a pending value answers; ``remove()`` works before or after it ran."""
+
+    def __init__(self):
+        self.handle, self.removed = None, False
+
+    def bind(self, handle) -> None:
+        self.handle = handle
+        if self.removed:
+            handle.remove()
+
+    def remove(self) -> None:
+        self.removed = True
+        if self.handle is not None:
+            self.handle.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+class Deferring(TorchFunctionMode):
+    """Within: torch calls on pending values (or on storages a taped call writes) go on ``tape``."""
+
+    def __init__(self, tape: Tape):
+        super().__init__()
+        self.tape = tape
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        deferred = self.tape.deferred
+        if any(deferred(a) for a in args) or any(deferred(a) for a in kwargs.values()) or _nested(args, deferred):
+            return self.tape.record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _nested(args: tuple, deferred) -> bool:
+    """A deferred tensor inside a list or tuple argument (``torch.cat([...])``, ``torch.stack``)."""
+    for a in args:
+        if isinstance(a, (list, tuple)) and any(deferred(t) for t in _tensors(a, [])):
+            return True
+    return False
+
+
+def _tensors(value, out: list) -> list:
+    if isinstance(value, Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors(v, out)
+    return out
+
+
+def _version(t: Tensor):
+    # An inference tensor has no version counter: a copy of its values stands in (eval only).
+    return t.detach().clone() if t.is_inference() else t._version
+
+
+def _name(func) -> str:
+    """``add_``, ``__setitem__``; a property's getter or setter as ``data:get`` / ``data:set``."""
+    name = getattr(func, "__name__", "") or repr(func)
+    if name in ("__get__", "__set__"):
+        return f"{getattr(getattr(func, '__self__', None), '__name__', '?')}:{name[2:5]}"
+    return name
+
+
+def _written(name: str, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors a call writes: an in-place method's self, an ``out=`` tensor, a setter's object."""
+    written = []
+    if (name.endswith("_") and not name.startswith("__")) or name in _WRITES:
+        if args and isinstance(args[0], Tensor):
+            written.append(args[0])
+    out = kwargs.get("out")
+    written += _tensors(out, []) if out is not None else []
+    return written
+
+
+def _masks_as_indices(name: str, args: tuple) -> tuple:
+    """For the meta run of an indexing call: a real boolean mask in the index as the index tensors it selects
+    (``mask.nonzero(as_tuple=True)``), whose lengths meta cannot know. The real call later takes the mask itself."""
+    if name not in ("__getitem__", "__setitem__", "index_put_", "index_put") or len(args) < 2:
+        return args
+    index = args[1]
+    items = list(index) if isinstance(index, (tuple, list)) else [index]
+    if not any(isinstance(i, Tensor) and type(i) is not Pending and i.dtype == torch.bool for i in items):
+        return args
+    expanded = []
+    for i in items:
+        if isinstance(i, Tensor) and type(i) is not Pending and i.dtype == torch.bool:
+            with torch._C.DisableTorchFunction():
+                # NOTE: syncs the host once, as the model's own indexing with this mask does.
+                expanded += list(i.nonzero(as_tuple=True))
+        else:
+            expanded.append(i)
+    index = expanded if isinstance(index, list) else tuple(expanded)
+    return (args[0], index, *args[2:])
+
+
+def _shadow(t: Tensor) -> Tensor:
+    if type(t) is Pending:
+        return t.shadow
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    if not t.requires_grad:
+        return meta
+    return meta.requires_grad_() if t.is_leaf else meta.requires_grad_().clone()  # a leaf where it is one
+
+
+def _shadows(value):
+    if isinstance(value, Tensor):
+        return _shadow(value)
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    if isinstance(value, (list, tuple)):
+        items = [_shadows(v) for v in value]
+        return items if isinstance(value, list) else (type(value)(*items) if hasattr(value, "_fields")
+                                                      else type(value)(items))
+    if isinstance(value, dict):
+        return {k: ("meta" if k == "device" and isinstance(v, str) else _shadows(v)) for k, v in value.items()}
+    if isinstance(value, str) and value.split(":")[0] in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        return "meta"
+    return value
+
+
+def _pendings(shadow, device: torch.device, stage: int, tape: Tape):
+    if isinstance(shadow, Tensor):
+        pending = Pending(shadow, device, stage)
+        tape.pendings.append(weakref.ref(pending))
+        tape.written[_key(pending)] = max(stage, tape.written.get(_key(pending), 0))
+        return pending
+    if isinstance(shadow, (list, tuple)):
+        items = [_pendings(s, device, stage, tape) for s in shadow]
+        return items if isinstance(shadow, list) else (type(shadow)(*items) if hasattr(shadow, "_fields")
+                                                       else type(shadow)(items))
+    if isinstance(shadow, torch.device) and shadow.type == "meta":
+        return device
+    return shadow
+
+
+def _substituted(value, tape: Tape):
+    if type(value) is Pending:
+        return tape.real[id(value)]
+    if isinstance(value, (list, tuple)):
+        items = [_substituted(v, tape) for v in value]
+        return items if isinstance(value, list) else (type(value)(*items) if hasattr(value, "_fields")
+                                                      else type(value)(items))
+    if isinstance(value, dict):
+        return {k: _substituted(v, tape) for k, v in value.items()}
+    return value
+
+
+def _bind(pending, real, tape: Tape, inputs: set[int]) -> None:
+    if type(pending) is Pending:
+        # A call that returns one of its inputs (``x.to(x.dtype)``): an alias, so swapping leaves the input be.
+        tape.real[id(pending)] = real.view_as(real) if id(real) in inputs or id(real) in tape.bound else real
+        tape.bound.add(id(tape.real[id(pending)]))
+    elif isinstance(pending, (list, tuple)) and isinstance(real, (list, tuple)):
+        for p, r in zip(pending, real):
+            _bind(p, r, tape, inputs)

@@ -104,7 +104,7 @@ def _variant(old: str, new: str, tmp_path) -> type:
     return module.MaskedSumMoEVariant
 
 
-# One-edit variants: the splice's proof refused them; replay runs the block's own forward, so each is exact
+# One-edit variants: the splice's proof refused them; replay runs the block's own forward once, so each is exact
 # (what the model computes, whatever that is) or raises.
 VARIANTS = [
     # The expert's output added without its mask: every expert's output reaches every row.
@@ -117,10 +117,11 @@ VARIANTS = [
      "expert_hidden_state = expert_hidden_state + current_hidden_state * expert_hidden_state", None),
     # One expert fewer than the experts: the last one is never called (its gradients stay None).
     ("for i in range(self.num_experts):", "for i in range(self.num_experts - 1):", None),
-    # The experts fed the running sum: an expert's input computed from earlier experts' outputs.
+    # The experts fed the running sum: an expert's input computed from earlier experts' outputs (chained calls:
+    # one exchange per link, exact).
     ("current_hidden_state = self.experts[i](hidden_state) * selected_index",
      "current_hidden_state = self.experts[i](expert_hidden_state[..., :1].expand_as(hidden_state)) * selected_index",
-     "got its input from experts[0]'s output (expert call 0)"),
+     None),
     # The rows rebound inside the loop: the next expert reads other rows.
     ("selected_index = indices == i", "selected_index = indices == i\n            hidden_state = hidden_state * 2", None),
 ]

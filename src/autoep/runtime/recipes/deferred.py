@@ -245,7 +245,7 @@ class Tape:
     def check_unchanged(self) -> None:
         """Every real tensor a taped call reads is as it was when the call was taped (no immediate write since)."""
         for t, version in self.versions:
-            if _version(t) != version and not (isinstance(version, Tensor) and torch.equal(t, version)):
+            if not (torch.equal(t, version) if isinstance(version, Tensor) else t._version == version):
                 raise ReplayError(f"{self.block_name}.forward wrote in place into a tensor (shape "
                                     f"{tuple(t.shape)}) after passing it to an expert or to a computation on an "
                                     "expert's output; autoep computes those after the forward returns, so they would "

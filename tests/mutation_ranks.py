@@ -105,7 +105,7 @@ def check_on_ranks(mutant: mutation.Mutant, rank: int, group, mesh) -> tuple[str
         refused = None
         try:
             why, raised = _ranks_round(block, structure, x, split, rank, group, mesh, flat, mutant.around,
-                                       LOW_PRECISION.get(mutant.operator), mutant.after_apply), False
+                                       _tolerance(mutant), mutant.after_apply), False
         except (LiveStateError, FactChanged, ReplayError) as exc:  # refused on every rank alike, before any exchange
             why, raised, refused = None, False, str(exc)
         except Exception as exc:  # noqa: BLE001 - accepted, and the EP path fails (or a peer hung)
@@ -215,7 +215,18 @@ RANK_INCOMPARABLE = {"param_post_accumulate"}
 # (another batch of rows on its owner) reaches the expert gradients (|g| up to 40) amplified. Measured on
 # hf/nllb_moe/experts.forward/batch_stats#2: the fp32 per-slice reference itself is 2e-5 to 4e-5 off the fp64 one,
 # EP 5.6e-5 off the fp32 one (exact in one process); a wrong row or statistic is off by O(1).
-LOW_PRECISION = {"autocast": {"rtol": 1.6e-2, "atol": 1e-5}, "batch_stats": {"rtol": 1e-5, "atol": 1e-4}}
+# Experts under autocast since the block's forward runs once (issue 30: they ran under the two passes' refusal
+# before): each owner runs one bf16 GEMM over every rank's rows where the per-slice reference sums one bf16 GEMM per
+# slice in fp32 (.grad), so an expert weight's gradient differs by up to one bf16 ulp of its magnitude (measured:
+# 2^-8 = 0.0039 at gradients in [0.5, 1)): atol 8e-3, where a wrong row or expert is off by O(0.1-1).
+LOW_PRECISION = {"autocast": {"rtol": 1.6e-2, "atol": 8e-3}, "batch_stats": {"rtol": 1e-5, "atol": 1e-4}}
+
+
+def _tolerance(mutant) -> dict | None:
+    """``LOW_PRECISION`` by the mutant's operator, or by its target's name (a target written under autocast)."""
+    if mutant.operator in LOW_PRECISION:
+        return LOW_PRECISION[mutant.operator]
+    return next((tol for key, tol in LOW_PRECISION.items() if key in mutant.target.name), None)
 
 
 def raised_at_forward(outcomes: list[Outcome]) -> list[str]:

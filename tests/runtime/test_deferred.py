@@ -312,3 +312,88 @@ def test_an_input_and_its_view_are_edited_as_in_the_block():
     for blk in (own, block):
         with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
             blk(leaf, leaf)
+
+
+# ---------------------------------------------------------------------------------------------
+# What cannot wait for the exchange raises; what the block keeps of an expert output becomes real
+# ---------------------------------------------------------------------------------------------
+
+
+class _EachExpert(rb.ComprehensionMoE):
+    """The comprehension block with ``after(out, rows)`` called on each expert's output and rows."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, rb.D)
+        weights, selected = rb._top_k(self.gate, x, rb.K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            tok, slot = torch.where(selected == i)
+            rows = x[tok]
+            out = self.after(expert(rows), rows)
+            y.index_add_(0, tok, out * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+class EditsRowsAfterCall(_EachExpert):
+    def after(self, out, rows):
+        rows.mul_(2.0)  # the expert already read them in the model; its owner reads them after the forward
+        return out
+
+
+class SwallowsHostRead(_EachExpert):
+    def after(self, out, rows):
+        try:
+            scale = 1.0 + 0.0 * out.sum().item()
+        except Exception:  # noqa: BLE001 - the block's own fallback: a different value than the model's
+            scale = 2.0
+        return out * scale
+
+
+class FormatsOutput(_EachExpert):
+    def after(self, out, rows):
+        self.log = getattr(self, "log", []) + [f"{out.mean():.3f}"]
+        return out
+
+
+@pytest.mark.parametrize("make, message", [
+    (EditsRowsAfterCall, "EditsRowsAfterCall.forward wrote in place into a tensor"),
+    (SwallowsHostRead, "SwallowsHostRead: item reads a pending expert output on the host"),
+    (FormatsOutput, "FormatsOutput: __format__ reads a pending expert output on the host"),
+])
+def test_what_needs_an_expert_output_now_raises(make, message):
+    """An expert's rows written after the call, a host read the block catches itself, a log line formatting an
+    output: each raises (a caught one too: the tape keeps it), never computes otherwise than the model."""
+    torch.manual_seed(0)
+    block = _ep(make())
+    with pytest.raises(ReplayError) as info:
+        block(_x() * 1)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+class KeepsOutputs(_EachExpert):
+    """Keeps each expert's output in an attribute and a list, and a gradient hook's view of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept, self.grads = [], []
+
+    def after(self, out, rows):
+        self.last = out
+        self.kept.append(out.detach())
+        if out.requires_grad:
+            out.register_hook(lambda g: self.grads.append(g.clone()))
+        return out
+
+
+def test_expert_outputs_the_block_keeps_are_real_and_their_hooks_run_once():
+    torch.manual_seed(0)
+    own = KeepsOutputs()
+    block = _ep(copy.deepcopy(own))
+    want, got = own(_x().requires_grad_()), block(_x().requires_grad_())
+    assert type(block.last) is torch.Tensor and all(type(t) is torch.Tensor for t in block.kept)
+    torch.testing.assert_close(block.last, own.last)
+    torch.testing.assert_close(block.kept, own.kept)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    assert len(block.grads) == len(own.grads) == len(own.experts)
+    torch.testing.assert_close(block.grads, own.grads)

@@ -1,32 +1,37 @@
-"""Record, exchange, replay: the general execution of module experts under EP, whatever the loop's spelling.
+"""One pass, deferred expert outputs: the general execution of module experts under EP, whatever the loop's spelling.
 
-The block's own forward runs twice, as written; only its calls into the experts travel (DESIGN.md "Record,
-exchange, replay"):
+The block's own forward runs ONCE, as written (DESIGN.md "One pass, deferred expert outputs"); only its calls
+into the experts travel, and only the tensor work that depends on their outputs waits for them:
 
-1. **Record.** The block's class forward runs with every expert module's call answered by a placeholder of
-   the right shape and dtype (zeros; the shape from the expert's forward run on ``meta``) and recorded:
-   ``(expert id, input rows)``. It runs on copies of the block's tensor inputs (``replay_state.record_inputs``,
-   differentiable to them: one copy of each per call), so an in-place edit of its input (Switch's router
-   jitter) lands on the copy and is made once, in pass 2, on the input itself. Pass 1 must leave nothing behind
-   (``replay_state``): what it wrote in the Python state the block reaches (attributes, containers, class
-   attributes, the globals and closure variables its methods read, random generators) is put back; a tensor it
-   edited in place (a parameter, a buffer, a tensor attribute, an input it could not copy) raises, naming it.
-2. **Exchange.** Every recorded call's rows go to the expert's owner (experts split contiguously, as
-   ``local_experts.LocalExperts`` places them) in ONE differentiable all-to-all; the owner runs each called
-   local expert's own forward once on the rows every rank sent it (row-local: concatenation changes nothing),
-   and the outputs go back by the reverse all-to-all.
-3. **Replay.** The RNG restored, the block's forward runs again; each expert call must be the call recorded
-   at the same position, with a bit-identical input, and gets that call's true output. Any difference (another
-   expert, another input, more or fewer calls) means the block's expert inputs depend on expert outputs: it
-   raises, naming the block and the call. The block's output is pass 2's: the model's own computation.
+1. **The forward.** The block's class forward runs under ``deferred.Deferring``. Each expert module's call
+   (inside ``nn.Module.__call__``: the expert's own hooks run here, at the caller, once) answers a pending
+   tensor (shape and dtype from the expert's class forward on fake tensors, cached per expert) and is taped
+   with its input and its grad/autocast context. Torch calls that read a pending value, or a tensor one was
+   written into, are taped too; everything else (routing, masks, Python side effects, hooks, random draws,
+   logging) happens now, once, as in the model. What needs a pending value on the host (``item``, ``bool``,
+   a data-dependent shape, printing) raises ``ReplayError`` naming the block's line.
+2. **Exchange.** Every call whose input is available goes to the expert's owner (experts split contiguously,
+   as ``local_experts.LocalExperts`` places them) in ONE differentiable all-to-all; the owner runs each called
+   local expert's class forward once on the rows every rank sent it (row-local: concatenation changes
+   nothing), under the calls' context, and the outputs go back by the reverse all-to-all.
+3. **Deferred calls.** The taped torch calls run for real, in the forward's order, under their contexts
+   (autograd records them now). A call on another expert's output (a chained call: ``B(A(x))``, an expert fed
+   the running sum) travels in the next exchange, after the calls it reads; every rank joins each exchange
+   until no rank has pending work (``deferred.Tape`` stages). Every pending object the block kept (its
+   output, attributes, lists, hook stores) then becomes its real tensor.
 
-Gradients: the expert path reaches the block's input and the routing only through pass 1's rows (the
-exchange's backward); everything else (routing weights applied to expert outputs, residuals, shared branches)
-through pass 2, whose expert inputs get no gradient through the experts. An expert called with zero rows is
-called with zero rows on its owner (zero gradients, as the model gives); an expert no rank calls is not called
-(its gradients stay ``None``). Every rank joins both exchanges and their backward, with nothing to send too.
-A failed check on one rank raises on every rank (their flags travel with the exchange's counts, and one small
-all-reduce after pass 2), so no peer is left waiting in a collective.
+Gradients flow as in the model: through the rows (the exchange's backward) to the block's input and the
+routing, through the deferred calls to whatever scales or chains the outputs. An expert called with zero rows
+is called with zero rows on its owner (zero gradients, as the model gives); an expert no rank calls is not
+called (its gradients stay ``None``). Every rank joins every exchange and its backward, with nothing to send
+too; a rank whose output does not reach the exchange (no tokens) joins its backward through the block's first
+floating output. A failure on one rank (its forward raised, a host read, a changed fact) raises on every rank
+(the flags travel with the exchange's counts, and one small all-reduce at the end), so no peer is left waiting.
+
+What the owner cannot reproduce raises before any exchange: a value the experts' proofs read (an expert's
+attribute, a global) changed by the forward around a call; a hook on a module inside an expert, or a global
+module hook (they would run on the owner's rows); an in-place write into a tensor a deferred call or an expert
+reads, made after the call (``Tape.check_unchanged``).
 
 Experts in a plain dict/list attribute of the block (``autoep.detect.plain_experts``: ``self.expert_by_id =
 {i: self.expert_i}``, each value registered on the block) are placed under their registered names, so the entry
@@ -37,15 +42,11 @@ N-D calls: an expert called on ``(..., D)`` (VitPose runs every expert on the wh
 tensor) travels as its ``(prod(...), D)`` rows, and its output comes back reshaped to ``(..., P)``: exact
 only for an expert proven to treat every dim before the last alike (``row_local.ExpertProof.
 leading_dims_free``); for any other expert such a call raises ``ReplayError`` naming the block, the expert,
-the shape and the construct that reads a leading dim. 2-D calls are the rows as they are. Every proof holds
-for the experts' modules as they were at apply: before each call, an expert or a module of one replaced by
-another class, or a ``forward`` set on one (replay calls the class forward: it would be dropped), raises
-``FactChanged`` naming the expert (``recipes.watching_experts``, checked once per call with the folded facts).
+the shape and the construct that reads a leading dim. Every proof holds for the experts' modules as they were
+at apply: before each call, an expert or a module of one replaced by another class, or a ``forward`` set on
+one (the owner calls the class forward: it would be dropped), raises ``FactChanged`` naming the expert.
 
-Cost: pass 1 repeats the block's own work outside the experts (routing, masks, casts) once more per call,
-on one copy of each of the block's tensor inputs (freed after pass 1 unless its rows' graph saved it).
-
-Shape legend: S rows sent (all recorded calls, grouped by expert), R rows received, D the rows' width,
+Shape legend: S rows sent (all calls of one exchange, grouped by expert), R rows received, D the rows' width,
 P the experts' output width, E routed experts, L experts local to this rank, W ep ranks.
 """
 
@@ -80,6 +81,14 @@ from autoep.runtime.recipes import (
     watching_facts,
     watching_folded,
 )
+from autoep.runtime.recipes.deferred import (
+    Call,
+    Deferring,
+    ReplayError,
+    Tape,
+    _ctx,
+    entered,
+)
 from autoep.runtime.recipes.local_experts import (
     GROUP,
     place_experts,
@@ -87,7 +96,6 @@ from autoep.runtime.recipes.local_experts import (
     report_counts,
     spec_of,
 )
-from autoep.runtime.recipes.deferred import Call, Deferring, ReplayError, Tape, _ctx, entered
 from autoep.runtime.shared import InstanceMethod
 
 REPLAY = "_autoep_replay"  # the block attribute holding its ``_Replay``
@@ -338,7 +346,7 @@ class _Caller:
         self.block, self.replay, self.tape = block, replay, tape
 
     def call(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
-        i, name = len(self.tape.calls), type(self.block).__name__
+        i = len(self.tape.calls)
         if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
             given = [type(a).__name__ for a in args] + [f"{k}=" for k in kwargs]
             raise self.tape.fail(f"{self.replay.keys[e]} (expert call {i}) is called with ({', '.join(given)}); autoep "

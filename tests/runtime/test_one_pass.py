@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import itertools
 import os
 import pickle
 import signal
@@ -47,7 +48,8 @@ LR = 0.1
 RAISES = (ReplayError, UnsupportedModuleStructure)  # a refusal at resolve is an UnsupportedPlanEntry, one of these
 DEADLINE_S = {1: 15, 2: 20, 4: 30}
 XFAIL_REFUSED = {"lora_mixture"}  # a chain across two containers: in the issue only "if it is detected"
-NAMES = list(ob.CASES)
+# ONE_PASS_CASES=a,b narrows every test to those cases (a door under work, on 2 and 4 ranks)
+NAMES = [n for n in os.environ.get("ONE_PASS_CASES", "").split(",") if n] or list(ob.CASES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,7 +63,7 @@ def _data(case: ob.Case, world_size: int, step: int):
     x = torch.randn(sum(batches), SEQ, ob.D, generator=g)
     grad_out = torch.randn(x.shape, generator=g)
     bounds = [sum(batches[:r]) for r in range(world_size + 1)]
-    return [(x[lo:hi], grad_out[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    return [(x[lo:hi], grad_out[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
 
 
 def _seed(step: int, rank: int) -> int:
@@ -103,38 +105,48 @@ def _attach(model: nn.Module) -> None:
         block.attach_hooks()
 
 
-def _reference(name: str, world_size: int) -> list[dict]:
-    """Per step: each rank's copy's call and visible state, the grads summed over copies, values before the step."""
+def _reference(name: str, rank: int, world_size: int, group) -> list[dict]:
+    """The block's own run, as data parallelism runs it: this rank's copy on this rank's slices, its grads summed
+    over ranks, one SGD step. Per step: the call, the visible state, the summed grads, the values before the step.
+    State outside the instances is put back after (the EP run starts from the same)."""
     case = ob.CASES[name]
-    copies = [_model(name) for _ in range(world_size)]
-    for model in copies:
-        _attach(model)
+    model = _model(name)
+    _attach(model)
+    params = dict(model.named_parameters())
     initial = ob.shared_state()
-    shared = [initial] * world_size
     steps = []
     for t, mode in enumerate(case.modes):
-        values = {n: p.detach().clone() for n, p in copies[0].named_parameters()}
-        calls = []
-        for r, (model, (x, grad_out)) in enumerate(zip(copies, _data(case, world_size, t))):
-            ob.load_shared_state(shared[r])
-            calls.append((_call(model, x, grad_out, _seed(t, r), mode), _visible(model)))
-            shared[r] = ob.shared_state()
-        per_copy = [dict(model.named_parameters()) for model in copies]
-        grads = {n: _summed([params[n].grad for params in per_copy]) for n in values}
-        steps.append({"calls": calls, "grads": grads, "values": values})
-        with torch.no_grad():
-            for params in per_copy:
-                for n, p in params.items():
-                    if grads[n] is not None:
-                        p.sub_(LR * grads[n])
-                    p.grad = None
+        x, grad_out = _data(case, world_size, t)[rank]
+        values = {n: p.detach().clone() for n, p in params.items()}
+        call = _call(model, x, grad_out, _seed(t, rank), mode)
+        magnitudes = _summed(params, world_size, group, torch.abs) if case.bf16_grads else {}
+        grads = _summed(params, world_size, group)
+        steps.append({"call": call, "state": _visible(model), "grads": grads, "values": values,
+                      "magnitudes": magnitudes})
+        _sgd(params, grads)
     ob.load_shared_state(initial)
     return steps
 
 
-def _summed(grads: list):
-    present = [g for g in grads if g is not None]
-    return torch.stack(present).sum(0) if present else None
+def _summed(params: dict, world_size: int, group, of=None) -> dict:
+    """Each parameter's grad (``of(grad)`` where given) summed over ranks; ``None`` where no rank has one."""
+    grads = {n: p.grad if p.grad is None or of is None else of(p.grad) for n, p in params.items()}
+    if world_size == 1:
+        return grads
+    present = torch.tensor([float(g is not None) for g in grads.values()])
+    flat = torch.cat([present, *[(g if g is not None else torch.zeros_like(p)).flatten()
+                                 for g, p in zip(grads.values(), params.values())]])
+    dist.all_reduce(flat, group=group)  # NOTE: collective; every grad of the step in one
+    sums = flat[len(grads):].split([p.numel() for p in params.values()])
+    return {n: s.view_as(p) if flat[i] else None for i, ((n, p), s) in enumerate(zip(params.items(), sums))}
+
+
+def _sgd(params: dict, grads: dict) -> None:
+    with torch.no_grad():
+        for n, p in params.items():
+            if grads.get(n) is not None:
+                p.sub_(LR * grads[n])
+            p.grad = None
 
 
 @functools.cache
@@ -161,9 +173,9 @@ def _ep_model(name: str, world_size: int, mesh, plan: dict | None) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 
 
-def _close(diffs: list, what: str, got, want) -> None:
+def _close(diffs: list, what: str, got, want, **tol) -> None:
     try:
-        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, want, **tol)
     except AssertionError as exc:
         diffs.append(f"{what}: {' '.join(str(exc).split())[:300]}")
 
@@ -179,35 +191,46 @@ def _state_diffs(got, want, path: str, diffs: list) -> None:
             diffs.append(f"state {path}: {len(got)} entries under EP, {len(want)} in the model: {got!r:.200} vs {want!r:.200}")
         for i, (a, b) in enumerate(zip(got, want)):
             _state_diffs(a, b, f"{path}[{i}]", diffs)
-    elif isinstance(want, torch.Tensor) or isinstance(want, float):
+    elif isinstance(want, (torch.Tensor, float)):
         _close(diffs, f"state {path}", got, want)
     elif got != want:
         diffs.append(f"state {path}: {got!r:.200} under EP, {want!r:.200} in the model")
 
 
-def _diffs(step: dict, rank: int, got_call, got_state, dense: dict, experts: dict, expert_names: set) -> list[str]:
-    (want_out, want_x_grad, want_rng), want_state = step["calls"][rank]
-    out, x_grad, rng = got_call
+def _diffs(want: dict, got_call, got_state, grads: dict) -> list[str]:
+    """What differs between the EP step and the reference step ``want``; ``grads``: dense grads summed over
+    ranks and expert params' ``(value, grad)`` from their owners."""
+    (want_out, want_x_grad, want_rng), (out, x_grad, rng) = want["call"], got_call
     diffs = []
     _close(diffs, "output", out, want_out)
     _close(diffs, "input grad", x_grad, want_x_grad)
     if not torch.equal(rng, want_rng):
         diffs.append("the global RNG after the call differs from the model's")
-    _state_diffs(got_state, want_state, "", diffs)
-    for n, g in dense.items():
-        want = step["grads"][n]
-        _close(diffs, f"grad {n}", g, want if want is not None else torch.zeros_like(g))
-    if experts.keys() != expert_names:
-        diffs.append(f"expert params gathered {sorted(experts)}, placed {sorted(expert_names)}")
-    for n, (value, grad) in sorted(experts.items()):
-        _close(diffs, f"value {n}", value, step["values"][n])
-        want = step["grads"][n]
-        if (grad is None) != (want is None):
-            diffs.append(f"grad {n}: {'None' if grad is None else 'set'} under EP, {'None' if want is None else 'set'} "
-                         f"in the model")
-        elif want is not None:
-            _close(diffs, f"grad {n}", grad, want)
+    _state_diffs(got_state, want["state"], "", diffs)
+    if grads.keys() != want["grads"].keys():
+        diffs.append(f"params {sorted(grads)} under EP, {sorted(want['grads'])} in the model")
+    for n, (value, grad) in sorted(grads.items()):
+        if value is not None:
+            _close(diffs, f"value {n}", value, want["values"][n])
+        expected = want["grads"].get(n)
+        if (grad is None) != (expected is None):
+            diffs.append(f"grad {n}: {'None' if grad is None else 'set'} under EP, "
+                         f"{'None' if expected is None else 'set'} in the model")
+        elif grad is not None and n in want["magnitudes"] and value is not None:
+            _rounded(diffs, f"grad {n}", grad, expected, want["magnitudes"][n])
+        elif grad is not None:
+            _close(diffs, f"grad {n}", grad, expected)
     return diffs
+
+
+def _rounded(diffs: list, what: str, got, want, magnitude) -> None:
+    """``got`` equals ``want`` up to bfloat16 rounding of each rank's partial sum and of the whole (2**-8 of
+    each term's magnitude, ``magnitude`` the sum over ranks of ``|partial|``)."""
+    excess = (got - want).abs() - (2**-7 * magnitude + 1e-5)
+    if excess.max() > 0:
+        i = int(excess.argmax())
+        diffs.append(f"{what}: beyond bfloat16 rounding at flat index {i}: {got.flatten()[i]:.6g} under EP, "
+                     f"{want.flatten()[i]:.6g} in the model (|partials| {magnitude.flatten()[i]:.3g})")
 
 
 @contextlib.contextmanager
@@ -249,9 +272,10 @@ def case_outcome(name: str, rank: int, world_size: int, plan: dict | None = None
 
 def _run_steps(name: str, rank: int, world_size: int, group, model: nn.Module) -> tuple:
     case = ob.CASES[name]
-    reference = _reference(name, world_size)
+    reference = _reference(name, rank, world_size, group)
     params = dict(model.named_parameters())
-    expert_names = {n for n in expert_owners(model) if n in params}
+    experts = {n for n in expert_owners(model) if n in params}
+    dense = {n: p for n, p in params.items() if n not in experts}
     for t, mode in enumerate(case.modes):
         x, grad_out = _data(case, world_size, t)[rank]
         failed = None
@@ -264,22 +288,22 @@ def _run_steps(name: str, rank: int, world_size: int, group, model: nn.Module) -
             failed = ("raised", t, f"{type(exc).__module__}.{type(exc).__name__}: {exc}")
         if any(_gather(failed, world_size, group)):
             return failed or ("peer", t, "")
-        dense = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                 for n, p in params.items() if n not in expert_names}
+        dense_grads = _summed(dense, world_size, group)
         mine = {n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
-                for n, p in params.items() if n in expert_names and p.device.type != "meta"}
-        for g in dense.values() if world_size > 1 else ():
-            dist.all_reduce(g, group=group)  # NOTE: collective; replicated dense grads sum over ranks
-        experts = {k: v for part in _gather(mine, world_size, group) for k, v in part.items()}
-        diffs = _diffs(reference[t], rank, got, _visible(model), dense, experts, expert_names)
+                for n, p in params.items() if n in experts and p.device.type != "meta"}
+        owned = {n: v for part in _gather(mine, world_size, group) for n, v in part.items()}
+        if owned.keys() != experts:
+            return ("wrong", t, f"expert params gathered from owners {sorted(owned)}, placed {sorted(experts)}")
+        grads = {**{n: (None, g) for n, g in dense_grads.items()}, **owned}
+        diffs = _diffs(reference[t], got, _visible(model), grads)
         if any(_gather(bool(diffs), world_size, group)):
             return ("wrong", t, "; ".join(diffs[:4])) if diffs else ("peer", t, "")
-        with torch.no_grad():
-            for n, p in params.items():
-                g = dense[n] if n in dense else p.grad
-                if g is not None and p.device.type != "meta":
-                    p.sub_(LR * g)
-                p.grad = None
+        held = {n: p for n, p in params.items() if p.device.type != "meta"}
+        _sgd(held, {**dense_grads, **{n: g for n, (_, g) in owned.items()}})
+        if case.bf16_grads and t + 1 < len(reference):  # equal up to rounding only: the next step from the model's
+            with torch.no_grad():
+                for n, p in held.items():
+                    p.copy_(reference[t + 1]["values"][n])
     return ("exact", -1, "")
 
 
@@ -352,8 +376,9 @@ def one_pass_cases(rank: int, world_size: int, plans: dict, progress: str) -> di
     for name in NAMES:
         try:
             result, said = verdict(name, case_outcome(name, rank, world_size, plans[name]))
-        except Exception as exc:  # noqa: BLE001 - the harness's own collectives failed: recorded, next case
-            result, said = "fail", f"harness: {type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a collective of the case failed: recorded, next case
+            kind = "hang (a collective timed out)" if "timed out" in str(exc).lower() or "timeout" in str(exc) else "harness"
+            result, said = "fail", f"{kind}: {type(exc).__name__}: {exc}"
         if rank == 0:
             print(f"[one_pass W={world_size}] {name}: {result}: {said[:600]}", flush=True)
         results[name] = None if result in ("pass", "skip", "xfail") else said

@@ -7,8 +7,8 @@ host reads of expert outputs, and ranks with no tokens.
 Every block takes ``(batch, seq, hidden)``; ``visible_state()`` returns what its forward leaves behind that
 Python can see (counters, lists, hook stores, buffers, globals), as plain values and tensors. ``shared_state()``
 / ``load_shared_state()`` copy and restore what lives outside the instances (module globals here and in
-``one_pass_stats``, class attributes, default arguments, the log), so a test can give each rank's reference
-its own. ``CASES`` maps a case name to its builder and what EP must do with it.
+``one_pass_stats``, class attributes, default arguments, the log), so a test starts the model's run and the EP
+run from the same. ``CASES`` maps a case name to its builder and what EP must do with it.
 """
 
 from __future__ import annotations
@@ -987,16 +987,16 @@ def module_list_subclass():
 
 
 class TwoLayerNet(nn.Module):
-    """Two v4 Mixtral blocks with residuals; each layer's ``router_logits`` dropped (no aux loss)."""
+    """Two MoE blocks with residuals; a v4 block's ``router_logits`` dropped (no aux loss)."""
 
-    def __init__(self):
+    def __init__(self, block: Callable[[], nn.Module] = mixtral_v4):
         super().__init__()
-        self.layers = nn.ModuleList([mixtral_v4() for _ in range(2)])
+        self.layers = nn.ModuleList([block() for _ in range(2)])
 
     def forward(self, x):
         for layer in self.layers:
-            hidden, _router_logits = layer(x)
-            x = x + hidden
+            out = layer(x)
+            x = x + (out[0] if isinstance(out, tuple) else out)
         return x
 
 
@@ -1125,4 +1125,5 @@ CASES: dict[str, Case] = {
     "module_list_subclass": Case(module_list_subclass, splits=EMPTY_RANK),
     "mixtral_v4": Case(mixtral_v4, splits=EMPTY_RANK),
     "two_layer_net": Case(TwoLayerNet, splits=EMPTY_RANK, match="layers.?"),
+    "two_layer_unique_net": Case(lambda: TwoLayerNet(UniqueLoopMoE), splits=EMPTY_RANK, match="layers.?"),
 }

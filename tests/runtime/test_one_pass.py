@@ -3,11 +3,11 @@ steps each (forward, backward, SGD at lr 0.1), compared after every step with th
 input grad, the global RNG after the call, dense grads summed over ranks, expert values and grads from their
 owners, and the Python-visible state (``visible_state()``).
 
-Reference (DESIGN.md "Parity", with state): one copy of the block per rank (same init), each run on its rank's
-slice only, so its Python state is that rank's; grads summed over the copies; one SGD step for all, as EP's
-summed dense grads and owner-held expert grads give. The EP block on rank r matches copy r. State outside the
-instances (``one_pass_blocks.shared_state``: globals, class attributes, default arguments, the log) is swapped
-in per copy and put back before the EP run.
+Reference (DESIGN.md "Parity", with state), as data parallelism runs the block: on each rank its own copy (same
+init) on that rank's slices only, so its Python state is that rank's; grads summed over ranks; one SGD step. The
+EP block on rank r matches rank r's copy: output, input grad, visible state; dense grads summed over ranks and
+expert grads from their owners match the summed ones. State outside the instances (``one_pass_blocks.
+shared_state``: globals, class attributes, default arguments, the log) is put back between the two runs.
 
 Verdicts (``Case.expect``): ``exact``; ``exact_or_raise``: exact, or ``ReplayError``/a detection refusal on every
 rank; ``raise``: ``ReplayError`` on every rank, a message naming the line that reads an expert output on the
@@ -26,6 +26,7 @@ import itertools
 import os
 import pickle
 import signal
+import time
 
 import one_pass_blocks as ob
 import pytest
@@ -53,7 +54,7 @@ NAMES = [n for n in os.environ.get("ONE_PASS_CASES", "").split(",") if n] or lis
 
 
 # ---------------------------------------------------------------------------------------------
-# One step of a model, the reference copies, the EP model
+# One step of a model, the reference, the EP model
 # ---------------------------------------------------------------------------------------------
 
 
@@ -374,13 +375,15 @@ def one_pass_cases(rank: int, world_size: int, plans: dict, progress: str) -> di
     leaves what it finished)."""
     results = {}
     for name in NAMES:
+        start = time.perf_counter()
         try:
             result, said = verdict(name, case_outcome(name, rank, world_size, plans[name]))
         except Exception as exc:  # noqa: BLE001 - a collective of the case failed: recorded, next case
             kind = "hang (a collective timed out)" if "timed out" in str(exc).lower() or "timeout" in str(exc) else "harness"
             result, said = "fail", f"{kind}: {type(exc).__name__}: {exc}"
         if rank == 0:
-            print(f"[one_pass W={world_size}] {name}: {result}: {said[:600]}", flush=True)
+            print(f"[one_pass W={world_size}] {name}: {result} ({time.perf_counter() - start:.1f} s): {said[:600]}",
+                  flush=True)
         results[name] = None if result in ("pass", "skip", "xfail") else said
         with open(os.path.join(progress, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)

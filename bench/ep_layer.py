@@ -4,6 +4,7 @@
     python bench/ep_layer.py --tokens 1024 --steps 5
     python bench/ep_layer.py --contenders --rounds 21  # only the interleaved comparison (ModuleList paths vs before)
     python bench/ep_layer.py --profile ml-stacked ml-fast   # where a step's time goes (torch.profiler, rank 0)
+    python bench/ep_layer.py --smoke                # the smallest run of every contender (tests/test_bench_smoke.py)
 
 Every contender runs the same block (Qwen3MoeSparseMoeBlock from a small config), the same weights
 and the same per-rank tokens, side by side in one spawned gloo group:
@@ -56,6 +57,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -138,52 +140,46 @@ def autoep_block(block, mesh, execution: str = "auto", **fn_kwargs):
     return holder.mlp
 
 
-_MODE: dict[int, object] = {}  # id(first local expert) -> "copy" or the (gate_up, down) leaves stacked once
+class StackedOnce(nn.Module):
+    """ml-stacked: the ModuleList twin's routing (``MixtralStyleSparseMoeBlock.forward``'s lines) and autoep's
+    exchange (``autoep.runtime.dispatch.ep_experts_forward``) around the grouped GEMM (``grouped_swiglu``) on this
+    rank's expert weights stacked once into leaves of their own: the layout the module_list recipe kept before the
+    experts stayed the model's own modules. Built from public runtime functions; nothing in the runtime is patched."""
 
+    def __init__(self, twin: nn.Module, ep_mesh):
+        super().__init__()
+        E, W = twin.num_experts, ep_mesh.size()
+        first = ep_mesh.get_local_rank() * (E // W)
+        local = list(twin.experts)[first: first + E // W]
+        self.gate, self.top_k, self.num_experts, self.ep_group = twin.gate, twin.top_k, E, ep_mesh.get_group()
+        with torch.no_grad():
+            self.gate_up = nn.Parameter(torch.stack([torch.cat([x.gate_proj.weight, x.up_proj.weight]) for x in local]))
+            self.down = nn.Parameter(torch.stack([x.down_proj.weight for x in local]))
 
-def _patch_stacked_weights() -> None:
-    """Route ``local_experts._stacked_weights`` per block: ml-stacked blocks get their leaves stacked once,
-    ml-copy blocks a ``torch.stack`` of their experts' weights every step; others the recipe's own choice."""
-    from autoep.runtime.recipes import local_experts
+    def forward(self, hidden_states):
+        from autoep.runtime.dispatch import ep_experts_forward
 
-    if getattr(local_experts._stacked_weights, "bench", False):
-        return
-    recipe = local_experts._stacked_weights
+        B, S, D = hidden_states.shape
+        x_TD = hidden_states.view(-1, D)
+        router_logits = self.gate(x_TD)
+        weights_TK, index_TK = torch.topk(F.softmax(router_logits, dim=1, dtype=torch.float), self.top_k, dim=-1)
+        weights_TK = (weights_TK / weights_TK.sum(dim=-1, keepdim=True)).to(x_TD.dtype)
+        out_TD = ep_experts_forward(x_TD, index_TK, weights_TK, num_experts=self.num_experts, ep_group=self.ep_group,
+                                    expert_fn=self.local_experts)
+        return out_TD.view(B, S, D), router_logits
 
-    def routed(spec, experts, stacked, x_SD):
-        mode = _MODE.get(id(experts[0]))
-        if mode is None:
-            return recipe(spec, experts, stacked, x_SD)
-        return recipe(spec, experts, None, x_SD) if mode == "copy" else mode
+    def local_experts(self, x_SD, tokens_per_local_expert, status_L=None):
+        from autoep.runtime.experts import glu_gate, grouped_swiglu
 
-    routed.bench = True
-    local_experts._stacked_weights = routed
-
-
-def local_of(block) -> list:
-    from autoep.runtime.recipes import local_experts
-
-    spec = local_experts.spec_of(block)
-    return list(block.experts)[spec.first: spec.first + spec.num_local]
-
-
-def stack_once(block) -> nn.Module:
-    """The module_list fast path with the local experts' weights stacked once, as leaves of their own (the layout
-    the recipe kept before: ``experts.gate_up_proj``/``down_proj``), instead of the experts' own parameters."""
-    local = local_of(block)
-    with torch.no_grad():
-        gate_up = torch.stack([torch.cat([x.gate_proj.weight, x.up_proj.weight]) for x in local]).requires_grad_()
-        down = torch.stack([x.down_proj.weight for x in local]).requires_grad_()
-    block._stacked = (gate_up, down)
-    _MODE[id(local[0])] = (gate_up, down)
-    _patch_stacked_weights()
-    return block
+        return grouped_swiglu(x_SD, tokens_per_local_expert, self.gate_up, self.down, apply_gate=glu_gate(F.silu))
 
 
 def copy_each_step(block) -> nn.Module:
-    """The module_list fast path stacking the experts' own weights every step (a copy) instead of reading them in place."""
-    _MODE[id(local_of(block)[0])] = "copy"
-    _patch_stacked_weights()
+    """The module_list fast path stacking the experts' own weights every step (a copy) instead of reading them in
+    place: the recipe's own fallback for a block without a stacked home (``local_experts.STACKED`` unset)."""
+    from autoep.runtime.recipes import local_experts
+
+    setattr(block, local_experts.STACKED, None)
     return block
 
 
@@ -218,8 +214,8 @@ def time_step(block, x, grad, steps: int, warmup: bool = True) -> tuple[float, i
 
 def expert_bytes(block) -> int:
     total = 0
-    if hasattr(block, "_stacked"):
-        return sum(t.numel() * t.element_size() for t in block._stacked)
+    if isinstance(block, StackedOnce):
+        return sum(t.numel() * t.element_size() for t in (block.gate_up, block.down))
     for p in block.experts.parameters():
         if p.is_meta:
             continue  # another rank's ModuleList expert: a meta stand-in, nothing allocated
@@ -286,9 +282,11 @@ def build(name: str, block, ep_mesh, args) -> nn.Module:
         return autoep_block(block, ep_mesh)
     if name == "ml-plain":
         return module_list_block(block, args.top_k)
-    if name in ("ml-fast", "ml-stacked", "ml-copy"):
+    if name == "ml-stacked":
+        return StackedOnce(module_list_block(block, args.top_k), ep_mesh)
+    if name in ("ml-fast", "ml-copy"):
         b = autoep_block(module_list_block(block, args.top_k), ep_mesh)
-        return stack_once(b) if name == "ml-stacked" else copy_each_step(b) if name == "ml-copy" else b
+        return copy_each_step(b) if name == "ml-copy" else b
     if name == "ml-own":
         return autoep_block(module_list_block(block, args.top_k), ep_mesh, fast_path=False)
     if name == "ml-replay":
@@ -326,9 +324,11 @@ class _Saved:
         self.t = t
 
 
-def saved_bytes(block, x, grad) -> tuple[int, int]:
+def saved_bytes(block, x, grad) -> tuple[int, int] | str:
     """(bytes packed during one forward, bytes the graph still holds when backward starts) of the tensors
-    autograd saves, each storage counted once, the block's parameters excluded; then the backward runs."""
+    autograd saves, each storage counted once, the block's parameters excluded; then the backward runs. Where
+    the block cannot run under ``saved_tensors_hooks`` (or saves a tensor without storage of its own), the
+    error's first line instead: the comparison's other figures are still printed."""
     import weakref
 
     def storage(t):  # (data pointer, bytes) of the storage behind ``t`` (a DTensor: its local shard's)
@@ -349,10 +349,15 @@ def saved_bytes(block, x, grad) -> tuple[int, int]:
 
     xi = x.clone().requires_grad_()
     dist.barrier()  # NOTE: collective; every rank measures the same step
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda holder: holder.t):
-        out = block(xi)
-    out = out[0] if isinstance(out, tuple) else out
-    held = dict(storage(h.t) for h in list(live))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda holder: holder.t):
+            out = block(xi)
+        out = out[0] if isinstance(out, tuple) else out
+        held = dict(storage(h.t) for h in list(live))
+    except RuntimeError as e:
+        # Every rank fails alike (the same block and step; autoep raises on every rank); the step's graph is
+        # dropped unrun, so no rank waits in its backward's exchanges.
+        return f"not measurable: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
     out.backward(grad)
     block.zero_grad(set_to_none=True)
     return sum(packed.values()), sum(held.values())
@@ -399,8 +404,18 @@ def report_interleaved(per_rank: list[dict], args) -> None:
           "backward starts; ratio of held to " + base)
     saved = per_rank[0]["saved"]
     for n in names:
-        print(f"{n:<12}{saved[n][0] / 2**20:>11.2f}{saved[n][1] / 2**20:>11.2f}{saved[n][1] / saved[base][1]:>9.2f}x",
-              flush=True)
+        if isinstance(saved[n], str):
+            print(f"{n:<12} {saved[n]}", flush=True)
+            continue
+        ratio = "" if isinstance(saved[base], str) else f"{saved[n][1] / saved[base][1]:>9.2f}x"
+        print(f"{n:<12}{saved[n][0] / 2**20:>11.2f}{saved[n][1] / 2**20:>11.2f}{ratio}", flush=True)
+
+
+# Every contender ``build`` knows in one process group, the table's reference contenders each in their own.
+SMOKE = {"tokens": 64, "hidden": 32, "ffn": 16, "experts": 4, "top_k": 2, "steps": 1, "rounds": 1,
+         "interleave": ["ml-stacked", "ml-copy", "ml-fast", "ml-own", "ml-replay", "ml-plain", "autoep",
+                        "split-plain", "split-auto", "split-replay"],
+         "contenders": ["plain", "autoep", "hf-eager", "hf-grouped_mm"]}
 
 
 def main(argv=None) -> None:
@@ -427,7 +442,14 @@ def main(argv=None) -> None:
                         "the interleaved comparison)")
     p.add_argument("--profile", nargs="*", default=[],
                    help="contenders (autoep, ml-*) to profile: rank 0's op table over 3 steps, then exit")
+    p.add_argument("--smoke", action="store_true",
+                   help="the smallest configuration, a code check (tests/test_bench_smoke.py): " + ", ".join(
+                       f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in SMOKE.items())
+                   + "; flags given explicitly win")
     args = p.parse_args(argv)
+    if args.smoke:
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
     for name in args.profile:
         print(f"profile of {name} (rank 0, 3 fwd+bwd steps):\n" + spawn(args.world_size, "ep_layer:worker", args,
                                                                        f"profile:{name}")[0], flush=True)

@@ -13,6 +13,7 @@ excluded). The checkpoint is a Qwen3-MoE written once by ``save_pretrained`` (fp
     python bench/load_memory.py                          # 4 layers, 32 experts, hidden 256, expert FFN 512
     python bench/load_memory.py --layers 8 --experts 64
     python bench/load_memory.py --only state --world 4 --ep 2   # training state, (edp, ep) = (2, 2)
+    python bench/load_memory.py --smoke                  # the smallest model, a code check (tests/test_bench_smoke.py)
 
 Training state (``--only state``, also printed after the load table): bytes each rank holds after one AdamW step,
 for params + grads + optimizer moments, experts and dense apart, ``trainer.expert_sharding`` replicate vs fsdp2
@@ -31,6 +32,7 @@ import sys
 import tempfile
 
 VARIANTS = ("slices", "full")
+SMOKE = {"layers": 1, "experts": 4, "hidden": 32, "expert_ffn": 32, "vocab": 128}
 
 
 def rss_mib() -> float:
@@ -229,7 +231,12 @@ def main() -> None:
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"the smallest model, a code check (tests/test_bench_smoke.py): {SMOKE}; flags given win")
     args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     if args.variant:
         return run_variant(args.variant, args.path, args.out, args.world)
     if args.state:

@@ -8,6 +8,8 @@
     python bench/soundness.py --ranks 2 --operator param_grad_hook --operator patch_f_linear   # only these operators
     python bench/soundness.py --replay --ranks 2   # the record/exchange/replay targets (``mutation.replay_targets``),
                                                    # old and replay operators; mutants refused at forward too
+    python bench/soundness.py --smoke         # a code check (tests/test_bench_smoke.py): the first target,
+                                              # every 40th mutant, on 2 ranks too (also with --replay)
 
 Prints one line per accepted-wrong, crash or invalid mutant, then per target and in total
 ``mutants=… refused=… accepted_exact=… accepted_wrong=… crashes=… invalid=…``. Exits 1 when any mutant
@@ -81,12 +83,19 @@ def main(argv=None) -> int:
                              "checks refused in one process must raise on every rank")
     parser.add_argument("--breaks-per-target", type=int, default=1,
                         help="process groups a target's mutants may break before the rest of it is left unchecked")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a code check (tests/test_bench_smoke.py): --ranks 2 --every 40 and only the first target "
+                             "unless --target names some; flags given win")
     args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(ranks=2, every=40)
+        args = parser.parse_args(argv)
 
     failed_controls = 0
     t0 = time.perf_counter()
     every_target = mutation.replay_targets() if args.replay else mutation.targets()
     targets = [t for t in every_target if not args.target or t.name.startswith(tuple(args.target))]
+    targets = targets[:1] if args.smoke and not args.target else targets
     mutants = mutation.sample([m for t in targets for m in mutation.target_mutants(t)
                                if not args.operator or m.operator in args.operator], args.every)[: args.limit]
     outcomes = mutation.evaluate_all(mutants)

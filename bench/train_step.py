@@ -7,6 +7,7 @@ included, so the difference is what matters) or ``torch.cuda.max_memory_allocate
 
     python bench/train_step.py                       # defaults: 40 steps, B=8 per rank, seq_len 32
     python bench/train_step.py --steps 60 --batch-size 16 --seq-len 64
+    python bench/train_step.py --smoke               # the smallest run, a code check (tests/test_bench_smoke.py)
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 
 WARMUP = 5  # steps excluded from the throughput median (allocator and thread-pool warm-up)
+SMOKE = {"steps": WARMUP + 1, "batch_size": 2, "seq_len": 8}  # one step past the warm-up: the median has a value
 
 
 def one_run(rank: int, world: int, port: int, ep: int, dense: str, args, out_dir: str) -> None:
@@ -73,7 +75,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8, help="rows per rank at ep=2 (ep=1 gets twice as many)")
     parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"the smallest run, a code check (tests/test_bench_smoke.py): {SMOKE}; flags given win")
     args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     runs = ((1, "replicate"), (2, "replicate"), (2, "fsdp2"))
     with tempfile.TemporaryDirectory() as out_dir:
         results = [measure(ep, dense, args, out_dir) for ep, dense in runs]

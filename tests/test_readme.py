@@ -21,3 +21,18 @@ def test_ci_runs_the_readme_test_command():
     main = [c for c in commands if c.endswith("python -m pytest -q tests")]
     assert len(main) == 1 and len(commands) == 2  # the tests, and the transformers 4.x environment
     assert all(c in ci for c in commands)
+
+
+def test_the_main_jobs_extra_installs_what_draws_its_picture():
+    """README command 1 installs ``.[hf]`` and its run leaves ``load.png`` in the run dir: the ``hf`` extra carries
+    matplotlib, as the ``plot`` extra does (the installed package's metadata, what pip reads)."""
+    from importlib.metadata import requires
+
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(r"^python -m venv .*pip install '\.\[hf\]' && autoep-train$", readme, flags=re.M)
+    extras = {}
+    for req in requires("autoep"):
+        found = re.match(r"^([A-Za-z0-9_.-]+).*;\s*extra\s*==\s*\"(\w+)\"", req)
+        if found:
+            extras.setdefault(found.group(2), set()).add(found.group(1).lower())
+    assert "matplotlib" in extras["hf"] and "matplotlib" in extras["plot"]

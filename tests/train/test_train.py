@@ -210,13 +210,23 @@ def test_resume_with_another_model_is_refused(ep2, tmp_path):
 
 
 def test_cli_default_command(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "autoep.train", "trainer.steps=3", "trainer.ckpt_every=2",
-                           f"run_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    """README command 1's ``autoep-train`` (3 steps) from a fresh directory: the run lands in Hydra's default run
+    dir, ``outputs/<date>/<time>``, and leaves there its log, metrics and, matplotlib being importable (the ``hf``
+    extra installs it), the expert load heatmap ``load.png``."""
+    from test_load import assert_heatmap
+
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, "-m", "autoep.train", "trainer.steps=3", "trainer.ckpt_every=2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""  # no warnings in a normal run (DCP's single-process one included)
     assert "step     1/3 | loss" in proc.stdout and "tok/s" in proc.stdout
-    assert "step     3/3 | loss" in (tmp_path / "train.log").read_text()  # the run's log, through logging
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    (run_dir,) = tmp_path.glob("outputs/*/*")
+    assert proc.stdout.splitlines()[-1] == f"run dir: {run_dir}"
+    assert "step     3/3 | loss" in (run_dir / "train.log").read_text()  # the run's log, through logging
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    assert f"expert load heatmap: {run_dir / 'load.png'}" in proc.stdout
+    assert_heatmap(run_dir / "load.png")
     bad = subprocess.run([sys.executable, "-m", "autoep.train", "parallel.ep_size=2", f"run_dir={tmp_path}/bad"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "parallel.ep_size=2 does not divide the world size 1" in bad.stderr

@@ -6,7 +6,8 @@ written beside ``metrics.jsonl`` (``<run_dir>/load.png``) at the end of a run an
 Each column is a logged row of ``metrics.jsonl`` (``layer_load``: the tokens each block sent to each expert
 since the row before); each row of the picture one (block, expert) pair, blocks in plan order, separated by
 lines. The colour is the expert's share of its block's tokens over the mean share: 1 is a perfectly even
-load, 2 an expert that got twice its share. matplotlib is an optional extra (``pip install 'autoep[plot]'``).
+load, 2 an expert that got twice its share. matplotlib comes with the ``hf`` extra (README command 1) and the
+``plot`` extra (``pip install 'autoep[plot]'``); without it the run and ``autoep-plot`` say so in one line.
 """
 from __future__ import annotations
 

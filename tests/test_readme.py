@@ -18,7 +18,7 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     commands = re.findall(r"^(python -m venv .*pytest.*)$", readme, flags=re.M)
-    main = [c for c in commands if c.endswith("python -m pytest -q tests")]
+    main = [c for c in commands if c.endswith("python -m pytest -q --durations=10 tests")]
     assert len(main) == 1 and len(commands) == 2  # the tests, and the transformers 4.x environment
     assert all(c in ci for c in commands)
 

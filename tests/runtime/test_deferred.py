@@ -396,4 +396,8 @@ def test_expert_outputs_the_block_keeps_are_real_and_their_hooks_run_once():
     want.square().sum().backward()
     got.square().sum().backward()
     assert len(block.grads) == len(own.grads) == len(own.experts)
-    torch.testing.assert_close(block.grads, own.grads)
+    # The hooks run once each; the order autograd's engine reaches them in is its own (the exchange changes the
+    # graph's shape), so they are matched by value.
+    def by_value(grads):
+        return sorted(grads, key=lambda g: (g.shape[0], g.sum().item()))
+    torch.testing.assert_close(by_value(block.grads), by_value(own.grads))

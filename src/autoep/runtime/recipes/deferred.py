@@ -79,6 +79,9 @@ _HANDLES = {"register_hook", "register_post_accumulate_grad_hook"}
 # In-place dunders (their names do not end in ``_``) and setters: they write their first argument.
 _WRITES = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
            "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "data:set", "grad:set"}
+# In-place calls that change their tensor's metadata (shape, strides, grad flag): run on its meta shadow, kept.
+_RESHAPES_IN_PLACE = {"resize_", "resize_as_", "unsqueeze_", "squeeze_", "t_", "transpose_", "as_strided_", "set_",
+                      "swapdims_", "swapaxes_", "requires_grad_", "detach_", "data:set"}
 _DEVICE_GETTERS = {"device:get", "is_cpu:get", "is_cuda:get", "is_meta:get", "get_device"}
 
 
@@ -146,6 +149,10 @@ class Call:
     stage: int  # the stage of the input: the call travels in exchange ``stage + 1``
     ctx: tuple
 
+    def edited(self, tape: Tape) -> bool:
+        """Whether a taped call writes the output in place (or a view of it)."""
+        return _key(self.out) in tape.written
+
 
 @dataclass
 class Tape:
@@ -155,12 +162,12 @@ class Tape:
     entries: list[Entry] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
     pendings: list = field(default_factory=list)  # weak references to every pending object made
-    written: dict = field(default_factory=dict)  # storage key -> the stage its last taped write is available at
+    written: dict = field(default_factory=dict)  # storage key -> the stage its last taped in-place write is available at
     touched: dict = field(default_factory=dict)  # storage key -> the latest stage a taped call reads or writes it
     versions: list = field(default_factory=list)  # (real tensor, its version counter when a taped call read it)
     keep: list = field(default_factory=list)  # the storages keyed above, alive until the tape goes (keys stay unique)
+    shadows: dict = field(default_factory=dict)  # id(real tensor a taped call writes) -> its metadata since
     real: dict = field(default_factory=dict)  # id(pending) -> its real tensor, as stages run
-    bound: set = field(default_factory=set)  # ids of the real tensors in ``real`` (each swaps with one pending)
     failure: Exception | None = None
 
     @property
@@ -189,6 +196,12 @@ class Tape:
                             "opt out (an explicit local_compute_fn._target_)")
         tensors = _tensors((args, kwargs), [])
         device = next((t.device for t in tensors if t.device.type != "meta"), torch.device("cpu"))
+        if name in ("is_leaf:get", "grad_fn:get") and len(args) == 1 and type(args[0]) is Pending and \
+                args[0].shadow.is_leaf and args[0].shadow.requires_grad:  # an expert's output: computed, not a leaf
+            if name == "is_leaf:get":
+                return False
+            raise self.fail("grad_fn of an expert's output is read before the exchange (its autograd node exists "
+                            "only once the expert ran on its owner)")
         if name in _DEVICE_GETTERS:  # the real device, not the shadow's
             with torch._C.DisableTorchFunction():
                 return func(*[torch.empty(0, device=device) if isinstance(a, Tensor) else a for a in args], **kwargs)
@@ -196,14 +209,18 @@ class Tape:
         stage = max(self.stage_of(t) for t in tensors)
         for t in written:
             stage = max(stage, self.touched.get(_key(t), 0))
-        try:
-            with torch._C.DisableTorchFunction():
-                shadow = func(*_shadows(_masks_as_indices(name, args)), **_shadows(kwargs))
-        except Exception as exc:  # noqa: BLE001 - no meta kernel: its result depends on the values
-            why = str(exc).split("\n")[0][:160]
-            raise self.fail(f"{name} of a pending expert output cannot run before the exchange: its result depends "
-                            f"on the values (a data-dependent shape such as nonzero/where on a mask, or a host read; "
-                            f"meta: {why})") from None
+        if written and name not in _RESHAPES_IN_PLACE:
+            # In place, metadata kept: no meta run (the real call checks the arguments, as the model's does). The
+            # written tensor requires grad from now on where a floating argument does, as autograd will make it.
+            shadow = self.shadow_of(written[0])
+            if not shadow.requires_grad and torch.is_grad_enabled() and any(
+                    t.requires_grad and t.is_floating_point() for t in tensors):
+                shadow = self.shadows[id(written[0])] = shadow.detach().requires_grad_().clone()
+        else:
+            for t in written:  # a real tensor's metadata as the call leaves it (its shape, grad flag) is kept
+                if type(t) is not Pending:
+                    self.shadows.setdefault(id(t), _shadow(t))
+            shadow = self.meta_run(func, name, args, kwargs)
         if not written and name not in _TAPED and not _tensors(shadow, []):
             return _pendings(shadow, device, stage, self)  # metadata (shape, dtype, requires_grad): nothing to run
         for t in tensors:
@@ -213,15 +230,45 @@ class Tape:
                 self.versions.append((t, _version(t)))
         self.keep.extend(tensors)
         for t in written:
-            if type(t) is not Pending and isinstance(shadow, Tensor) and t is (args[0] if args else None) and \
-                    (t.shape, t.stride()) != (shadow.shape, shadow.stride()):
-                raise self.fail(f"{name} changes the shape of a tensor a pending expert output is written into")
             self.written[_key(t)] = stage
         out = written[0] if written else _pendings(shadow, device, stage, self)
         if name in _TAPED:
             out = _LateHandle() if name in _HANDLES else None
         self.entries.append(Entry(func, args, kwargs, out, stage, _ctx(), bool(written)))
         return None if name in ("__setitem__", "data:set", "grad:set") else out
+
+    def shadow_of(self, t: Tensor) -> Tensor:
+        """The metadata of ``t`` as the forward has made it so far (a real tensor a taped call writes keeps its own,
+        which that call may have made require grad)."""
+        if type(t) is Pending:
+            return t.shadow
+        return self.shadows.get(id(t)) if id(t) in self.shadows else _shadow(t)
+
+    def meta_run(self, func, name: str, args: tuple, kwargs: dict):
+        """``func`` on the arguments' metadata: its results' shapes, dtypes and grad flags, nothing computed."""
+        try:
+            with torch._C.DisableTorchFunction():
+                return func(*self._shadows(_masks_as_indices(name, args)), **self._shadows(kwargs))
+        except Exception as exc:  # noqa: BLE001 - no meta kernel: its result depends on the values
+            why = str(exc).split("\n")[0][:160]
+            raise self.fail(f"{name} of a pending expert output cannot run before the exchange: its result depends "
+                            f"on the values (a data-dependent shape such as nonzero/where on a mask, or a host read; "
+                            f"meta: {why})") from None
+
+    def _shadows(self, value):
+        if isinstance(value, Tensor):
+            return self.shadow_of(value)
+        if isinstance(value, torch.device):
+            return torch.device("meta")
+        if isinstance(value, (list, tuple)):
+            items = [self._shadows(v) for v in value]
+            return items if isinstance(value, list) else (type(value)(*items) if hasattr(value, "_fields")
+                                                          else type(value)(items))
+        if isinstance(value, dict):
+            return {k: ("meta" if k == "device" and isinstance(v, str) else self._shadows(v)) for k, v in value.items()}
+        if isinstance(value, str) and value.split(":")[0] in ("cpu", "cuda", "xpu", "mps", "hpu"):
+            return "meta"
+        return value
 
     def expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device) -> Pending:
         """Tape a call of expert ``e`` on ``x`` (its output's metadata: ``shadow``) and answer its pending output."""
@@ -270,19 +317,27 @@ class Tape:
             if isinstance(entry.out, _LateHandle):
                 entry.out.bind(result)
             elif not entry.writes and (type(entry.out) is Pending or isinstance(entry.out, (list, tuple))):
-                _bind(entry.out, result, self, {id(t) for t in _tensors((args, kwargs), [])})
+                _bind(entry.out, result, self)
 
     def settle(self) -> None:
         """Every pending object still held (the block's output, what it kept in attributes, lists, hook stores)
         becomes its real tensor. The tape's own references go first, so only those objects are left: each takes
         the real tensor's place (``swap_tensors``), or an alias of it where autograd holds the tensor too."""
+        # The block's own tensors (a taped call may return one as it is: ``x.to(x.dtype)``) stay what they are.
+        own = {id(t) for t in self.keep if type(t) is not Pending}
+        # The tape's references go first: a pending object still alive after is one the block holds. (While the tape
+        # held every pending object, no two had one id: ``real``'s keys are theirs.)
+        self.entries.clear(), self.calls.clear(), self.keep.clear(), self.versions.clear(), self.shadows.clear()
         held = [(pending, self.real.get(id(pending))) for pending in (ref() for ref in self.pendings)
                 if pending is not None]
         self.pendings.clear()  # the weak references go: swap_tensors refuses a tensor that has one
-        self.entries.clear(), self.calls.clear(), self.keep.clear(), self.versions.clear(), self.real.clear()
+        self.real.clear()
         for pending, real in held:
             if real is None:
                 continue
+            if id(real) in own:
+                real = real.view_as(real)
+            own.add(id(real))  # one real tensor answering two pending objects: the second gets an alias
             try:
                 torch.utils.swap_tensors(pending, real)
             except RuntimeError:  # autograd saved the tensor (its impl has other owners): an alias takes its place
@@ -395,35 +450,15 @@ def _masks_as_indices(name: str, args: tuple) -> tuple:
 
 
 def _shadow(t: Tensor) -> Tensor:
-    if type(t) is Pending:
-        return t.shadow
+    """A real tensor's metadata (read-only in a meta run: in-place calls take no meta run)."""
     meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    if not t.requires_grad:
-        return meta
-    return meta.requires_grad_() if t.is_leaf else meta.requires_grad_().clone()  # a leaf where it is one
-
-
-def _shadows(value):
-    if isinstance(value, Tensor):
-        return _shadow(value)
-    if isinstance(value, torch.device):
-        return torch.device("meta")
-    if isinstance(value, (list, tuple)):
-        items = [_shadows(v) for v in value]
-        return items if isinstance(value, list) else (type(value)(*items) if hasattr(value, "_fields")
-                                                      else type(value)(items))
-    if isinstance(value, dict):
-        return {k: ("meta" if k == "device" and isinstance(v, str) else _shadows(v)) for k, v in value.items()}
-    if isinstance(value, str) and value.split(":")[0] in ("cpu", "cuda", "xpu", "mps", "hpu"):
-        return "meta"
-    return value
+    return meta.requires_grad_() if t.requires_grad else meta
 
 
 def _pendings(shadow, device: torch.device, stage: int, tape: Tape):
     if isinstance(shadow, Tensor):
         pending = Pending(shadow, device, stage)
         tape.pendings.append(weakref.ref(pending))
-        tape.written[_key(pending)] = max(stage, tape.written.get(_key(pending), 0))
         return pending
     if isinstance(shadow, (list, tuple)):
         items = [_pendings(s, device, stage, tape) for s in shadow]
@@ -446,11 +481,9 @@ def _substituted(value, tape: Tape):
     return value
 
 
-def _bind(pending, real, tape: Tape, inputs: set[int]) -> None:
+def _bind(pending, real, tape: Tape) -> None:
     if type(pending) is Pending:
-        # A call that returns one of its inputs (``x.to(x.dtype)``): an alias, so swapping leaves the input be.
-        tape.real[id(pending)] = real.view_as(real) if id(real) in inputs or id(real) in tape.bound else real
-        tape.bound.add(id(tape.real[id(pending)]))
+        tape.real[id(pending)] = real
     elif isinstance(pending, (list, tuple)) and isinstance(real, (list, tuple)):
         for p, r in zip(pending, real):
-            _bind(p, r, tape, inputs)
+            _bind(p, r, tape)

@@ -231,8 +231,8 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
             rows = [_rows_of_call(self, replay, tape, c) for c in sent]
         except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts
             failure, rows = exc, []
-        outputs, returned, stages = _exchange(self, spec, experts, sent, rows, failure, group, device,
-                                              tape.stages if stage == 1 else stages)
+        outputs, returned, stages = _exchange(self, spec, experts, sent, rows, [c.edited(tape) for c in sent],
+                                              failure, group, device, tape.stages if stage == 1 else stages)
         for call, out in zip(sent, outputs):
             tape.answer(call, out)
         del sent, rows, outputs  # the tape's references alone (``Tape.settle``)
@@ -358,8 +358,9 @@ class _Caller:
         width, dtype = _output_of(expert, x, self.block, self.replay.keys[e])
         grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in expert.parameters()))
         with torch._C.DisableTorchFunction():
-            shadow = torch.empty((*x.shape[:-1], *width), dtype=dtype, device="meta")
-            shadow = shadow.requires_grad_().clone() if grad else shadow  # computed: no leaf
+            # A leaf (one op; ``deferred`` answers its ``is_leaf`` as a computed tensor's, and in-place calls on it
+            # take no meta run).
+            shadow = torch.empty((*x.shape[:-1], *width), dtype=dtype, device="meta", requires_grad=grad)
         return self.tape.expert_call(e, x, shadow, x.device)
 
 
@@ -487,8 +488,8 @@ def _meta_row(spec, calls: list[Call], rows: list[Tensor], failure, experts: lis
                               _ctx_code(ctx) if ctx else -1, stages, int(ok)]
 
 
-def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[Call], rows: list[Tensor], failure,
-              group, device: torch.device, stages: int) -> tuple[list[Tensor], Tensor, int]:
+def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[Call], rows: list[Tensor],
+              edited: list[bool], failure, group, device: torch.device, stages: int) -> tuple[list[Tensor], Tensor, int]:
     """The true output of every call of this exchange (differentiable in its rows and the experts' parameters), the
     rows the reverse exchange returned, and how many exchanges the slowest rank's forward needs. Raises on every
     rank when any rank's forward failed (``failure`` here: re-raised as it is)."""
@@ -564,12 +565,12 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[Call
         else:
             y_back_SP = y_send_RP
         outputs: list[Tensor] = [None] * len(calls)  # type: ignore[list-item]
-        # One split, as for the received rows. Each piece is cloned (one copy of the rows in all): the block may
-        # edit an expert's output in place, which autograd forbids on a view of a split. Layout change: an N-D
-        # call's rows go back to its (..., P).
+        # One split, as for the received rows. A piece the block edits in place is cloned (autograd forbids an
+        # in-place edit of a split's view). Layout change: an N-D call's rows go back to its (..., P).
         if order:
             for i, out in zip(order, torch.split(y_back_SP, [rows[i].shape[0] for i in order])):
-                outputs[i] = out.clone().view(calls[i].out.shape)
+                out = out.clone() if edited[i] else out
+                outputs[i] = out if out.shape == calls[i].out.shape else out.view(calls[i].out.shape)
     return outputs, y_back_SP, stages
 
 

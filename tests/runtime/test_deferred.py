@@ -401,3 +401,42 @@ def test_expert_outputs_the_block_keeps_are_real_and_their_hooks_run_once():
     def by_value(grads):
         return sorted(grads, key=lambda g: (g.shape[0], g.sum().item()))
     torch.testing.assert_close(by_value(block.grads), by_value(own.grads))
+
+
+class CheckpointsExperts(rb.ComprehensionMoE):
+    """Each expert call through ``torch.utils.checkpoint`` inside the block's forward."""
+
+    reentrant = False
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, rb.D)
+        weights, selected = rb._top_k(self.gate, x, rb.K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            tok, slot = torch.where(selected == i)
+            out = torch.utils.checkpoint.checkpoint(expert, x[tok], use_reentrant=self.reentrant)
+            y.index_add_(0, tok, out * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+class CheckpointsExpertsReentrant(CheckpointsExperts):
+    reentrant = True
+
+
+def test_checkpointing_inside_the_block():
+    """Non-reentrant: the expert's call is answered inside the checkpoint, which saves nothing of it: exact. Reentrant
+    (an autograd.Function whose backward recomputes the expert where it does not run): raises, naming the call."""
+    torch.manual_seed(0)
+    own = CheckpointsExperts()
+    block = _ep(copy.deepcopy(own))
+    x_own, x_ep = _x().requires_grad_(), _x().requires_grad_()
+    want, got = own(x_own * 1), block(x_ep * 1)
+    torch.testing.assert_close(got, want)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(x_ep.grad, x_own.grad)
+    for (n, p), (_, q) in zip(own.named_parameters(), block.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"{n}: {m}")
+    with pytest.raises(ReplayError, match=r"experts\[0\] \(expert call 0\) is called inside CheckpointFunction's "
+                                          r"forward"):
+        _ep(CheckpointsExpertsReentrant())(_x().requires_grad_() * 1)

@@ -57,6 +57,7 @@ import dataclasses
 import inspect
 import marshal
 import math
+import sys
 import types
 import weakref
 from dataclasses import dataclass
@@ -353,6 +354,12 @@ class _Caller:
                                  "proves experts row-local for one (rows, features) tensor and moves only that")
         x = args[0]
         _facts_unchanged(self.block, f"before {self.replay.keys[e]} (expert call {i})")
+        inside = _inside_function()
+        if inside:
+            raise self.tape.fail(f"{self.replay.keys[e]} (expert call {i}) is called inside {inside}'s forward (a "
+                                 "custom autograd.Function, or torch.utils.checkpoint(..., use_reentrant=True)); its "
+                                 "backward would recompute or differentiate the expert where it does not run: use "
+                                 "use_reentrant=False, or opt out")
         if x.dim() != 2:
             _lead_of(self.block, self.replay, e, i, x)  # raises where the expert may not take N-D rows
         width, dtype = _output_of(expert, x, self.block, self.replay.keys[e])
@@ -362,6 +369,18 @@ class _Caller:
             # take no meta run).
             shadow = torch.empty((*x.shape[:-1], *width), dtype=dtype, device="meta", requires_grad=grad)
         return self.tape.expert_call(e, x, shadow, x.device)
+
+
+def _inside_function() -> str:
+    """The ``torch.autograd.Function`` whose forward is running on the stack (its ``ctx`` argument), if any, up to the
+    block's call: an expert answered inside it would leave that Function's backward to a value the owner computes."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not _replayed_forward.__code__:
+        ctx = frame.f_locals.get("ctx") if frame.f_code.co_name == "forward" else None
+        if isinstance(ctx, torch.autograd.function.FunctionCtx):
+            return type(ctx).__name__.removesuffix("Backward")
+        frame = frame.f_back
+    return ""
 
 
 def _rows_of_call(block: nn.Module, replay: _Replay, tape: Tape, call: Call) -> Tensor:

@@ -440,3 +440,37 @@ def test_checkpointing_inside_the_block():
     with pytest.raises(ReplayError, match=r"experts\[0\] \(expert call 0\) is called inside CheckpointFunction's "
                                           r"forward"):
         _ep(CheckpointsExpertsReentrant())(_x().requires_grad_() * 1)
+
+
+class _StraightThroughClamp(torch.autograd.Function):
+    """Clamps in forward, passes the gradient unchanged (its backward is not the clamp's)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clamp(-0.05, 0.05)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class FunctionOnOutputs(_EachExpert):
+    def after(self, out, rows):
+        return _StraightThroughClamp.apply(out)
+
+
+def test_a_custom_autograd_function_on_an_expert_output_keeps_its_backward():
+    """``Function.apply`` is no torch call a mode sees: applied to a pending output it is taped as one call (its
+    forward's ops taped one by one would lose its own backward: the clamp's zero gradients instead of the
+    straight-through ones)."""
+    torch.manual_seed(0)
+    own = FunctionOnOutputs()
+    block = _ep(copy.deepcopy(own))
+    x_own, x_ep = _x().requires_grad_(), _x().requires_grad_()
+    want, got = own(x_own * 1), block(x_ep * 1)
+    torch.testing.assert_close(got, want)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(x_ep.grad, x_own.grad)
+    for (n, p), (_, q) in zip(own.named_parameters(), block.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"{n}: {m}")

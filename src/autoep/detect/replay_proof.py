@@ -1,9 +1,9 @@
-"""What record/exchange/replay needs of a block with module experts (``autoep.runtime.recipes.replay``): no
+"""What the one-pass execution needs of a block with module experts (``autoep.runtime.recipes.replay``): no
 proof of its loop at all, only of where its experts are and what they are.
 
-The block's forward runs as written, twice; only its calls into the experts travel, and the run-time checks
-(pass 2 makes the calls pass 1 recorded, bit for bit; pass 1 writes nothing) catch a block whose expert inputs
-depend on expert outputs. Proven here, from source and attributes, never by running anything:
+The block's forward runs as written, once; only its calls into the experts travel, and what depends on their
+outputs waits for the exchange (``autoep.runtime.recipes.deferred``: a value needed on the host before it
+raises at run time, naming the line). Proven here, from source and attributes, never by running anything:
 
 - the experts: the modules of one container the block's forward reads (``self.<name>`` in its forward or the
   methods it calls), a ``ModuleList``/``ModuleDict`` (a subclass with a forward of its own too), a child of the
@@ -20,8 +20,8 @@ depend on expert outputs. Proven here, from source and attributes, never by runn
 - each expert row-local, deterministic and stateless (``autoep.detect.row_local``, through
   ``module_list_proof.row_local_facts``): heterogeneous experts are fine, each runs its own forward;
 - ``block.experts`` holds no parameter of its own (``apply_plan`` shards those as batched expert weights);
-- the block's forward is its class's, undecorated, its ``__call__`` nn.Module's (the replay calls the class
-  forward twice inside one call of the block).
+- the block's forward is its class's, undecorated, its ``__call__`` nn.Module's (the runtime calls the class
+  forward inside one call of the block).
 
 ``replay_facts(block, path)`` returns the ``MoeStructure`` facts or raises ``Refusal``; ``num_experts(block,
 path)`` how many of the container's entries are experts; ``expert_labels(block, path)`` how the model names each
@@ -123,7 +123,7 @@ def _reads(fns, attr: str) -> bool:
 def _chained(fns, attr: str) -> ast.Assign | None:
     """A statement ``x = member(... x ...)`` in a loop over ``self.<attr>`` that does not bind ``x`` afresh
     before it: each member's input is the previous member's output (a stack of layers a model walks, not
-    experts; replay would raise at the first call)."""
+    experts: sharding them would send every row through every rank, one exchange per layer)."""
     for fn in fns:
         for loop in ast.walk(function_tree(fn)):
             if not (isinstance(loop, ast.For) and self_reads(loop.iter, attr)):
@@ -133,7 +133,10 @@ def _chained(fns, attr: str) -> ast.Assign | None:
             for stmt in loop.body:
                 if (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call)
                         and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id in members):
-                    targets = {n.id for t in stmt.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                    # Names the statement binds (``x = ...``), not names read in a subscript it assigns into
+                    # (DeepSeek's ``y[flat == i] = expert(x[flat == i])`` writes rows, it chains nothing).
+                    targets = {n.id for t in stmt.targets for n in ast.walk(t)
+                               if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
                     args = {n.id for a in [*stmt.value.args, *stmt.value.keywords] for n in ast.walk(a)
                             if isinstance(n, ast.Name)}
                     if (targets & args) - bound:
@@ -185,9 +188,9 @@ def find_container(block: nn.Module) -> str:
 
 def replay_facts(block: nn.Module, path: str) -> dict:
     """The facts a replay structure records: the experts at ``path`` proven row-local (``expert_kind``,
-    ``folded``), the block's forward fit to be run twice. ``Refusal`` otherwise."""
+    ``folded``), the block's forward fit to be run by the one-pass execution. ``Refusal`` otherwise."""
     cls = type(block)
-    plain_method(cls, "forward", block)  # no instance forward, no decorator (it runs twice per call)
+    plain_method(cls, "forward", block)  # no instance forward, no decorator (the runtime calls the class forward)
     if cls.__call__ is not nn.Module.__call__:
         raise Refusal(f"{cls.__name__} overrides __call__")
     if find_container(block) != path:

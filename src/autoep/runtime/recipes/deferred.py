@@ -26,6 +26,7 @@ what the block kept (its return value, attributes, lists, hook stores) holds rea
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import os
 import sys
@@ -38,6 +39,9 @@ from torch.overrides import TorchFunctionMode
 
 _AUTOEP_RUNTIME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod itself, put back after each forward
 
 
 class ReplayError(RuntimeError):
@@ -187,9 +191,9 @@ class Tape:
         self.failure = self.failure or error
         return error
 
-    def record(self, func, args: tuple, kwargs: dict):
+    def record(self, func, args: tuple, kwargs: dict, name: str = ""):
         """Tape ``func(*args, **kwargs)`` (some argument deferred) and answer its pending results."""
-        name = _name(func)
+        name = name or _name(func)
         if func in _HOST or name in _HOST_NAMES:
             raise self.fail(f"{name} reads a pending expert output on the host before the exchange (its value "
                             "exists only after the block's forward returns); compute it from the block's output, or "
@@ -367,11 +371,28 @@ class _LateHandle:
 
 
 class Deferring(TorchFunctionMode):
-    """Within: torch calls on pending values (or on storages a taped call writes) go on ``tape``."""
+    """Within: torch calls on pending values (or on storages a taped call writes) go on ``tape``, and so does a
+    custom ``torch.autograd.Function``'s ``apply`` on them (no torch-function mode sees it: its forward's ops would
+    be taped one by one and its own backward lost), as one call run later with the real values."""
 
     def __init__(self, tape: Tape):
         super().__init__()
         self.tape = tape
+
+    def __enter__(self):
+        tape, apply = self.tape, _FUNCTION_APPLY.__func__
+
+        def deferring_apply(cls, *args, **kwargs):
+            if any(tape.deferred(t) for t in _tensors((args, kwargs), [])):
+                return tape.record(functools.partial(apply, cls), args, kwargs, name=f"{cls.__name__}.apply")
+            return apply(cls, *args, **kwargs)
+
+        torch.autograd.Function.apply = classmethod(deferring_apply)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.autograd.Function.apply = _FUNCTION_APPLY
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

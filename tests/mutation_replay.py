@@ -1,31 +1,53 @@
-"""Source operators for record/exchange/replay's own obligations (issue 21 item 6; see ``mutation_operators``).
+"""Source operators for the one-pass execution's own obligations (issues 21 item 6, 30 item 7; see
+``mutation_operators``).
 
-Record/exchange/replay (``autoep.runtime.recipes.replay``) runs a block's forward twice inside one call and
-answers its expert calls; it is exact only when pass 2 makes pass 1's calls with bit-identical inputs and pass 1
-leaves nothing behind. Each operator breaks or stresses one of these, at each expert call of a function that
-calls experts (the block's forward, its helpers, an experts container's own forward):
+The one-pass execution of module experts (``autoep.runtime.recipes.replay``, ``deferred``) runs a block's forward
+once: each expert call answers a pending tensor, torch calls on pending values are taped and run after the token
+exchange, chained calls travel in further exchanges, host reads of pending values raise naming the line. It is
+exact only when what the forward does now (Python side effects, hooks, random draws) and what it defers (the
+tensor work on expert outputs) together compute what the model computes. Each operator breaks or stresses this,
+at each expert call of a function that calls experts (the block's forward, its helpers, an experts container's
+own forward):
 
 - ``chain_expert_input``: an expert's rows shifted by the sum of the previous expert call's output;
 - ``branch_on_output``: the next expert call skipped when the previous output sums positive, or an expert's
-  output doubled when it sums positive (a branch on a value only: exact under replay);
+  output doubled when it sums positive (a host read of a pending value: a ``ReplayError`` naming the line);
 - ``state_write``: a counter or buffer written in the forward (an attribute, a buffer, a plain tensor attribute,
   an ``OrderedDict``, a ``defaultdict``, a list inside a dict, a plain object's attribute, a module global, a
-  closure variable of a module-level function, a class attribute),
-  the block's output scaled by the count: exact where pass 1's write is undone, else a refusal;
+  closure variable of a module-level function, a class attribute), the block's output scaled by the count;
 - ``rng_between_calls``: a random number drawn after each expert call and scaling its output (torch's global
   generator, Python's, numpy's, a ``torch.Generator`` / ``random.Random`` the block holds);
-- ``block_input_inplace``: the block's input edited in place at the top of the forward (unchanged or scaled):
-  exact, pass 1 running on a copy of the input and pass 2 making the edit once;
+- ``block_input_inplace``: the block's input edited in place at the top of the forward (unchanged or scaled);
 - ``cache_order``: the loop around an expert call runs reversed on the first call, as a Python-side cache
   (a dict on the block, an ``OrderedDict``, a class attribute, an attribute created on first call) records;
 - ``nd_expert_call``: an expert called on its rows with leading dims added (``expert(rows[None])[0]``, a 3-D or
   4-D call): exact where the expert is proven to treat leading dims alike (moved as its rows), else a
   ``ReplayError`` naming the construct.
 
+The doors of the one pass (issue 30 item 7), each inserted at each expert call, what it counts or draws scaling
+the call's output (so a write made twice, missed, made on other rows or read after later writes changes it);
+the state outside the block lives in ``mutation_side_effects`` (another module of the user's project):
+
+- ``side_effects``: a list in another module (holding the outputs), a mutable default argument of the forward, a
+  helper object's class-level list, nested dicts of stats, a ``collections.Counter``, a ``__slots__`` object,
+  ``itertools.count``, a logging handler (its record counted; or formatting the output's norm: a host read); a
+  buffer the output is scaled by, edited after the call through ``.data`` or in place, a CPU tensor written
+  through a numpy view;
+- ``expert_hooks``: forward pre-hooks (counting rows, scaling the input), forward hooks (scaling the output) and a
+  full backward hook on every expert, registered after apply; pre-hooks and forward hooks registered inside the
+  forward around the call and removed after it; a forward hook on the gate collecting logits (the call sites read
+  them); a tensor hook on the expert's output; a hook on a module inside each expert (a ``ReplayError``);
+- ``rng_held_elsewhere``: a ``torch.Generator`` or numpy ``Generator`` in another module drawing at each call (a
+  scalar, a mask by the output's shape, a mask drawn on ``full_like(output)``);
+- ``matching_chain``: an expert's input from the previous call's output with forward values that match its rows
+  (a ReZero scale initialised at 0, a learned parameter; a straight-through ``a + (rows - a).detach()``);
+- ``call_context`` / ``autocast_call``: the call made under ``torch.no_grad()`` / ``torch.enable_grad()`` / ``torch.
+  autocast('cpu', dtype=torch.bfloat16)`` entered inside the forward around it.
+
 State that lives across calls is reset before each call of the block by a forward pre-hook registered after
 apply (``Edit.after_apply``, on the reference and the EP copy alike): every call of the block then computes the
-same (each slice of the per-rank reference as the EP rank's one call), while a write of pass 1 that replay does
-not undo is still seen by pass 2, within the one call. Global generators are seeded the same way.
+same (each slice of the per-rank reference as the EP rank's one call), while a write made twice within the one
+call still shows. Global generators are seeded the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +55,7 @@ from __future__ import annotations
 import ast
 import collections
 import copy
+import dataclasses
 import inspect
 import random
 import types
@@ -392,4 +415,307 @@ REPLAY_OPERATORS = {
     "block_input_inplace": op_block_input_inplace,
     "cache_order": op_cache_order,
     "nd_expert_call": op_nd_expert_call,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The one-pass doors (issue 30 item 7): state outside the block, hooks, generators held elsewhere, chains whose
+# forward values match, contexts entered around a call. Each is inserted at each expert call; what it counts or
+# draws scales the call's output, so a write made twice, missed, made on other rows or read late changes it.
+# ---------------------------------------------------------------------------------------------
+
+FX = "_autoep_fx"  # ``mutation_side_effects`` (another module of the user's project) as the mutants import it
+DOORS_PRELUDE = f'''
+import mutation_side_effects as {FX}
+
+
+def _autoep_under(ctx, thunk):
+    with ctx:
+        return thunk()
+
+
+def _autoep_rezero(seen, rows, alpha):
+    return rows + alpha * seen[-1].mean().to(rows.dtype) if seen else rows
+
+
+def _autoep_straight_through(seen, rows):
+    if not seen:
+        return rows
+    a = rows * (1.0 + seen[-1].mean().to(rows.dtype))
+    return a + (rows - a).detach()
+'''
+
+
+def _fx_reset(block: nn.Module) -> None:
+    """``after_apply``: ``mutation_side_effects.reset()`` before each call of the block."""
+    import mutation_side_effects
+
+    block.register_forward_pre_hook(lambda module, args: mutation_side_effects.reset())
+
+
+def _and_fx_reset(reset):
+    """``after_apply``: reset ``mutation_side_effects`` and each module (``reset(m)``) before each call."""
+    per_module = _reset_before_each_call(reset) if reset is not None else (lambda block: None)
+
+    def after_apply(block: nn.Module) -> None:
+        _fx_reset(block)
+        per_module(block)
+
+    return after_apply
+
+
+def _door_edits(fn, site, variants: dict, mutate) -> list[Edit]:
+    """``_per_call`` with the doors' prelude; ``mutate(tree, call, variant)`` returns ``(tweak, after_apply)``."""
+    return [dataclasses.replace(e, prelude=PRELUDE + DOORS_PRELUDE) for e in _per_call(fn, site, list(variants), mutate)]
+
+
+def _attr_reset(attr: str, reset):
+    return lambda m: reset(m.__dict__[attr]) if attr in m.__dict__ else None
+
+
+def _kwdefaults_reset(method: str, name: str):
+    def reset(m: nn.Module) -> None:
+        fn = inspect.unwrap(getattr(type(m), method, None) or (lambda: None))
+        store = (getattr(fn, "__kwdefaults__", None) or {}).get(name)
+        if isinstance(store, list):
+            store.clear()
+
+    return reset
+
+
+def _set_counts(stats: dict) -> None:
+    for entry in stats["experts"].values():
+        entry["n"] = 0
+
+
+def _slots_zero(s) -> None:
+    s.calls, s.rows = 0, 0
+
+
+def _mutable_default(tree: ast.FunctionDef, site) -> tuple:
+    """The function gains a keyword-only ``_autoep_calls=[]`` (a mutable default argument, shared by every call)."""
+    tree.args.kwonlyargs.append(ast.arg("_autoep_calls"))
+    tree.args.kw_defaults.append(ast.List([], ast.Load()))
+    return None, _and_fx_reset(_kwdefaults_reset(site.method, "_autoep_calls"))
+
+
+def _buffer(obj: nn.Module) -> None:
+    obj.register_buffer("autoep_scale", torch.ones(()), persistent=False)
+
+
+def _buffer_reset(m: nn.Module) -> None:
+    if "autoep_scale" in m._buffers:
+        m._buffers["autoep_scale"].data.fill_(1.0)
+
+
+def _host_reset(m: nn.Module) -> None:
+    if "autoep_host" in m.__dict__:
+        m.__dict__["autoep_host"].numpy()[:] = 1.0
+
+
+# variant -> (the call ``__c__`` replaced by, tweak, reset of one module before each call); a callable in place of
+# the triple edits the tree itself (``(tree, site) -> (tweak, after_apply)``) besides the replacement it gives.
+SIDE_EFFECTS = {
+    # a list in another module holding the outputs (kept pending until the block returns)
+    "other_module_list": (f"{FX}.kept_in_list(__c__)", None, None),
+    "mutable_default": (f"{FX}.counted(_autoep_calls, __c__)", _mutable_default, None),
+    # a helper object whose list is its class's: deep copies share it
+    "class_list": (f"{FX}.counted(self.autoep_stats.calls, __c__)",
+                   _holder("autoep_stats", lambda: __import__("mutation_side_effects").Stats()), None),
+    "nested_dicts": (f"{FX}.nested(self.autoep_stats, __c__)",
+                     _holder("autoep_stats", lambda: {"experts": {"calls": {"n": 0}, "rows": {"n": 0}}}),
+                     _attr_reset("autoep_stats", _set_counts)),
+    "counter": (f"{FX}.hits(self.autoep_hits, __c__)", _holder("autoep_hits", collections.Counter),
+                _attr_reset("autoep_hits", collections.Counter.clear)),
+    "slots_object": (f"{FX}.slot_counted(self.autoep_slots, __c__)",
+                     _holder("autoep_slots", lambda: __import__("mutation_side_effects").Slots()),
+                     _attr_reset("autoep_slots", _slots_zero)),
+    "itertools_count": (f"{FX}.ticketed(__c__)", None, None),
+    "logging_handler": (f"{FX}.logged(__c__)", None, None),
+    # the handler formats the record, reading the output's norm on the host: raises where it is pending
+    "logging_value": (f"{FX}.logged_value(__c__)", None, None),
+    # a buffer the output is scaled by, edited after the call: through ``.data`` (no version counter moves) ...
+    "buffer_data": (f"{FX}.data_bumped(self, __c__)", _buffer, _buffer_reset),
+    # ... and in place under no_grad (the version counter moves: the read would be late, a clear error)
+    "buffer_inplace": (f"{FX}.inplace_bumped(self, __c__)", _buffer, _buffer_reset),
+    "numpy_view": (f"{FX}.numpy_bumped(self, __c__)", _holder("autoep_host", lambda: torch.ones(1)), _host_reset),
+}
+
+
+def op_side_effects(fn, site):
+    """State outside the block (another module, a mutable default, a class-level list, nested dicts, a Counter, a
+    ``__slots__`` object, ``itertools.count``, a logging handler) or outside autograd's view (a buffer written
+    through ``.data`` or in place, a CPU tensor written through numpy) written at an expert call, its output scaled by
+    what was counted."""
+
+    def mutate(tree, call, variant):
+        replacement, tweak, reset = SIDE_EFFECTS[variant]
+        _replace(tree, call, expr(replacement, __c__=call))
+        if tweak is _mutable_default:
+            return _mutable_default(tree, site)
+        return tweak, _and_fx_reset(reset)
+
+    return _door_edits(fn, site, SIDE_EFFECTS, mutate)
+
+
+def _expert_modules(block: nn.Module) -> list[nn.Module]:
+    """The block's experts: those autoep placed (an EP copy; stand-ins for other ranks' experts included), else
+    those the fuzzer finds on the model."""
+    from autoep.runtime.recipes.local_experts import placed_experts, spec_of
+    from mutation_runtime import expert_list
+
+    spec = spec_of(block)
+    return placed_experts(block, spec)[:spec.num_experts] if spec is not None else expert_list(block)
+
+
+def _gate_of(block: nn.Module) -> nn.Module | None:
+    """The block's gate: its first ``nn.Linear`` child (``gate``, ``router``, ``classifier``)."""
+    return next((m for m in block.children() if isinstance(m, nn.Linear)), None)
+
+
+def _on_experts(register):
+    """``after_apply``: ``register(expert)`` on each expert, then the side-effects module reset before each call."""
+
+    def after_apply(block: nn.Module) -> None:
+        for expert in _expert_modules(block):
+            register(expert)
+        _fx_reset(block)  # after the experts' hooks: registered on the block, it runs first anyway
+
+    return after_apply
+
+
+def _inner_hook(expert: nn.Module) -> None:
+    import mutation_side_effects as fx
+
+    inner = next((m for name, m in expert.named_modules() if name), None)
+    if inner is not None:
+        inner.register_forward_hook(fx.scale_output_hook)
+
+
+def _gate_hook(block: nn.Module) -> None:
+    import mutation_side_effects as fx
+
+    gate = _gate_of(block)
+    if gate is not None:
+        gate.register_forward_hook(fx.collect_logits_hook)
+    _fx_reset(block)
+
+
+def _fx_hook(name: str, kind: str):
+    import mutation_side_effects as fx
+
+    return lambda expert: getattr(expert, kind)(getattr(fx, name))
+
+
+# variant -> (the call replaced by (``__f__``: the called expert), after_apply)
+HOOKS = {
+    # registered after apply, on every expert (the call sites read what they counted)
+    "pre_hook_rows": (f"{FX}.by_hook_rows(__c__)", _on_experts(_fx_hook("count_rows_pre_hook",
+                                                                         "register_forward_pre_hook"))),
+    "pre_hook_scale_input": ("__c__", _on_experts(_fx_hook("scale_input_pre_hook", "register_forward_pre_hook"))),
+    "forward_hook_scale_output": ("__c__", _on_experts(_fx_hook("scale_output_hook", "register_forward_hook"))),
+    "backward_hook": ("__c__", _on_experts(_fx_hook("scale_grad_input_hook", "register_full_backward_hook"))),
+    # on the gate, collecting its logits; the call sites read them
+    "gate_logits": (f"{FX}.by_gate_logits(__c__)", _gate_hook),
+    # registered inside the forward, around the call, and removed after it
+    "pre_hook_in_forward": (f"{FX}.removed(__f__.register_forward_pre_hook({FX}.scale_input_pre_hook), __c__)",
+                            _fx_reset),
+    "forward_hook_in_forward": (f"{FX}.removed(__f__.register_forward_hook({FX}.scale_output_hook), __c__)",
+                                _fx_reset),
+    # a tensor hook on the expert's output scaling its gradient
+    "tensor_hook": (f"{FX}.grad_scaled(__c__)", _fx_reset),
+    # on a module inside each expert: it would run on the owner's rows (a clear error)
+    "inner_module_hook": ("__c__", _on_experts(_inner_hook)),
+}
+
+
+def op_expert_hooks(fn, site):
+    """Hooks of each kind: forward pre-hooks and forward hooks on the experts (counting rows, scaling the input or
+    the output) and a full backward hook, registered after apply or inside the forward around the call; a forward
+    hook on the gate collecting logits; a tensor hook on an expert's output; a hook on a module inside an expert."""
+
+    def mutate(tree, call, variant):
+        replacement, after_apply = HOOKS[variant]
+        if replacement != "__c__":
+            _replace(tree, call, expr(replacement, __c__=call, __f__=call.func))
+        return None, after_apply
+
+    return _door_edits(fn, site, HOOKS, mutate)
+
+
+# variant -> the call replaced by
+GENERATORS_ELSEWHERE = {
+    "torch_generator": f"{FX}.torch_drawn(__c__)",
+    "numpy_generator": f"{FX}.numpy_drawn(__c__)",
+    "torch_generator_mask": f"{FX}.masked(__c__)",  # a mask by the output's shape, then a scalar
+    "torch_generator_like": f"{FX}.bernoulli_like(__c__)",  # a mask drawn on full_like(output), then a scalar
+}
+
+
+def op_rng_held_elsewhere(fn, site):
+    """A ``torch.Generator`` or numpy ``Generator`` held in another module drawing at each expert call (a scalar,
+    a mask by the output's shape, a mask drawn on a tensor made from the output), scaling its output."""
+
+    def mutate(tree, call, variant):
+        _replace(tree, call, expr(GENERATORS_ELSEWHERE[variant], __c__=call))
+        return None, _fx_reset
+
+    return _door_edits(fn, site, GENERATORS_ELSEWHERE, mutate)
+
+
+def _alpha(obj: nn.Module) -> None:
+    obj.register_parameter("autoep_alpha", nn.Parameter(torch.zeros(())))
+
+
+def op_matching_chain(fn, site):
+    """An expert's input computed from the previous call's output with forward values that match the rows: a
+    learned scale initialised at 0 (ReZero: ``rows + alpha * prev.mean()``, alpha's gradient nonzero), or a
+    straight-through ``a + (rows - a).detach()`` with ``a`` from the previous output."""
+
+    def mutate(tree, call, variant):
+        if variant == "rezero":
+            call.args[0] = expr(f"_autoep_rezero({SEEN}, __a__, self.autoep_alpha)", __a__=call.args[0])
+            return _alpha, None
+        call.args[0] = expr(f"_autoep_straight_through({SEEN}, __a__)", __a__=call.args[0])
+        return None, None
+
+    return _door_edits(fn, site, {"rezero": 0, "straight_through": 0}, mutate)
+
+
+# variant -> the grad mode entered around the call inside the forward
+GRAD_MODES = {
+    "no_grad": "_autoep_under(torch.no_grad(), lambda: __c__)",
+    "enable_grad": "_autoep_under(torch.enable_grad(), lambda: __c__)",
+}
+
+
+def op_call_context(fn, site):
+    """The expert call made under ``torch.no_grad()`` or ``torch.enable_grad()`` entered inside the forward
+    around it."""
+
+    def mutate(tree, call, variant):
+        _replace(tree, call, expr(GRAD_MODES[variant], __c__=call))
+
+    return _door_edits(fn, site, GRAD_MODES, mutate)
+
+
+def op_autocast_call(fn, site):
+    """The expert call made under ``torch.autocast('cpu', dtype=torch.bfloat16)`` entered inside the forward around
+    it, its output cast back to fp32. Judged at one bf16 ulp (``mutation_ranks.LOW_PRECISION``): the owner runs one
+    bf16 GEMM over every call's rows of an expert where the model runs one per call."""
+
+    def mutate(tree, call, _):
+        _replace(tree, call, expr("_autoep_under(torch.autocast('cpu', dtype=torch.bfloat16), lambda: __c__).float()",
+                                  __c__=call))
+
+    return _door_edits(fn, site, {"bf16": 0}, mutate)
+
+
+REPLAY_OPERATORS |= {
+    "side_effects": op_side_effects,
+    "expert_hooks": op_expert_hooks,
+    "rng_held_elsewhere": op_rng_held_elsewhere,
+    "matching_chain": op_matching_chain,
+    "call_context": op_call_context,
+    "autocast_call": op_autocast_call,
 }

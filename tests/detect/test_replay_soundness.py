@@ -23,6 +23,12 @@ import pytest
 from mutation_replay import REPLAY_OPERATORS
 
 FULL = ("replay/comprehension", "replay/batch_rows", "replay/optional_arg_container", "replay/cast_masked")
+# The one pass's doors (issue 30 item 7: ``mutation_replay``'s side effects, hooks, generators held elsewhere, chains
+# whose forward values match, contexts around a call): on the FULL targets every DOORS_EVERY-th of each target's, from
+# the target's position in FULL (each target's doors list the same variants in the same order: the offsets cover
+# every variant).
+DOORS = ("side_effects", "expert_hooks", "rng_held_elsewhere", "matching_chain", "call_context", "autocast_call")
+DOORS_EVERY = 3
 OTHERS_EVERY = 25  # of the rest: the fuzzer's operators on every replay target, the replay operators elsewhere
 RANK_EVERY = 3  # of the accepted-exact mutants, on 2 ranks
 # What each replay operator's sample shows on 2 ranks, the block's forward running once (issue 30): some mutant
@@ -30,9 +36,11 @@ RANK_EVERY = 3  # of the accepted-exact mutants, on 2 ranks
 # (an expert input computed from an expert output: a chained call; state written in the forward, once; random
 # draws between calls, once; a cached call order; an expert called on its rows with leading dims added; the
 # block's input edited in place).
-RAISE = {"branch_on_output"}
+# The doors: a logging handler formatting an expert output's norm, a buffer the output reads edited in place after
+# the call, a hook on a module inside an expert raise; every other write, hook, draw, chain and context is exact.
+RAISE = {"branch_on_output", "side_effects", "expert_hooks"}
 EXACT = {"chain_expert_input", "state_write", "rng_between_calls", "cache_order", "nd_expert_call",
-         "block_input_inplace"}
+         "block_input_inplace", *DOORS}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +50,11 @@ def replay_mutants():
 
 @pytest.fixture(scope="module")
 def fuzzed(replay_mutants):
-    chosen = [m for m in replay_mutants if m.operator in REPLAY_OPERATORS and m.target.name in FULL]
+    chosen = [m for m in replay_mutants if m.operator in REPLAY_OPERATORS and m.operator not in DOORS
+              and m.target.name in FULL]
+    for k, target in enumerate(FULL):
+        chosen += mutation.sample([m for m in replay_mutants if m.operator in DOORS and m.target.name == target],
+                                  DOORS_EVERY, offset=k % DOORS_EVERY)
     names = {m.name for m in chosen}
     chosen += mutation.sample([m for m in replay_mutants if m.name not in names], OTHERS_EVERY)
     controls = [mutation.unmodified(t) for t in mutation.replay_targets()]

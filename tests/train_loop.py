@@ -93,7 +93,7 @@ def step_inputs(block: nn.Module, split: list[int], step: int) -> torch.Tensor:
 @dataclass
 class Routing:
     """Tokens per (rank, expert) of every exchange of one step on this rank (``dispatch._status`` sees them;
-    ``replay._meta_row`` for record/exchange/replay)."""
+    ``replay._meta_row`` for the one-pass execution)."""
 
     counts: list = field(default_factory=list)
 
@@ -104,8 +104,8 @@ class Routing:
             self.counts.append(tokens_per_expert_E.detach().clone())
             return self._status(tokens_per_expert_E, idle)
 
-        def meta_row(spec, calls, failure, experts):  # record/exchange/replay's rows per expert from this rank
-            row = self._meta_row(spec, calls, failure, experts)
+        def meta_row(spec, *args):  # the one-pass execution's rows per expert from this rank, per exchange
+            row = self._meta_row(spec, *args)
             self.counts.append(torch.tensor(row[:spec.num_experts]))
             return row
 

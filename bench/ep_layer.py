@@ -5,6 +5,7 @@
     python bench/ep_layer.py --contenders --rounds 21  # only the interleaved comparison (ModuleList paths vs before)
     python bench/ep_layer.py --profile ml-stacked ml-fast   # where a step's time goes (torch.profiler, rank 0)
     python bench/ep_layer.py --smoke                # the smallest run of every contender (tests/test_bench_smoke.py)
+    python bench/ep_layer.py --ops ml-plain ml-replay ml-own ml-fast autoep   # aten ops and host syncs per step
 
 Every contender runs the same block (Qwen3MoeSparseMoeBlock from a small config), the same weights
 and the same per-rank tokens, side by side in one spawned gloo group:
@@ -256,6 +257,8 @@ def worker(rank: int, world_size: int, args, name: str) -> dict:
         return interleaved(block, ep_mesh, x, grad, args, name.removeprefix("interleaved:").split(","))
     if name.startswith("profile:"):
         return profiled(build(name.removeprefix("profile:"), block, ep_mesh, args), x, grad)
+    if name.startswith("ops:"):
+        return {n: op_counts(build(n, block, ep_mesh, args), x, grad) for n in name.removeprefix("ops:").split(",")}
     if name == "plain":
         b = block
     elif name == "autoep":
@@ -373,6 +376,48 @@ def profiled(block, x, grad, steps: int = 3) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
 
 
+# Host syncs on CPU: a scalar read (``item``: aten::_local_scalar_dense), a data-dependent shape (aten::nonzero;
+# on CUDA each waits for the device), and ``tolist`` (reads the data without an aten op: counted by a patch).
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
+
+
+def op_counts(block, x, grad) -> dict:
+    """One fwd+bwd step after two warm-up steps: the aten ops called from Python or autograd (not from inside another
+    aten op), and the host syncs among them (``SYNC_OPS``) plus ``tolist`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    time_step(block, x, grad, 1)
+    tolist, calls = torch.Tensor.tolist, [0]
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return tolist(self, *a, **k)
+
+    torch.Tensor.tolist = counted  # NOTE: bench instrumentation, put back below
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            time_step(block, x, grad, 1, warmup=False)
+    finally:
+        torch.Tensor.tolist = tolist
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    return {"ops": len(top), "syncs": sum(e.name in SYNC_OPS for e in events) + calls[0],
+            "collectives": sum(e.name.startswith(("gloo:", "nccl:", "c10d::")) for e in prof.events())}
+
+
+def report_ops(per_rank: list[dict], base: str) -> None:
+    """Per contender, rank 0's and the mean over ranks' ops and syncs per fwd+bwd step, against ``base``."""
+    names = list(per_rank[0])
+    print(f"aten ops and host syncs per fwd+bwd step of the layer (rank 0 / mean over {len(per_rank)} ranks); "
+          f"vs {base}, the model's own loop")
+    print(f"{'contender':<14}{'ops':>14}{'vs ' + base:>14}{'host syncs':>14}{'collectives':>13}")
+    for n in names:
+        ops = [r[n]["ops"] for r in per_rank]
+        syncs = [r[n]["syncs"] for r in per_rank]
+        print(f"{n:<14}{ops[0]:>7}/{sum(ops) / len(ops):<6.0f}{ops[0] / per_rank[0][base]['ops']:>14.2f}"
+              f"{syncs[0]:>7}/{sum(syncs) / len(syncs):<6.0f}{per_rank[0][n]['collectives']:>13}")
+
+
 def _quantile(values: list[float], q: float) -> float:
     v = sorted(values)
     pos = q * (len(v) - 1)
@@ -442,6 +487,10 @@ def main(argv=None) -> None:
                         "the interleaved comparison)")
     p.add_argument("--profile", nargs="*", default=[],
                    help="contenders (autoep, ml-*) to profile: rank 0's op table over 3 steps, then exit")
+    p.add_argument("--ops", nargs="*", default=[],
+                   help="contenders whose aten ops, host syncs and collectives per fwd+bwd step are counted "
+                        "(torch.profiler, every rank), the first the base (e.g. ml-plain ml-replay ml-own ml-fast "
+                        "autoep split-plain split-replay); then exit")
     p.add_argument("--smoke", action="store_true",
                    help="the smallest configuration, a code check (tests/test_bench_smoke.py): " + ", ".join(
                        f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in SMOKE.items())
@@ -453,7 +502,9 @@ def main(argv=None) -> None:
     for name in args.profile:
         print(f"profile of {name} (rank 0, 3 fwd+bwd steps):\n" + spawn(args.world_size, "ep_layer:worker", args,
                                                                        f"profile:{name}")[0], flush=True)
-    if args.profile:
+    if args.ops:
+        report_ops(spawn(args.world_size, "ep_layer:worker", args, "ops:" + ",".join(args.ops)), args.ops[0])
+    if args.profile or args.ops:
         return
     names = ["plain", "autoep"] + [f"hf-{impl}" for impl in args.hf_impls]
     names += ["ml-plain", "ml-stacked", "ml-copy", "ml-fast", "ml-own", "ml-replay"]

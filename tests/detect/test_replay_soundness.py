@@ -4,12 +4,13 @@ refused at resolve, raises at run time on every rank, or is exact on 2 ranks; no
 crashes the detector.
 
 A fixed sample (``bench/soundness.py --replay --ranks 2`` runs every mutant): every replay-operator mutant of the
-``FULL`` targets, and every ``OTHERS_EVERY``-th of the rest, in one process (ep_mesh=None: record, exchange and
-replay all run); then on 2 gloo ranks each target's control, every ``RANK_EVERY``-th accepted-exact mutant and
-every mutant raised at forward in one process (each must raise on every rank; the ep group's timeout,
-``mutation_ranks.HANG_S``, turns a rank left waiting into a failure, not a hang).
-Measured: 178 mutants in one process (6.4 s of CPU), 89 on 2 ranks; 39 s of CPU for the whole file, imports and
-spawns included (2.5-2.9 min of wall time on 2 cores shared at a load of 20).
+``FULL`` targets (the doors' operators, ``DOORS``: every ``DOORS_EVERY``-th of each FULL target's), and every
+``OTHERS_EVERY``-th of the rest, in one process (ep_mesh=None: the forward, the exchange and the deferred calls all
+run); then on 2 gloo ranks each target's control, every ``RANK_EVERY``-th accepted-exact mutant and every mutant
+raised at forward in one process (each must raise on every rank; the ep group's timeout, ``mutation_ranks.HANG_S``,
+turns a rank left waiting into a failure, not a hang).
+Measured: 323 mutants in one process (20 s), 137 on 2 ranks (73 s); about 2 min of wall time for the whole file,
+imports and spawns included, on 2 cores shared at a load of 9.
 
     pytest tests/detect/test_replay_soundness.py
     python bench/soundness.py --replay --ranks 2      # every mutant, per operator

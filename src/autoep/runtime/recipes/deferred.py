@@ -57,8 +57,10 @@ class Pending(Tensor):
 
     @staticmethod
     def __new__(cls, shadow: Tensor, device: torch.device, stage: int):
+        # No grad flag of its own (its shadow's is answered through the mode): a leaf that requires grad would be
+        # looked up by ``swap_tensors``' autograd checks.
         pending = Tensor._make_wrapper_subclass(cls, shadow.shape, strides=shadow.stride(), dtype=shadow.dtype,
-                                                device=device, requires_grad=shadow.requires_grad)
+                                                device=device)
         pending.shadow, pending.stage = shadow, stage
         return pending
 
@@ -325,26 +327,19 @@ class Tape:
 
     def settle(self) -> None:
         """Every pending object still held (the block's output, what it kept in attributes, lists, hook stores)
-        becomes its real tensor. The tape's own references go first, so only those objects are left: each takes
-        the real tensor's place (``swap_tensors``), or an alias of it where autograd holds the tensor too."""
-        # The block's own tensors (a taped call may return one as it is: ``x.to(x.dtype)``) stay what they are.
-        own = {id(t) for t in self.keep if type(t) is not Pending}
-        # The tape's references go first: a pending object still alive after is one the block holds. (While the tape
-        # held every pending object, no two had one id: ``real``'s keys are theirs.)
+        becomes its real tensor (``swap_tensors`` with an alias of it). The tape's own references go first, so only
+        those objects are left. (While the tape held every pending object, no two had one id: ``real``'s keys are
+        theirs.)"""
         self.entries.clear(), self.calls.clear(), self.keep.clear(), self.versions.clear(), self.shadows.clear()
         held = [(pending, self.real.get(id(pending))) for pending in (ref() for ref in self.pendings)
                 if pending is not None]
         self.pendings.clear()  # the weak references go: swap_tensors refuses a tensor that has one
         self.real.clear()
         for pending, real in held:
-            if real is None:
-                continue
-            if id(real) in own:
-                real = real.view_as(real)
-            own.add(id(real))  # one real tensor answering two pending objects: the second gets an alias
-            try:
-                torch.utils.swap_tensors(pending, real)
-            except RuntimeError:  # autograd saved the tensor (its impl has other owners): an alias takes its place
+            if real is not None:
+                # An alias, never the tensor itself: its Python object may be held elsewhere (the block's own
+                # tensor returned as it is by ``x.to(x.dtype)``, a saved-tensors hook's holder), and would become
+                # the pending one.
                 torch.utils.swap_tensors(pending, real.view_as(real))
 
 class _LateHandle:

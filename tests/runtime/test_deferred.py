@@ -355,14 +355,47 @@ class FormatsOutput(_EachExpert):
         return out
 
 
+class ScalesByBufferWrittenThroughData(_EachExpert):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def after(self, out, rows):
+        out = out * self.scale
+        self.scale.data.add_(0.1)  # no version counter sees it; autograd saved this very buffer for the backward
+        return out
+
+
+class ScalesByNumpyWrittenTensor(_EachExpert):
+    def __init__(self):
+        super().__init__()
+        self.host = torch.ones(1)
+
+    def after(self, out, rows):
+        out = out * self.host
+        self.host.numpy()[0] += 0.1
+        return out
+
+
+class DrawsAfterDroppingOutputs(_EachExpert):
+    def after(self, out, rows):
+        return torch.nn.functional.dropout(out, 0.5) * (1 + 0.01 * torch.rand(()))
+
+
 @pytest.mark.parametrize("make, message", [
-    (EditsRowsAfterCall, "EditsRowsAfterCall.forward wrote in place into a tensor"),
+    (EditsRowsAfterCall, "EditsRowsAfterCall: mul_ writes (or exposes, to numpy or .data) a tensor of shape"),
+    (ScalesByBufferWrittenThroughData, "ScalesByBufferWrittenThroughData: data:get writes (or exposes"),
+    (ScalesByNumpyWrittenTensor, "ScalesByNumpyWrittenTensor: numpy writes (or exposes"),
+    (DrawsAfterDroppingOutputs, "DrawsAfterDroppingOutputs: rand draws from a random generator after a draw on an "
+                                "expert's output"),
     (SwallowsHostRead, "SwallowsHostRead: item reads a pending expert output on the host"),
     (FormatsOutput, "FormatsOutput: __format__ reads a pending expert output on the host"),
 ])
 def test_what_needs_an_expert_output_now_raises(make, message):
-    """An expert's rows written after the call, a host read the block catches itself, a log line formatting an
-    output: each raises (a caught one too: the tape keeps it), never computes otherwise than the model."""
+    """An expert's rows written after the call, a tensor a deferred product reads written through ``.data`` or a
+    numpy view, a random draw after a draw on an expert output (the deferred draw would come second), a host read
+    the block catches itself, a log line formatting an output: each raises (a caught one too: the tape keeps it),
+    never computes otherwise than the model."""
     torch.manual_seed(0)
     block = _ep(make())
     with pytest.raises(ReplayError) as info:
@@ -474,3 +507,24 @@ def test_a_custom_autograd_function_on_an_expert_output_keeps_its_backward():
     torch.testing.assert_close(x_ep.grad, x_own.grad)
     for (n, p), (_, q) in zip(own.named_parameters(), block.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"{n}: {m}")
+
+
+class DropsOutputs(_EachExpert):
+    def after(self, out, rows):
+        return torch.nn.functional.dropout(out, 0.5)
+
+
+def test_draws_on_expert_outputs_in_the_models_order_are_exact():
+    """Dropout on each expert's output, no other draw after the first: the deferred draws come in the model's order,
+    so the masks are the model's."""
+    torch.manual_seed(0)
+    own = DropsOutputs()
+    block = _ep(copy.deepcopy(own))
+    torch.manual_seed(5)
+    want = own(_x() * 1)
+    want_next = torch.rand(3)  # the generator after the block: as many draws made
+    torch.manual_seed(5)
+    got = block(_x() * 1)
+    got_next = torch.rand(3)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got_next, want_next)

@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 _AUTOEP_RUNTIME = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__))  # logging's own frames are not the caller's line
 
 
 _FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod itself, put back after each forward
@@ -52,16 +53,18 @@ class Pending(Tensor):
     """An expert output (or a value computed from one) before the exchange: metadata only. Torch calls on it
     inside ``Deferring`` are taped; anything reaching the dispatcher (outside the mode) raises."""
 
-    shadow: Tensor
+    shadow: Tensor  # shape, strides and dtype, on meta; never requires grad (no autograd on meta: a user's
+    #                  saved-tensors hooks, ``save_on_cpu``, would see meta tensors)
     stage: int
+    needs_grad: bool  # whether the real tensor will require grad (answered for ``requires_grad``, ``is_leaf``)
 
     @staticmethod
-    def __new__(cls, shadow: Tensor, device: torch.device, stage: int):
-        # No grad flag of its own (its shadow's is answered through the mode): a leaf that requires grad would be
-        # looked up by ``swap_tensors``' autograd checks.
+    def __new__(cls, shadow: Tensor, device: torch.device, stage: int, grad: bool):
+        # No grad flag on the wrapper itself: a leaf that requires grad would be looked up by ``swap_tensors``'
+        # autograd checks.
         pending = Tensor._make_wrapper_subclass(cls, shadow.shape, strides=shadow.stride(), dtype=shadow.dtype,
                                                 device=device)
-        pending.shadow, pending.stage = shadow, stage
+        pending.shadow, pending.stage, pending.needs_grad = shadow, stage, grad
         return pending
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -87,7 +90,15 @@ _WRITES = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "_
            "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "data:set", "grad:set"}
 # In-place calls that change their tensor's metadata (shape, strides, grad flag): run on its meta shadow, kept.
 _RESHAPES_IN_PLACE = {"resize_", "resize_as_", "unsqueeze_", "squeeze_", "t_", "transpose_", "as_strided_", "set_",
-                      "swapdims_", "swapaxes_", "requires_grad_", "detach_", "data:set"}
+                      "swapdims_", "swapaxes_", "data:set"}
+# Calls that hand a tensor's memory out where no version counter sees a write through it.
+_EXPOSES = {"numpy", "__array__", "__dlpack__", "data_ptr", "untyped_storage", "storage", "_typed_storage", "data:get"}
+# Calls that draw from a random generator (matched in their names): kept in the forward's order of draws.
+_RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "exponential", "multinomial", "poisson", "cauchy",
+           "geometric", "log_normal", "random_", "rrelu")
+_GRAD_GETTERS = {"requires_grad:get", "is_leaf:get", "grad_fn:get"}
+# Calls whose results never require grad, whatever their arguments.
+_NO_GRAD = {"detach", "detach_", "data:get", "data:set", "requires_grad_"}
 _DEVICE_GETTERS = {"device:get", "is_cpu:get", "is_cuda:get", "is_meta:get", "get_device"}
 
 
@@ -117,7 +128,8 @@ def user_line(block_name: str) -> str:
     frame = sys._getframe(1)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if not (path.startswith(_TORCH) or path.startswith(_AUTOEP_RUNTIME) or path.startswith("<")):
+        if not (path.startswith((_TORCH, _AUTOEP_RUNTIME, "<")) or os.path.dirname(path) == _STDLIB
+                or path.startswith(os.path.join(_STDLIB, "logging"))):
             code = linecache.getline(path, frame.f_lineno).strip()
             return f"{frame.f_code.co_name} ({os.path.basename(path)} line {frame.f_lineno}: `{code}`)"
         frame = frame.f_back
@@ -171,8 +183,10 @@ class Tape:
     written: dict = field(default_factory=dict)  # storage key -> the stage its last taped in-place write is available at
     touched: dict = field(default_factory=dict)  # storage key -> the latest stage a taped call reads or writes it
     versions: list = field(default_factory=list)  # (real tensor, its version counter when a taped call read it)
+    read: set = field(default_factory=set)  # storage keys of the real tensors taped calls read
     keep: list = field(default_factory=list)  # the storages keyed above, alive until the tape goes (keys stay unique)
-    shadows: dict = field(default_factory=dict)  # id(real tensor a taped call writes) -> its metadata since
+    shadows: dict = field(default_factory=dict)  # id(real tensor a taped call reshapes in place) -> its metadata
+    grads: dict = field(default_factory=dict)  # id(real tensor a taped call writes) -> whether it will require grad
     real: dict = field(default_factory=dict)  # id(pending) -> its real tensor, as stages run
     failure: Exception | None = None
 
@@ -202,12 +216,8 @@ class Tape:
                             "opt out (an explicit local_compute_fn._target_)")
         tensors = _tensors((args, kwargs), [])
         device = next((t.device for t in tensors if t.device.type != "meta"), torch.device("cpu"))
-        if name in ("is_leaf:get", "grad_fn:get") and len(args) == 1 and type(args[0]) is Pending and \
-                args[0].shadow.is_leaf and args[0].shadow.requires_grad:  # an expert's output: computed, not a leaf
-            if name == "is_leaf:get":
-                return False
-            raise self.fail("grad_fn of an expert's output is read before the exchange (its autograd node exists "
-                            "only once the expert ran on its owner)")
+        if name in _GRAD_GETTERS:
+            return self.grad_query(name, args[0])
         if name in _DEVICE_GETTERS:  # the real device, not the shadow's
             with torch._C.DisableTorchFunction():
                 return func(*[torch.empty(0, device=device) if isinstance(a, Tensor) else a for a in args], **kwargs)
@@ -215,40 +225,108 @@ class Tape:
         stage = max(self.stage_of(t) for t in tensors)
         for t in written:
             stage = max(stage, self.touched.get(_key(t), 0))
-        if written and name not in _RESHAPES_IN_PLACE:
-            # In place, metadata kept: no meta run (the real call checks the arguments, as the model's does). The
-            # written tensor requires grad from now on where a floating argument does, as autograd will make it.
-            shadow = self.shadow_of(written[0])
-            if not shadow.requires_grad and torch.is_grad_enabled() and any(
-                    t.requires_grad and t.is_floating_point() for t in tensors):
-                shadow = self.shadows[id(written[0])] = shadow.detach().requires_grad_().clone()
+        # Autograd's rule: a floating result requires grad where grad mode is on and a floating argument does.
+        grad = name not in _NO_GRAD and torch.is_grad_enabled() and any(
+            (t.dtype.is_floating_point or t.dtype.is_complex) and self.needs_grad(t) for t in tensors)
+        if name in _TAPED:  # a hook on the real tensor, registered when it exists
+            if not self.needs_grad(args[0]):
+                raise RuntimeError(f"cannot {name.replace('_', ' ')} on a tensor that doesn't require gradient")
+            shadow = None
+        elif written and name not in _RESHAPES_IN_PLACE:
+            shadow = None  # in place, metadata kept: no meta run (the real call checks the arguments, as the model's)
         else:
-            for t in written:  # a real tensor's metadata as the call leaves it (its shape, grad flag) is kept
+            for t in written:  # a real tensor's metadata as the call leaves it (its shape) is kept
                 if type(t) is not Pending:
                     self.shadows.setdefault(id(t), _shadow(t))
             shadow = self.meta_run(func, name, args, kwargs)
+            if written and isinstance(shadow, Tensor) and type(written[0]) is Pending:
+                written[0].shadow = shadow  # ``unsqueeze_`` and friends: the new shape
+        if name == "requires_grad_":
+            grad = bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+        for t in written:
+            self.set_grad(t, grad or (name != "requires_grad_" and self.needs_grad(t)))
         if not written and name not in _TAPED and not _tensors(shadow, []):
-            return _pendings(shadow, device, stage, self)  # metadata (shape, dtype, requires_grad): nothing to run
+            return _pendings(shadow, device, stage, self, grad)  # metadata (shape, dtype): nothing to run
+        if any(k in name for k in _RANDOM):  # draws in the forward's order (``Deferring`` refuses a later one)
+            drawn = ("rng", _generator(kwargs, device))
+            stage = max(stage, self.touched.get(drawn, 0))
+            self.touched[drawn] = stage
         for t in tensors:
             key = _key(t)
             self.touched[key] = max(self.touched.get(key, 0), stage)
-            if type(t) is not Pending and key not in self.written:
-                self.versions.append((t, _version(t)))
+            if type(t) is not Pending and key not in self.written and not any(t is w for w in written):
+                self.read_later(t)
         self.keep.extend(tensors)
         for t in written:
             self.written[_key(t)] = stage
-        out = written[0] if written else _pendings(shadow, device, stage, self)
+        out = written[0] if written else _pendings(shadow, device, stage, self, grad)
         if name in _TAPED:
             out = _LateHandle() if name in _HANDLES else None
         self.entries.append(Entry(func, args, kwargs, out, stage, _ctx(), bool(written)))
         return None if name in ("__setitem__", "data:set", "grad:set") else out
 
+    def draw_now(self, func, args: tuple, kwargs: dict) -> None:
+        """A random draw the forward makes now: none of the taped calls may draw from its generator (they draw after
+        the forward, so the model's order of draws would not be kept)."""
+        device = next((t.device for t in _tensors((args, kwargs), [])), None) or torch.device(
+            kwargs.get("device") or "cpu")
+        if ("rng", _generator(kwargs, device)) in self.touched:
+            raise self.fail(f"{_name(func)} draws from a random generator after a draw on an expert's output, which "
+                            "autoep makes once the experts ran (after the forward): the draws would come in another "
+                            "order than the model's; draw both before the expert calls, or opt out")
+
+    def read_later(self, t: Tensor) -> None:
+        """A taped call reads the real ``t`` when it runs (after the forward): it must then hold what it holds now
+        (the model's call read it now, and autograd saves the tensor itself). A write into its storage before that
+        raises: a torch call at once (``Deferring``), any other seen by its version counter (``check_unchanged``)."""
+        self.read.add(_key(t))
+        if not t.is_inference():  # an inference tensor has no version counter (its writes are torch calls)
+            self.versions.append((t, t._version))
+
+    def write_now(self, func, args: tuple, kwargs: dict) -> None:
+        """A torch call the forward makes now: raises where it writes a storage a taped call reads later, or hands
+        it out where no version counter sees writes (a numpy view, a data pointer)."""
+        name = _name(func)
+        targets = _written(name, args, kwargs)
+        if name in _EXPOSES:
+            targets = [a for a in args if isinstance(a, Tensor)]
+        hit = next((t for t in targets if _key(t) in self.read), None)
+        if hit is not None:
+            raise self.fail(f"{name} writes (or exposes, to numpy or .data) a tensor of shape {tuple(hit.shape)} that an "
+                            "expert or a computation on an expert's output reads; autoep runs those once the experts "
+                            "ran (after the forward), so they would read the new values: write into a copy, or opt out")
+
     def shadow_of(self, t: Tensor) -> Tensor:
-        """The metadata of ``t`` as the forward has made it so far (a real tensor a taped call writes keeps its own,
-        which that call may have made require grad)."""
+        """The metadata of ``t`` as the forward has made it so far (a real tensor a taped call reshapes in place
+        keeps its own)."""
         if type(t) is Pending:
             return t.shadow
         return self.shadows.get(id(t)) if id(t) in self.shadows else _shadow(t)
+
+    def needs_grad(self, t: Tensor) -> bool:
+        """Whether ``t`` requires grad as the forward has made it so far (a real tensor a taped call writes from a
+        tensor that requires grad will)."""
+        return t.needs_grad if type(t) is Pending else self.grads.get(id(t), False) or t.requires_grad
+
+    def set_grad(self, t: Tensor, grad: bool) -> None:
+        if type(t) is Pending:
+            t.needs_grad = grad
+        else:
+            self.grads[id(t)] = grad
+
+    def grad_query(self, name: str, t: Tensor):
+        """``requires_grad``, ``is_leaf``, ``grad_fn`` of a pending value (or a tensor a taped call writes), as
+        autograd will answer them for the real one; its ``grad_fn`` exists only then."""
+        grad = self.needs_grad(t)
+        if name == "requires_grad:get":
+            return grad
+        changed = type(t) is Pending or grad != t.requires_grad
+        if name == "is_leaf:get":
+            return not grad if changed else t.is_leaf
+        if grad and changed:
+            raise self.fail(f"{name.partition(':')[0]} of a pending expert output is read before the exchange (its "
+                            "autograd node exists only once the expert ran on its owner)")
+        return None if changed else t.grad_fn
 
     def meta_run(self, func, name: str, args: tuple, kwargs: dict):
         """``func`` on the arguments' metadata: its results' shapes, dtypes and grad flags, nothing computed."""
@@ -276,19 +354,20 @@ class Tape:
             return "meta"
         return value
 
-    def expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device) -> Pending:
-        """Tape a call of expert ``e`` on ``x`` (its output's metadata: ``shadow``) and answer its pending output."""
+    def expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device, grad: bool) -> Pending:
+        """Tape a call of expert ``e`` on ``x`` (its output's metadata: ``shadow``; ``grad``: whether it requires
+        grad) and answer its pending output."""
         with torch._C.DisableTorchFunction():  # called inside ``Deferring``: these reads are the tape's own
-            return self._expert_call(e, x, shadow, device)
+            return self._expert_call(e, x, shadow, device, grad)
 
-    def _expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device) -> Pending:
+    def _expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device, grad: bool) -> Pending:
         stage = self.stage_of(x)
         key = _key(x)
         self.touched[key] = max(self.touched.get(key, 0), stage + 1)  # read at the exchange after ``stage``
         if type(x) is not Pending and key not in self.written:
-            self.versions.append((x, _version(x)))
+            self.read_later(x)
         self.keep.append(x)
-        out = Pending(shadow, device, stage + 1)
+        out = Pending(shadow, device, stage + 1, grad)
         self.pendings.append(weakref.ref(out))
         self.calls.append(Call(e, x, out, stage, _ctx()))
         return out
@@ -298,7 +377,7 @@ class Tape:
     def check_unchanged(self) -> None:
         """Every real tensor a taped call reads is as it was when the call was taped (no immediate write since)."""
         for t, version in self.versions:
-            if not (torch.equal(t, version) if isinstance(version, Tensor) else t._version == version):
+            if t._version != version:
                 raise ReplayError(f"{self.block_name}.forward wrote in place into a tensor (shape "
                                     f"{tuple(t.shape)}) after passing it to an expert or to a computation on an "
                                     "expert's output; autoep computes those after the forward returns, so they would "
@@ -331,6 +410,7 @@ class Tape:
         those objects are left. (While the tape held every pending object, no two had one id: ``real``'s keys are
         theirs.)"""
         self.entries.clear(), self.calls.clear(), self.keep.clear(), self.versions.clear(), self.shadows.clear()
+        self.grads.clear(), self.read.clear()
         held = [(pending, self.real.get(id(pending))) for pending in (ref() for ref in self.pendings)
                 if pending is not None]
         self.pendings.clear()  # the weak references go: swap_tensors refuses a tensor that has one
@@ -394,6 +474,10 @@ class Deferring(TorchFunctionMode):
         deferred = self.tape.deferred
         if any(deferred(a) for a in args) or any(deferred(a) for a in kwargs.values()) or _nested(args, deferred):
             return self.tape.record(func, args, kwargs)
+        if self.tape.touched:  # once a call is taped: what the forward does now may not reach what it reads
+            self.tape.write_now(func, args, kwargs)
+            if any(k in _name(func) for k in _RANDOM):
+                self.tape.draw_now(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -420,9 +504,9 @@ def _tensors(value, out: list) -> list:
     return out
 
 
-def _version(t: Tensor):
-    # An inference tensor has no version counter: a copy of its values stands in (eval only).
-    return t.detach().clone() if t.is_inference() else t._version
+def _generator(kwargs: dict, device: torch.device):
+    """The generator a random call draws from: its ``generator=``, or the device's default one."""
+    return kwargs.get("generator") or ("default", device.type, device.index)
 
 
 def _name(func) -> str:
@@ -466,18 +550,17 @@ def _masks_as_indices(name: str, args: tuple) -> tuple:
 
 
 def _shadow(t: Tensor) -> Tensor:
-    """A real tensor's metadata (read-only in a meta run: in-place calls take no meta run)."""
-    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return meta.requires_grad_() if t.requires_grad else meta
+    """A real tensor's metadata, without its grad flag (no autograd runs on meta)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-def _pendings(shadow, device: torch.device, stage: int, tape: Tape):
+def _pendings(shadow, device: torch.device, stage: int, tape: Tape, grad: bool):
     if isinstance(shadow, Tensor):
-        pending = Pending(shadow, device, stage)
+        pending = Pending(shadow, device, stage, grad and (shadow.dtype.is_floating_point or shadow.dtype.is_complex))
         tape.pendings.append(weakref.ref(pending))
         return pending
     if isinstance(shadow, (list, tuple)):
-        items = [_pendings(s, device, stage, tape) for s in shadow]
+        items = [_pendings(s, device, stage, tape, grad) for s in shadow]
         return items if isinstance(shadow, list) else (type(shadow)(*items) if hasattr(shadow, "_fields")
                                                        else type(shadow)(items))
     if isinstance(shadow, torch.device) and shadow.type == "meta":

@@ -365,10 +365,8 @@ class _Caller:
         width, dtype = _output_of(expert, x, self.block, self.replay.keys[e])
         grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in expert.parameters()))
         with torch._C.DisableTorchFunction():
-            # A leaf (one op; ``deferred`` answers its ``is_leaf`` as a computed tensor's, and in-place calls on it
-            # take no meta run).
-            shadow = torch.empty((*x.shape[:-1], *width), dtype=dtype, device="meta", requires_grad=grad)
-        return self.tape.expert_call(e, x, shadow, x.device)
+            shadow = torch.empty((*x.shape[:-1], *width), dtype=dtype, device="meta")
+        return self.tape.expert_call(e, x, shadow, x.device, grad)
 
 
 def _inside_function() -> str:

@@ -47,11 +47,6 @@ def test_ep_layer_interleaved_every_contender():
     assert row(out, "ml-stacked")[2] == "1.000x"
 
 
-@pytest.mark.xfail(strict=True, reason="one-pass replay (autoep.runtime.recipes.deferred) under "
-                   "torch.autograd.graph.saved_tensors_hooks: autograd saves a Pending expert output that is never "
-                   "swapped for its value (its storage is invalid after the forward; the backward raises ReplayError "
-                   "'a pending expert output reached aten.detach.default outside the block's forward'; "
-                   "torch.autograd.graph.save_on_cpu() raises ReplayError in the forward)")
 def test_ep_layer_saved_bytes_of_replay():
     """The memory autograd saves for backward is measured for the replay contender too (the bench's
     ``saved_tensors_hooks``: what activation offloading such as ``save_on_cpu`` does to a block)."""

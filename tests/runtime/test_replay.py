@@ -468,8 +468,10 @@ def test_a_parameter_on_the_experts_container_itself_is_refused():
 
 
 def test_a_global_module_hook_at_forward_time_raises():
-    """Registered after apply: replay would run it on each expert twice (the answered call in the block's forward,
-    and the owner's call on other rows), so a hook scaling module outputs would scale an expert's twice."""
+    """Registered after apply: it would run on the experts' modules on their owner, on other rows than the model's.
+    A mode that registers them (FlopCounterMode's module tracker) is named as the cause."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     block = _ep_block("comprehension", 1)
     x = _data(1)[0][0]
     handle = nn.modules.module.register_module_forward_hook(lambda m, a, out: out)
@@ -478,6 +480,10 @@ def test_a_global_module_hook_at_forward_time_raises():
             block(x)
     finally:
         handle.remove()
+    with pytest.raises(ReplayError, match=r"ComprehensionMoE: the active mode torch.utils.flop_counter._FlopCounterMode "
+                                          r"registered global module hooks"):
+        with FlopCounterMode(display=False):
+            block(x)
     block(x)
 
 

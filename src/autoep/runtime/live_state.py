@@ -178,8 +178,16 @@ def fast_path_blockers() -> list[str]:
             found += [f"a {kind} {type(mode).__qualname__} is active" for mode in stack if type(mode) not in benign]
     hooks = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
              "_global_backward_pre_hooks")
-    found += [f"global module {h[len('_global_'):].replace('_', ' ')} are registered" for h in hooks
-              if getattr(m, h, None)]
+    registered = [h[len('_global_'):].replace('_', ' ') for h in hooks if getattr(m, h, None)]
+    if registered:
+        # A mode the user entered may have registered them (FlopCounterMode's module tracker): say which.
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        modes = [f"{type(mode).__module__}.{type(mode).__qualname__}"
+                 for mode in (*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack())]
+        found.append(f"global module {', '.join(registered)} are registered"
+                     + (f" (the active mode {', '.join(modes)} registered them)" if modes else ""))
     return found
 
 

@@ -304,11 +304,16 @@ def _check_hooks(block: nn.Module, replay: _Replay, experts: list[nn.Module]) ->
     """Hooks on an expert run at the caller, around its pending call, as in the model; hooks on a module inside an
     expert (and global module hooks) would run on the owner's rows: refused."""
     if global_hooks():
-        raise ReplayError(f"{type(block).__name__}: global module hooks are registered (torch.nn.modules.module."
-                          "register_module_forward_hook and friends, or a mode that installs them); the experts' "
-                          "modules run on their owner, on every rank's rows together, so such a hook would see other "
-                          "rows than in the model: remove it around the forward (or leave this block out of "
-                          "parallel.plan)")
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        modes = [f"{type(m).__module__}.{type(m).__qualname__}"
+                 for m in (*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack())]
+        who = (f"the active mode {', '.join(modes)} registered global module hooks" if modes else
+               "global module hooks are registered (torch.nn.modules.module.register_module_forward_hook and friends)")
+        raise ReplayError(f"{type(block).__name__}: {who}; the experts' modules run on their owner, on every rank's "
+                          "rows together, so such a hook would see other rows than in the model: leave it off around "
+                          "the forward (or leave this block out of parallel.plan)")
     for key, expert in zip(replay.keys, experts):
         for name, module in expert.named_modules():
             if name and (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks

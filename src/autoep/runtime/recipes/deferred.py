@@ -189,6 +189,7 @@ class Tape:
     grads: dict = field(default_factory=dict)  # id(real tensor a taped call writes) -> whether it will require grad
     real: dict = field(default_factory=dict)  # id(pending) -> its real tensor, as stages run
     failure: Exception | None = None
+    meta_running: bool = False  # inside ``meta_run``: a Function applied there runs on the shadows as it is
 
     @property
     def stages(self) -> int:
@@ -330,6 +331,7 @@ class Tape:
 
     def meta_run(self, func, name: str, args: tuple, kwargs: dict):
         """``func`` on the arguments' metadata: its results' shapes, dtypes and grad flags, nothing computed."""
+        self.meta_running = True
         try:
             with torch._C.DisableTorchFunction():
                 return func(*self._shadows(_masks_as_indices(name, args)), **self._shadows(kwargs))
@@ -338,6 +340,8 @@ class Tape:
             raise self.fail(f"{name} of a pending expert output cannot run before the exchange: its result depends "
                             f"on the values (a data-dependent shape such as nonzero/where on a mask, or a host read; "
                             f"meta: {why})") from None
+        finally:
+            self.meta_running = False
 
     def _shadows(self, value):
         if isinstance(value, Tensor):
@@ -458,7 +462,8 @@ class Deferring(TorchFunctionMode):
         tape, apply = self.tape, _FUNCTION_APPLY.__func__
 
         def deferring_apply(cls, *args, **kwargs):
-            if any(tape.deferred(t) for t in _tensors((args, kwargs), [])):
+            # Not inside a meta run (its arguments are shadows), nor outside the forward's own calls.
+            if not tape.meta_running and any(tape.deferred(t) for t in _tensors((args, kwargs), [])):
                 return tape.record(functools.partial(apply, cls), args, kwargs, name=f"{cls.__name__}.apply")
             return apply(cls, *args, **kwargs)
 

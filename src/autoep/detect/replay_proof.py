@@ -246,7 +246,7 @@ def _no_whole_module_reads(block: nn.Module, container: nn.Module | None) -> Non
             name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
             if name in WHOLE_MODULE_READS:
                 raise Refusal(f"{type(block).__name__}: {getattr(fn, '__qualname__', fn)} line "
-                              f"{getattr(node, 'lineno', '?')} reads .{name} of a module; record/exchange/replay "
+                              f"{getattr(node, 'lineno', '?')} reads .{name} of a module; the one-pass execution "
                               "moves only the calls of the experts, and other ranks' experts are stand-ins there")
 
 

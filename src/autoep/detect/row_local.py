@@ -28,7 +28,7 @@ Values (the shared domain of ``autoep.detect.loop_values``):
 Rows are 2-D: dim 0 is the row, dim -1 (= 1) the feature dim. The proof also decides one more fact,
 ``ExpertProof.leading_dims_free``: the expert treats every dim before the last alike, so calling it on
 ``(..., D)`` equals calling it on the ``(prod(...), D)`` rows that tensor flattens to, reshaped back
-(record/exchange/replay moves N-D expert calls only where it holds). It is false as soon as the expert
+(the one-pass execution moves N-D expert calls only where it holds). It is false as soon as the expert
 reads anything but the last dim by a positive index or the input's rank: ``dim=1``/``.sum(1)``/``softmax``
 without a dim, ``x[:, a:b]``, ``x.shape[1]``/``size(1)``, ``x.dim()``/``.ndim``, ``unsqueeze(1)``,
 ``view(-1, d)``; anything else the interpreter accepts is last-dim-only or element-wise (linears, last-dim

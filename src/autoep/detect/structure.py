@@ -100,7 +100,7 @@ class MoeStructure:
     # How the expert work runs under EP: spliced (module experts: the block's proven loop replaced by the
     # exchange) | grouped (batched/grouped experts: their forward replaced by the
     # exchange + grouped compute) | replay (module experts whose loop is not proven: the block's forward runs
-    # twice, record / exchange / replay, ``autoep.runtime.recipes.replay``; the fallback, the slowest).
+    # once, its expert outputs deferred to the exchange, ``autoep.runtime.recipes.replay``; the fallback).
     execution: str = "spliced"
 
     def __post_init__(self):
@@ -178,7 +178,7 @@ def _structure(module: nn.Module) -> MoeStructure:
     guards: tuple[str, ...] = ()
     if looped is None and _own_forward_container(experts):
         # Switch, NLLB (transformers 5): the block hands the routing to its experts container, whose own forward
-        # is the loop; no fast path reads a loop there, record/exchange/replay runs it as written
+        # is the loop; no fast path reads a loop there, the one-pass execution runs it as written
         raise Refusal(f"{path} is a {type(experts).__name__} with a forward of its own: no fast path proves a loop "
                       "inside the experts container")
     if looped is not None or type(experts) is nn.ModuleList:
@@ -258,7 +258,7 @@ def _block_params_refusal(module: nn.Module) -> Refusal | None:
 
 def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
     """The fallback where the proofs of the fast paths refuse (``refused``): module experts of one container
-    the forward calls, each proven row-local, run by record/exchange/replay (``autoep.detect.replay_proof``);
+    the forward calls, each proven row-local, run by the one-pass execution (``autoep.detect.replay_proof``);
     its loop needs no proof. Raises ``refused`` where the block has no such container, else both reasons."""
     if genuine.patched_torch_objects(elementwise.activation_classes(), module_call=False):
         raise refused
@@ -299,7 +299,7 @@ def _live_state(module: nn.Module, structure: MoeStructure) -> None:
 def detect_moe_structure(module: nn.Module, *, replay: bool = True) -> MoeStructure:
     """What kind of MoE block ``module`` is, proven from its source and attributes: the fastest proven
     execution (``MoeStructure.execution``: a fast path's spliced loop or grouped compute where its proof holds,
-    else record/exchange/replay for module experts; ``replay=False``, ``PlanEntry.record_replay: false``,
+    else the one-pass execution for module experts; ``replay=False``, ``PlanEntry.record_replay: false``,
     refuses where the fast paths do).
 
     Never calls a forward and allocates nothing (works on ``torch.device("meta")`` modules).
@@ -309,13 +309,13 @@ def detect_moe_structure(module: nn.Module, *, replay: bool = True) -> MoeStruct
 
 
 def replay_structure(module: nn.Module) -> MoeStructure:
-    """``module`` run by record/exchange/replay even where a fast path is proven too (``PlanEntry.execution=
+    """``module`` run by the one-pass execution even where a fast path is proven too (``PlanEntry.execution=
     replay``): its module experts proven as the fallback proves them; refusals as ``detect_moe_structure``'s."""
     return _detected(module, replay=True, fast=False)
 
 
 def fast_path_structure(module: nn.Module) -> MoeStructure:
-    """``detect_moe_structure`` without the record/exchange/replay fallback: the fast paths' proofs alone
+    """``detect_moe_structure`` without the the one-pass execution fallback: the fast paths' proofs alone
     (their refusal names the construct they do not read)."""
     return _detected(module, replay=False)
 

@@ -157,7 +157,7 @@ def _record_replay(entry: Mapping) -> bool:
 
 def split_moe(key: str, pattern: str, matched: list[str], modules: dict) -> tuple[list[str], list[str]]:
     """(modules with experts, found by data flow as the detector finds them, the others): what a ``moe_only``
-    entry takes and skips. The experts containers record/exchange/replay finds count whatever the entry's
+    entry takes and skips. The experts containers the one-pass execution finds count whatever the entry's
     ``record_replay``: with false, such a block is refused naming why no fast path takes it, not skipped."""
     moe = [n for n in matched if structure.has_experts(modules[n])]
     if not moe:
@@ -265,7 +265,7 @@ def seal_entry(match: str, fn, decision: Mapping) -> str:
 def _detect_group(key: str, pattern: str, modules: dict, matched: list[str], *,
                   replay: bool = True, execution: str = AUTO) -> tuple[dict, int]:
     """One (structure, expert count) for every matched module, or an error naming the groups (``replay``: the
-    record/exchange/replay fallback for module experts is allowed, ``PlanEntry.record_replay``, the default;
+    the one-pass execution fallback for module experts is allowed, ``PlanEntry.record_replay``, the default;
     ``execution``: ``PlanEntry.execution``, auto or the one asked for)."""
     groups: dict[tuple[structure.MoeStructure, int], list[str]] = {}
     for name in matched:
@@ -289,7 +289,7 @@ def _detect_group(key: str, pattern: str, modules: dict, matched: list[str], *,
 def _detect_execution(key: str, name: str, module: nn.Module, replay: bool, execution: str) -> structure.MoeStructure:
     """The block's structure under ``execution``: auto, the fastest proven one (the detector's order, grouped or
     spliced where a fast path is proven, else replay where ``replay`` allows it: docs/benchmarks.md says why);
-    replay, record/exchange/replay even where a fast path is proven too; grouped | spliced, the fast path's
+    replay, the one-pass execution even where a fast path is proven too; grouped | spliced, the fast path's
     structure if it is that execution, else a ``PlanError`` naming the key."""
     if execution == "replay":
         return structure.replay_structure(module)

@@ -81,8 +81,8 @@ class PlanEntry:
     # e.g. DeepSeek-V3's first 3) are listed in decision.skipped. false: every matched module must be an MoE
     # block (or, for an explicit factory of your own, modules autoep finds no experts in)
     moe_only: bool = True
-    # true (the default): module experts whose dispatch loop no fast-path proof reads run by record / exchange /
-    # replay (the block's forward twice, autoep.runtime.recipes.replay; README, "Record, exchange, replay"), the
+    # true (the default): module experts whose dispatch loop no fast-path proof reads run by the one pass
+    # (the block's forward once, autoep.runtime.recipes.replay; README, "Any dispatch loop"), the
     # fallback where the fast paths' proofs refuse. false: such a block is refused, as before that fallback
     record_replay: bool = True
     # auto: the fastest execution autoep proves for the blocks (grouped > spliced > replay; replay only with

@@ -16,15 +16,14 @@ the token exchange (collectives), and the checkpoint runs it a second time in ba
   exchanges; a non-reentrant recomputation stops early only after the last tensor the block saved, which
   comes after its last exchange (the combine saves its indices), so no rank leaves an exchange out.
 
-A record / exchange / replay block (``autoep.runtime.recipes.replay``) is exact under it too: the
-recomputation runs both passes and the exchange again, the RNG restored by the checkpoint before it and by the
-replay between its passes, so pass 1 records the same calls and pass 2 draws what the block's own call drew.
+A one-pass block (``autoep.runtime.recipes.replay``) is exact under it too: the recomputation runs the block's
+forward and its exchanges again, the RNG restored by the checkpoint, so every rank makes the same expert calls.
 Two things keep the ranks in step under non-reentrant checkpointing: its recomputation stops early at the
-last tensor the forward saved, which is in pass 2 (after both exchanges) on one rank and may be past the block
-on another, so the replay treats that stop as no failure and still joins its agreement all-reduce before
-stopping; and a rank whose block output reaches nothing saved (no tokens: the returned rows are joined to
+last tensor the forward saved, which is in the deferred calls (after the exchanges) on one rank and may be past
+the block on another, so the one pass treats that stop as no failure and still joins its agreement all-reduce
+before stopping; and a rank whose block output reaches nothing saved (no tokens: the returned rows are joined to
 the output by ``dispatch._Join``) starts its recomputation in ``_Join``'s backward, which reads a saved
-tensor, rather than entering the exchange's backward while its peers recompute. Replay blocks are
+tensor, rather than entering the exchange's backward while its peers recompute. One-pass blocks are
 checkpointed from around them (a decoder layer's checkpoint): a block that is itself a checkpointing layer is
 refused at detection (its ``__call__`` wrapper), so this guard never sees one.
 

@@ -23,7 +23,7 @@ class ExpertLoad:
 
     Blocks that keep their own forward call ``experts(hidden, top_k_index, ...)``: this rank's routed
     (token, expert) pairs are counted there. Blocks whose expert loop the module_list recipe replaced, or
-    that record/exchange/replay runs, report the rows the exchange brought to this rank's own experts
+    that the one-pass execution runs, report the rows the exchange brought to this rank's own experts
     (``register_counts_hook``): those counts land at the rank's expert offset. Blocks calling grouped experts
     ``experts(x_sorted, num_tokens_per_expert)`` pass this rank's counts per expert: added as they are.
     Experts called on E equal groups of rows (Llama-4's ``experts(rows)``, each token once per expert,

@@ -214,6 +214,37 @@ def test_an_expert_that_is_not_row_local_is_refused_naming_it():
         detect_moe_structure(block, replay=True)
 
 
+def test_an_expert_batch_norm_in_eval_is_row_local_and_watched():
+    """In eval a BatchNorm1d uses its running statistics, a per-feature affine map of each row: accepted, exact (the
+    owner's norm holds the expert's own statistics); ``train()`` after apply switches it to batch statistics, which
+    raises before the call instead of running a plan proven for eval."""
+    torch.manual_seed(0)
+    own = _make("comprehension").eval()
+    for e in own.experts:
+        e.fc1 = nn.Sequential(nn.Linear(rb.D, rb.FF), nn.BatchNorm1d(rb.FF))
+        e.fc1[1].running_mean.normal_()
+        e.fc1[1].running_var.uniform_(0.5, 2.0)
+    own.eval()
+    found = detect_moe_structure(own, replay=True)
+    assert found.execution == "replay" and "experts.*.fc1.1.training=False" in found.folded, found.folded
+    model = nn.ModuleDict({"mlp": copy.deepcopy(own)})
+    apply_plan(model, resolve_plan({"ep_size": 1, "plan": [{"match": "mlp", "record_replay": True}]}, model), None)
+    block = model["mlp"]
+    x_own, x_ep = _data(1)[0][0].requires_grad_(), _data(1)[0][0].requires_grad_()
+    want, got = own(x_own * 1), block(x_ep * 1)
+    torch.testing.assert_close(got, want)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(x_ep.grad, x_own.grad)
+    for (n, p), (_, q) in zip(own.named_parameters(), block.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"{n}: {m}")
+    with pytest.raises(UnsupportedModuleStructure, match=r"BatchNorm1d uses batch statistics"):
+        detect_moe_structure(copy.deepcopy(own).train(), replay=True)
+    block.train()
+    with pytest.raises(FactChanged, match=r"training"):
+        block(x_ep * 1)
+
+
 class _TouchesEveryExpert(rb.ComprehensionMoE):
     """minimind's idle-expert touch, ``0 * sum(p.sum() for p in expert.parameters())``: under EP the other
     ranks' experts are stand-ins, so the read would raise on every rank that does not own the expert."""

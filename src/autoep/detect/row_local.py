@@ -166,6 +166,15 @@ class _Context:
             if not isinstance(rows, Row):
                 raise Refusal(f"{where} is called on {show(rows)}, not on the expert's rows alone")
             return self._torch_module(module, rows, path, where)
+        if cls is nn.BatchNorm1d and not module.training and module.track_running_stats and \
+                module.running_mean is not None and isinstance(rows, Row):
+            # In eval, its running statistics: a per-feature affine map of each (rows, features) row. Its mode is a
+            # fact (``model.train()`` after apply would switch it to batch statistics); on an N-D input its channels
+            # are dim 1, not the last.
+            self.fold(f"{path}.training" if path else "training", False)
+            self.fold(f"{path}.track_running_stats" if path else "track_running_stats", True)
+            self.pin(f"{where} reads dim 1 as its channels on an N-D input")
+            return ROWS
         if isinstance(module, BATCH_NORMS):
             raise Refusal(f"{where}: {cls.__name__} {BATCH_STATS}")
         if isinstance(module, nn.Dropout.__mro__[1]):  # other dropouts: random per call or per channel

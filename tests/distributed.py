@@ -1,10 +1,17 @@
 """Spawn gloo process groups on CPU for multi-rank tests.
 
-Spawning costs seconds per rank (imports), so tests group many cases into one spawned group:
-``run_cases(world_size, "module:function", ...)`` runs ``function(rank, world_size)`` on every rank
-inside one gloo group; the function returns ``{case_name: error_text_or_None}``; the merged result
-per case lists the ranks that failed. Use ``guarded`` inside the worker so one failing case records its
-error and the next case still runs (collectives stay in step: compute first, compare last).
+Every rank is a fresh process, forked from a fork server that imported torch, transformers and autoep once
+(``PRELOAD``): a rank starts in a fraction of a second, where a spawned interpreter spent seconds on those imports
+(5-20 s per 2-rank group on 2 cores, paid by every spawn of the suite). The fork server is started once per test
+session; what it cannot know, the caller's environment, working directory and ``sys.path`` at the time of the
+call, each rank takes from the caller first (``_entry``), as a spawned rank would. Nothing else is carried over:
+the caller's own state (monkeypatches, caches, RNG) stays in the caller, as with spawn.
+
+Tests still group many cases into one process group: ``run_cases(world_size, "module:function", ...)`` runs
+``function(rank, world_size)`` on every rank inside one gloo group; the function returns
+``{case_name: error_text_or_None}``; the merged result per case lists the ranks that failed. Use ``guarded``
+inside the worker so one failing case records its error and the next case still runs (collectives stay in step:
+compute first, compare last).
 """
 
 from __future__ import annotations
@@ -15,11 +22,18 @@ import os
 import pickle
 import socket
 import sys
+import multiprocessing
 import tempfile
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Imported once by the fork server; every rank is forked from it with these loaded (none touches a device at import:
+# CUDA is initialised in the rank, after the fork). An import that fails there is left to the rank, as before.
+PRELOAD = ["torch", "torch.distributed.tensor", "transformers", "transformers.modeling_utils", "autoep.runtime.apply",
+           "autoep.plan.resolve", "autoep.train.trainer", "distributed"]
+multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 def free_port() -> int:
@@ -28,7 +42,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, target: str, out_dir: str, args: tuple, backend: str = "gloo") -> None:
+def _entry(rank: int, world_size: int, port: int, target: str, out_dir: str, args: tuple, backend: str = "gloo",
+           caller: dict | None = None) -> None:
+    if caller is not None:  # the fork server's view is that of its start: take the caller's, as spawn gives it
+        os.environ.clear()
+        os.environ.update(caller["environ"])
+        os.chdir(caller["cwd"])
+        sys.path[:] = caller["sys_path"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -64,8 +84,10 @@ def _entry(rank: int, world_size: int, port: int, target: str, out_dir: str, arg
 def spawn(world_size: int, target: str, *args, backend: str = "gloo") -> list:
     """Run ``target`` ("module:function", importable from the tests dir) on ``world_size`` gloo ranks (``backend``:
     nccl for the gpu-marked tests, one GPU per rank); return each rank's return value."""
+    caller = {"environ": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, free_port(), target, out_dir, args, backend), nprocs=world_size, join=True)
+        mp.start_processes(_entry, args=(world_size, free_port(), target, out_dir, args, backend, caller),
+                           nprocs=world_size, join=True, start_method="forkserver")
         results = []
         for r in range(world_size):
             with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:

@@ -56,7 +56,6 @@ def trained_weights(run_dir: Path | None) -> dict:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.slow
 def test_auto_explicit_and_two_rank_ep_train_the_same(tmp_path):
     """SGD, 8 steps: one process (auto recipe), one process with the model's own loop (explicit), and EP over
     2 gloo ranks give the same losses; the EP run ends with every weight equal to the one-process run's."""

@@ -21,6 +21,12 @@ def test_ci_runs_the_readme_test_command():
     main = [c for c in commands if c.endswith("python -m pytest -q --durations=10 tests")]
     assert len(main) == 1 and len(commands) == 2  # the tests, and the transformers 4.x environment
     assert all(c in ci for c in commands)
+    # The slow tier that command 2 leaves out (pyproject's addopts): once, right after it, as the README says.
+    slow = "python -m pytest -q --durations=10 -m slow tests"
+    assert slow in readme.splitlines()
+    ci_lines = ci.splitlines()
+    assert sum("-m slow" in line for line in ci_lines) == 1
+    assert ci_lines[ci_lines.index(main[0]) + 1] == slow
 
 
 def test_the_main_jobs_extra_installs_what_draws_its_picture():

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from distributed import free_port
 from hydra import compose, initialize_config_dir
@@ -85,7 +84,6 @@ def torchrun(line: str, cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.slow
 def test_the_replay_lines_run_as_written(tmp_path):
     (script,) = blocks("Hydra in your repo", "bash")
     first, replay = [ln for ln in script.splitlines() if ln.startswith("torchrun")]

@@ -342,7 +342,6 @@ _RESULTS: dict = {}
 _RESULTS4: dict = {}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["edp2_sgd_ddp", "edp2_sgd_sum", "ep4_sgd_mean"])
 def test_four_ranks(case, tmp_path_factory):
     if not _RESULTS4:

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 WORKER = Path(__file__).with_name("hf_worker.py")
-pytestmark = pytest.mark.slow
 
 
 def torchrun(out: Path, *args: str, nproc: int = 2) -> dict:

@@ -297,7 +297,6 @@ def test_two_ranks(case, checkpoints):
     assert not errors, "\n".join(errors)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["edp2_loads_batched", "edp2_resume_from_one_batched",
                                   "edp2_resume_from_one_module_list"])
 def test_four_ranks(case, checkpoints):

@@ -6,7 +6,8 @@ only EP can differ); the EP module (``apply_plan`` with the detector's decision)
 of uneven size.
 Outputs and input grads per rank, dense grads summed over ranks, expert grads gathered
 (``full_tensor``) must be equal (fp32, default ``assert_close``). Block level and whole tiny 2-layer
-causal LMs (loss and every parameter grad). One spawned gloo group per world size runs every case.
+causal LMs (loss and every parameter grad). One spawned gloo group per world size runs every case; at 4 ranks
+the sweeps of every accepted class and family run in a group of their own, in the slow tier (``-m slow``).
 """
 
 from __future__ import annotations
@@ -383,13 +384,17 @@ def _model_parity(rank: int, world_size: int, ref: nn.Module, blocks_of, tol, pr
 BF16_TOL = {"atol": 5e-2, "rtol": 5e-2}
 
 
-def parity_cases(rank: int, world_size: int, hf_classes: list, hf_families: list) -> dict:
+def parity_cases(rank: int, world_size: int, hf_classes: list, hf_families: list, shipped: bool = True) -> dict:
+    """The sweeps of every accepted transformers class and family (``hf_*``), then, with ``shipped``, the shipped
+    families' block and whole-model cases."""
     results = {}
     for family in hf_families:
         if family not in FAMILIES:  # those run from conf/model below
             guarded(results, f"hf_model/{family}", hf_model_case, rank, world_size, family)
     for family, module_name, cls_name, config_paths in hf_classes:
         guarded(results, f"hf_block/{family}/{cls_name}", hf_class_case, rank, world_size, module_name, cls_name, config_paths)
+    if not shipped:
+        return results
     for family in FAMILIES:
         guarded(results, f"block/{family}", block_case, rank, world_size, family)
     for family in FAMILIES:
@@ -401,7 +406,7 @@ def parity_cases(rank: int, world_size: int, hf_classes: list, hf_families: list
 
 # ---------------------------------------------------------------- tests
 
-_RESULTS: dict[int, dict] = {}
+_RESULTS: dict[tuple[int, bool], dict] = {}
 _HF: dict[str, list] = {}
 
 
@@ -417,10 +422,25 @@ def _hf_families() -> list:
     return _HF["families"]
 
 
-def _results(world_size: int) -> dict:
-    if world_size not in _RESULTS:
-        _RESULTS[world_size] = run_cases(world_size, "test_parity_hf:parity_cases", _hf_classes(), _hf_families())
-    return _RESULTS[world_size]
+# At 4 ranks the sweeps of every accepted class and family (~95% of that group's time) are the slow tier
+# (``-m slow``, run once by CI after the README's test command) and spawn a group of their own; the shipped
+# families' cases stay in the README's command. At 2 ranks one group runs everything.
+SWEEPS_APART = {4}
+WORLD_SIZES = [2, 4]
+SWEEP_WORLD_SIZES = [pytest.param(w, marks=pytest.mark.slow) if w in SWEEPS_APART else w for w in WORLD_SIZES]
+
+
+def _results(world_size: int, sweeps: bool = False) -> dict:
+    """The cases of ``world_size``: the shipped families' (``sweeps=False``) or the sweeps' (``True``); one group
+    for both where the sweeps are not apart."""
+    key = (world_size, sweeps and world_size in SWEEPS_APART)
+    if key not in _RESULTS:
+        if world_size not in SWEEPS_APART:
+            args = (_hf_classes(), _hf_families())
+        else:
+            args = (_hf_classes(), _hf_families(), False) if sweeps else ([], [])
+        _RESULTS[key] = run_cases(world_size, "test_parity_hf:parity_cases", *args)
+    return _RESULTS[key]
 
 
 def _assert_case(world_size: int, name: str) -> None:
@@ -430,13 +450,13 @@ def _assert_case(world_size: int, name: str) -> None:
     assert not errors, f"{name} at world_size={world_size}:\n" + "\n".join(errors)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_block_parity(world_size, family):
     _assert_case(world_size, f"block/{family}")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_parity(world_size, family):
     _assert_case(world_size, f"model/{family}")
@@ -452,10 +472,10 @@ def test_model_bf16_close():
 BLOCK_XFAIL: dict[str, str] = {}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", SWEEP_WORLD_SIZES)
 def test_every_accepted_transformers_block(world_size):
     """Block parity for every transformers MoE class the detector accepts (built tiny from its own config)."""
-    results = _results(world_size)
+    results = _results(world_size, sweeps=True)
     ran = [n for n in results if n.startswith("hf_block/")]
     assert len(ran) >= 40, f"only {len(ran)} accepted transformers classes were built"
     failed = {n: e for n, e in results.items() if n.startswith("hf_block/") and e and n not in BLOCK_XFAIL}
@@ -472,10 +492,10 @@ def test_every_accepted_transformers_block(world_size):
 MODEL_XFAIL: dict[str, str] = {}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", SWEEP_WORLD_SIZES)
 def test_every_accepted_family_whole_model(world_size):
     """Whole tiny causal-LM parity (loss, every parameter grad) for every family whose tiny model builds."""
-    results = _results(world_size)
+    results = _results(world_size, sweeps=True)
     ran = sorted(n.partition("/")[2] for n in results if n.startswith("hf_model/"))
     assert set(ran) == set(_hf_families()) - set(FAMILIES), "some family's whole-model case did not run"
     assert len(ran) + len(FAMILIES) >= 40, f"only {len(ran)} families built a tiny whole model"

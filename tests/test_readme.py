@@ -18,11 +18,11 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     commands = re.findall(r"^(python -m venv .*pytest.*)$", readme, flags=re.M)
-    main = [c for c in commands if c.endswith("python -m pytest -q --durations=10 tests")]
+    main = [c for c in commands if c.endswith("python -m pytest -q -n 2 --dist loadfile --durations=10 tests")]
     assert len(main) == 1 and len(commands) == 2  # the tests, and the transformers 4.x environment
     assert all(c in ci for c in commands)
     # The slow tier that command 2 leaves out (pyproject's addopts): once, right after it, as the README says.
-    slow = "python -m pytest -q --durations=10 -m slow tests"
+    slow = "python -m pytest -q -n 2 --dist loadfile --durations=10 -m slow tests"
     assert slow in readme.splitlines()
     ci_lines = ci.splitlines()
     assert sum("-m slow" in line for line in ci_lines) == 1

@@ -23,8 +23,9 @@ MixtralStyleSparseMoeBlock, softmax top-k renormalised, as Qwen3-MoE with norm_t
   ml-fast      the fast path: the grouped GEMM reading the experts' own parameters in place (their memory lives
                in one stacked buffer per projection; gradients handed back as views)
   ml-own       the experts' own forward (fast_path=False), one nn.Linear chain per local expert (execution=spliced)
-  ml-replay    the same block with execution=replay (plan entry ``execution: replay``): record / exchange / replay,
-               the block's forward twice, each local expert's own forward on its owner
+  ml-replay    the same block with execution=replay (plan entry ``execution: replay``): the block's forward
+               once, its expert outputs deferred to the exchange (one pass), each local expert's own forward on
+               its owner
 The transformers 4.x DeepseekV2 spelling (tests/blocks.py SortedSplitMoE: argsort, a loop over the counts, cat):
   split-plain  its own forward, all experts, no exchange
   split-auto   what the plan picks for it (``--interleave split-auto split-replay``: the same time when auto is
@@ -35,7 +36,7 @@ experts' own forward; ml-fast: with the grouped GEMM) vs grouped (autoep: the ba
 Memory per layer (interleaved comparison): the bytes autograd saves for backward in one forward of the layer
 (``torch.autograd.graph.saved_tensors_hooks``, counted once per storage, parameters excluded): "packed" is every
 tensor saved during the forward (a lower bound: a freed storage's address may be reused), "held" what the graph
-still holds when backward starts (replay's pass-1 graph outside the experts' rows is freed with pass 1's output).
+still holds when backward starts.
 The interleaved comparison (``--interleave``, on by default) builds its contenders in ONE process group and runs
 ``--rounds`` rounds of one timed fwd+bwd step of each, in an order shuffled every round; each round's ratio is
 ml-stacked's step time over the contender's (the slowest rank's times, same round), and the median ratio and its

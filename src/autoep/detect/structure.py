@@ -28,7 +28,7 @@ from autoep.detect.source import Refusal
 from autoep.errors import UnsupportedModuleStructure
 
 # 3: expert_projs is a list of names (was one comma-joined string); 4: experts_path, expert_kind; 5: idle_experts,
-# execution; 6: record/exchange/replay is the automatic fallback for module experts (blocks refused before may be
+# execution; 6: record/exchange/replay (now the one pass) is the automatic fallback for module experts (blocks refused before may be
 # accepted with execution=replay); 7: no container-loop, selected-loop or masked-sum splice (experts containers with a
 # forward of their own, the 4.57 Switch selected-rows loop and VitPose's masked sum run by record/exchange/replay;
 # idle_experts "selected" is gone)

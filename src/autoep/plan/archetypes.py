@@ -42,8 +42,8 @@ BATCHED = Archetype(target=f"{RECIPES}.batched.ep_batched_experts")
 MODULE_LIST_BLOCK = Archetype(target=f"{RECIPES}.module_list.ep_module_list_block")
 GROUPED = Archetype(target=f"{RECIPES}.grouped.ep_grouped_experts")
 EQUAL_GROUPS = Archetype(target=f"{RECIPES}.equal_groups.ep_equal_group_experts")
-# Module experts whose loop no fast-path spec proves: the block's forward runs twice (record / exchange /
-# replay), each expert's own forward on its owner. Chosen by ``MoeStructure.execution``, for any router.
+# Module experts whose loop no fast-path spec proves: the block's forward runs once, its expert outputs deferred
+# to the exchange (one pass), each expert's own forward on its owner. Chosen by ``MoeStructure.execution``, for any router.
 REPLAY = Archetype(target=f"{RECIPES}.replay.ep_replay_block")
 
 # (router, expert_storage) -> recipe. The remaining MoeStructure fields are passed to the factory as

@@ -86,7 +86,7 @@ class PlanEntry:
     # fallback where the fast paths' proofs refuse. false: such a block is refused, as before that fallback
     record_replay: bool = True
     # auto: the fastest execution autoep proves for the blocks (grouped > spliced > replay; replay only with
-    # record_replay). grouped | spliced | replay: that execution (replay: record / exchange / replay even where a
+    # record_replay). grouped | spliced | replay: that execution (replay: the one pass even where a
     # fast path is proven too), refused naming this key where it is not proven; kept in resolved.yaml and
     # checked against the frozen decision when the artifact is replayed.
     execution: str = field(default="auto", metadata=one_of(EXECUTIONS, "how the blocks' expert work runs"))

@@ -198,7 +198,7 @@ def markdown(rows: list[Row]) -> str:
         "Execution (`MoeStructure.execution`, what `autoep-plan` records in `resolved.yaml`): *grouped* (batched,",
         "grouped or equal-group experts: their forward replaced by the exchange and grouped compute), *spliced*",
         "(module experts: the block's proven loop replaced by the exchange), *replay* (module experts whose loop",
-        "is not proven: the block's forward runs twice, record / exchange / replay).",
+        "is not proven: the block's forward runs once, its expert outputs deferred to the exchange).",
         "",
         *(_V4_PARITY if v4 else _V5_PARITY),
         "",

@@ -135,7 +135,7 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
     """Make a block with module experts EP-ready in place (factory contract: ``autoep.runtime.recipes``): its
     experts are placed (this rank keeps its own, the others become ``meta`` stand-ins; ``PlanError`` where
     ep_size does not divide the expert count; ``ep_mesh=None``: no exchange) and each call of the block runs
-    record / exchange / replay around its own class forward. ``fast_path`` is accepted for the table's
+    its own class forward once, its expert outputs deferred to the exchange (module docstring). ``fast_path`` is accepted for the table's
     contract; the experts always run their own forward here."""
     facts = as_structure(structure)
     with watching_facts(module):

@@ -509,3 +509,53 @@ def test_dense_scaled_experts_run_by_replay():
     for a fast path to send, so record / exchange / replay sends every token to every expert, exactly (the
     scores get their gradient through the recorded rows)."""
     _replay_parity(blocks.DenseScaledMoE)
+
+
+class _Halves(nn.Module):
+    """Experts applied in two halves around the block's own work (JetMoE's mixture of attention): their forward
+    raises, the block calls ``map`` and ``reduce``."""
+
+    def __init__(self, e=4, d=8):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(e, d, d))
+        self.w_out = nn.Parameter(torch.randn(e, d, d))
+
+    def map(self, x, idx):
+        return torch.einsum("td,tdf->tf", x, self.w_in[idx])
+
+    def reduce(self, h, idx):
+        return torch.einsum("td,tdf->tf", h, self.w_out[idx])
+
+    def forward(self, x):
+        raise NotImplementedError("call map and reduce")
+
+
+class HalvesBlock(nn.Module):
+    def __init__(self, e=4, d=8):
+        super().__init__()
+        self.gate = nn.Linear(d, e, bias=False)
+        self.experts = _Halves(e, d)
+
+    def forward(self, x):
+        idx = self.gate(x).argmax(-1)
+        h = torch.tanh(self.experts.map(x, idx))
+        return self.experts.reduce(h, idx)
+
+
+def test_experts_whose_forward_raises_are_refused_naming_the_methods_called_instead():
+    with pytest.raises(UnsupportedModuleStructure, match=r"experts \(_Halves\) cannot be called: its forward raises.*"
+                                                         r"self\.experts\.map, self\.experts\.reduce"):
+        detect_moe_structure(HalvesBlock())
+
+
+def test_jetmoe_attention_experts_are_refused_naming_map_and_reduce():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeAttention
+
+    cfg = transformers.JetMoeConfig(hidden_size=32, num_local_experts=4, num_experts_per_tok=2, kv_channels=8,
+                                    num_key_value_heads=2, intermediate_size=16, num_hidden_layers=1)
+    with torch.device("meta"):
+        block = JetMoeAttention(cfg, 0)
+    with pytest.raises(UnsupportedModuleStructure, match=r"JetMoeMoA\) cannot be called.*self\.experts\.map, "
+                                                         r"self\.experts\.reduce"):
+        detect_moe_structure(block)

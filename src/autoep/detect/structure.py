@@ -6,6 +6,7 @@ than guess. Source parsing and proofs are cached per class.
 """
 from __future__ import annotations
 
+import ast
 import inspect
 from dataclasses import asdict, dataclass
 
@@ -176,6 +177,9 @@ def _structure(module: nn.Module) -> MoeStructure:
     path = looped if looped is not None else find_experts(module, looped)
     experts = module._modules.get(path) if path is not None else None
     guards: tuple[str, ...] = ()
+    uncallable = _uncallable_experts(module, path, experts)
+    if uncallable is not None:
+        raise uncallable
     if looped is None and _own_forward_container(experts):
         # Switch, NLLB (transformers 5): the block hands the routing to its experts container, whose own forward
         # is the loop; no fast path reads a loop there, the one-pass execution runs it as written
@@ -216,6 +220,35 @@ def _structure(module: nn.Module) -> MoeStructure:
     if router not in ROUTER_KINDS or storage not in STORAGE_KINDS or structure.expert_kind not in EXPERT_KINDS:
         raise Refusal(f"router={router} with expert_storage={storage} is outside the detector's vocabulary")
     return structure
+
+
+def _uncallable_experts(module: nn.Module, path: str | None, experts) -> Refusal | None:
+    """A refusal where the experts module's forward only raises (JetMoE's mixture of attention): the block reaches
+    its experts through other methods (``self.experts.map(...)``, ``.reduce(...)``, around its own attention), and
+    every recipe moves calls of an experts forward; the refusal names the methods the block calls instead."""
+    if not isinstance(experts, nn.Module) or isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    try:
+        body = source.function_tree(inspect.unwrap(type(experts).forward)).body
+    except Exception:  # noqa: BLE001 - no source: the proofs below say what they cannot read
+        return None
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    if len(body) != 1 or not isinstance(body[0], ast.Raise):
+        return None
+    try:
+        tree = source.function_tree(inspect.unwrap(type(module).forward))
+    except Exception:  # noqa: BLE001
+        tree = None
+    methods = sorted({f"self.{path}.{node.func.attr}" for node in ast.walk(tree) if tree is not None
+                      and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                      and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == path
+                      and isinstance(node.func.value.value, ast.Name) and node.func.value.value.id == "self"})
+    calls = f"the block calls {', '.join(methods)} instead" if methods else "the block never calls it"
+    return Refusal(f"{path} ({type(experts).__name__}) cannot be called: its forward raises "
+                   f"(`{ast.unparse(body[0])[:80]}`), and {calls}; autoep moves calls of an experts module's forward "
+                   f"(or of expert modules), not of its other methods (experts applied in two halves around the "
+                   f"block's own computation, a mixture of attention, are not supported)")
 
 
 def _own_forward_container(experts) -> bool:

@@ -559,3 +559,16 @@ def test_jetmoe_attention_experts_are_refused_naming_map_and_reduce():
     with pytest.raises(UnsupportedModuleStructure, match=r"JetMoeMoA\) cannot be called.*self\.experts\.map, "
                                                          r"self\.experts\.reduce"):
         detect_moe_structure(block)
+
+
+def test_ergo_experts_refusal_names_the_inherited_loop_and_the_work_around_it():
+    """Ergo's experts call their parent's loop (``super().forward``) and then a per-expert norm indexed by expert id:
+    refused, the reason says what the forward holds instead of one loop."""
+    transformers = pytest.importorskip("transformers")
+    ergo = pytest.importorskip("transformers.models.ergo.modeling_ergo")
+    from autoep.tools.tiny import build_block
+
+    block, _ = build_block(ergo.ErgoMoE, [transformers.ErgoConfig])
+    with pytest.raises(UnsupportedModuleStructure, match=r"ErgoExperts\.forward is not one loop over experts: no `for` "
+                                                         r"statement; it calls `super\(\)\.forward\(\.\.\.\)`"):
+        detect_moe_structure(block)

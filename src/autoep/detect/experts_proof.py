@@ -189,7 +189,7 @@ def _prove_batched_forward(p: Prover, tree: ast.FunctionDef, unused_ok: bool = F
     body = _body(tree) if body is None else body
     loops = [s for s in body if isinstance(s, ast.For)]
     if len(loops) != 1:
-        raise Refusal(f"{p.where} is not one loop over experts")
+        raise Refusal(f"{p.where} is not one loop over experts: {_loops_seen(body, loops)}")
     for stmt in body:
         if stmt is loops[0]:
             p.loop(stmt)
@@ -223,6 +223,19 @@ def _prove_batched_forward(p: Prover, tree: ast.FunctionDef, unused_ok: bool = F
                             view_out=view_out.mode if view_out is not None else "", idle=f.idle)
     except KeyError:
         raise Refusal(f"{p.where} reads its tokens, ids or weights from something other than its arguments") from None
+
+
+def _loops_seen(body: list[ast.stmt], loops: list[ast.For]) -> str:
+    """What the forward holds instead of one expert loop: its loops' lines, and a call of ``super().<m>`` (an
+    inherited experts forward with work of its own around it, Ergo's per-expert norm after the projections)."""
+    supers = [node for stmt in body for node in ast.walk(stmt) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Call)
+              and isinstance(node.func.value.func, ast.Name) and node.func.value.func.id == "super"]
+    seen = f"{len(loops)} `for` statements (lines {', '.join(str(s.lineno) for s in loops)})" if loops else "no `for` statement"
+    if supers:
+        seen += (f"; it calls `super().{supers[0].func.attr}(...)` (line {supers[0].lineno}) and computes around it: "
+                 f"the loop it inherits is proven only as the whole forward")
+    return seen
 
 
 def _assign_acc_or(p: Prover, stmt: ast.Assign) -> None:

@@ -69,6 +69,15 @@ def test_ep_layer_profile():
     assert "profile of ml-stacked" in out and "Self CPU" in out
 
 
+def test_ep_layer_ops():
+    """``--ops`` (docs/benchmarks.md's ops and host syncs per step): a row per contender, with its collectives."""
+    out = run_bench("ep_layer.py", "--smoke", "--ops", "ml-own", "ml-replay", "autoep")
+    for name in ("ml-own", "ml-replay", "autoep"):
+        ops, _, syncs, collectives = row(out, name)[1:5]
+        assert ops.count("/") == 1 and syncs.count("/") == 1 and int(collectives) > 0, row(out, name)
+    assert row(out, "ml-own")[2] == "1.00"
+
+
 def test_ep_gpu_cpu_check():
     out = run_bench("ep_gpu.py", "--cpu-check")
     for name in ("autoep", "hf-grouped_mm"):

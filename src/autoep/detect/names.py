@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autoep.detect import adapters
 from autoep.detect.source import Refusal
 
 
@@ -78,7 +79,7 @@ class AttrFact:
 
     def now(self, root):
         try:
-            owner = root.get_submodule(self.path)
+            owner = adapters.submodule(root, self.path)  # what the proof read, under a PEFT wrapper chain too
         except AttributeError:  # a submodule the recipe replaced (ModuleList experts stacked): it went with them
             return self.value
         return getattr(owner, self.name, None)

@@ -20,7 +20,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from autoep.detect import row_local, sharing, structure
+from autoep.detect import adapters, row_local, sharing, structure
 from autoep.errors import (OPT_OUT_HINT, OPT_OUT_SPELLING, DriftError, PlanError, UnsupportedModuleStructure,
                            UnsupportedPlanEntry)
 from autoep.plan import archetypes, replay
@@ -41,7 +41,13 @@ SEALED_FIELDS = ("source", "structure", "modules", "num_experts", "classes", "de
 def resolve_plan(parallel_cfg, model: nn.Module, *, world_size: int | None = None) -> DictConfig:
     """The ``parallel`` section with every plan entry frozen; raises ``PlanError`` naming key, value, fix.
     ``world_size``: the ranks the run has, needed only where ``parallel.ep_size`` is ``auto`` (which becomes
-    the number ``autoep.plan.ep_size`` decides)."""
+    the number ``autoep.plan.ep_size`` decides). PEFT's LoRA wrappers around batched experts are seen through
+    (``autoep.detect.adapters``): the proofs read the experts they call."""
+    with adapters.peeled(model):
+        return _resolve_plan(parallel_cfg, model, world_size)
+
+
+def _resolve_plan(parallel_cfg, model: nn.Module, world_size: int | None) -> DictConfig:
     cfg = typed_parallel(parallel_cfg)
     if not auto_ep.valid_ep_size(cfg.ep_size):
         raise PlanError(f"parallel.ep_size={cfg.ep_size!r} must be a positive integer or auto; use 1 to run "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from autoep.detect import plain_experts
+from autoep.detect import adapters, plain_experts
 from autoep.targets import factory_spec
 
 COLUMNS = ("module", "structure", "execution", "compute fn", "experts/rank", "expert bytes/rank")
@@ -24,7 +24,13 @@ def structure_label(decision) -> str:
 
 def plan_rows(model: nn.Module, parallel: DictConfig) -> list[tuple]:
     """One row per matched module (skipped dense ones say so), then the per-rank totals; bytes are of the
-    parameters as built (dtype as built): expert ones split over ep, every other one replicated."""
+    parameters as built (dtype as built): expert ones split over ep, every other one replicated. A PEFT LoRA chain
+    around experts (``autoep.detect.adapters``): its adapter is dense."""
+    with adapters.peeled(model):
+        return _plan_rows(model, parallel)
+
+
+def _plan_rows(model: nn.Module, parallel: DictConfig) -> list[tuple]:
     rows, expert_ids = [], set()
     for entry in parallel.plan:
         decision, n = entry.decision, entry.decision.num_experts

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from autoep.detect import adapters
 from autoep.errors import PlanError
 from autoep.runtime import after_apply, live_state
 from autoep.targets import RECIPES, check_not_moved, factory_spec
@@ -52,8 +53,14 @@ def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets
     ``mesh``: a ``DeviceMesh`` with dims ``("edp", "ep")`` or a 1-D mesh named ``"ep"``; ``None`` binds the
     recipes without sharding or exchange (single process). ``allowed_targets``: extra ``_target_``
     prefixes that may be imported besides ``autoep.runtime.recipes.`` (also read from the config's
-    ``allowed_targets``).
+    ``allowed_targets``). PEFT's LoRA wrappers around batched experts stay where they are; the experts under them
+    are sharded and bound (``autoep.detect.adapters``, ``autoep.runtime.adapters``).
     """
+    with adapters.peeled(model):
+        return _apply_plan(model, resolved_parallel_cfg, mesh, allowed_targets)
+
+
+def _apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, allowed_targets: Iterable[str]) -> nn.Module:
     cfg = _plain(resolved_parallel_cfg)
     allowed = ALLOWED_PREFIXES + tuple(allowed_targets) + tuple(cfg.get("allowed_targets") or ())
     ep_mesh = ep_mesh_of(mesh)

@@ -34,6 +34,7 @@ from autoep.detect.row_local import folded_drift
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import FactChanged, UnsupportedModuleStructure
+from autoep.runtime import adapters
 from autoep.runtime.apply import mark_unsharded, shard_expert_tensor, slice_full_on_load
 from autoep.runtime.dispatch import join_exchanges, open_exchanges
 from autoep.runtime.reinit import install_sharded_apply
@@ -148,6 +149,7 @@ def watching_under(block: nn.Module, path: str) -> None:
             facts.append(AttrFact(fact.path[len(prefix):], fact.name, fact.value))
     experts._autoep_facts = tuple(facts)
     experts._autoep_folded = tuple(e[len(prefix):] for e in getattr(block, "_autoep_folded", ()) if e.startswith(prefix))
+    adapters.follow(block, path)  # a PEFT chain put around these experts later (``autoep.runtime.adapters``)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from autoep.detect.experts_proof import BatchedRoles, batched_proof, experts_for
 from autoep.detect.flat_experts import FlatLayout
 from autoep.detect.structure import MoeStructure
 from autoep.detect.training_branch import check_branch, eval_gate
-from autoep.errors import LiveStateError, PlanError
+from autoep.errors import PlanError
+from autoep.runtime.adapters import check_parametrizations, local_weight
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import Idle, ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_split_glu, grouped_swiglu
@@ -43,7 +44,6 @@ from autoep.runtime.recipes import (
     bind_experts_forward,
     ep_group_of,
     join_backward_exchanges,
-    local_tensor,
     proven_experts,
     shard_weights_at,
     watching_facts,
@@ -157,14 +157,9 @@ def _autocast_as_the_kernel(experts: nn.Module, x_SD: Tensor):
 
 def _ep_forward(self: nn.Module, *args, **kwargs):
     spec: _EpExperts = self._autoep_ep
-    if spec.ep_group is not None and "parametrizations" in self._modules:
-        # Checked before the parameters are read: reading one runs the parametrization on this rank's shard.
-        raise LiveStateError(
-            f"{type(self).__name__}: {sorted(self._modules['parametrizations'].keys())} got a parametrization after "
-            f"apply_plan (a LoRA adapter on the expert parameters, PEFT's target_parameters, weight_norm, ...); under "
-            f"expert parallelism each rank holds only a Shard(0) slice of these 3-D expert weights, which the "
-            f"parametrization's code would mix with full-size tensors. Put adapters on module experts' Linears, or "
-            f"leave this block out of parallel.plan")
+    # Before any parameter is read: reading one runs a parametrization on this rank's shard (PEFT's LoRA, known,
+    # is applied per expert by ``local_weight``).
+    check_parametrizations(self)
     # Bound exactly as the experts' own forward binds them: unknown keywords fail as they would there.
     bound = spec.signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
@@ -187,10 +182,10 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
             y_SD = grouped_swiglu(
                 cast(x_SD),
                 tokens_per_local_expert,
-                cast(local_tensor(self.up_proj if spec.plain else self.gate_up_proj)),
-                cast(local_tensor(self.down_proj)),
-                gate_up_bias=cast(local_tensor(self.gate_up_proj_bias)) if spec.bias else None,
-                down_bias=cast(local_tensor(self.down_proj_bias)) if spec.bias else None,
+                cast(local_weight(self, "up_proj" if spec.plain else "gate_up_proj")),
+                cast(local_weight(self, "down_proj")),
+                gate_up_bias=cast(local_weight(self, "gate_up_proj_bias")) if spec.bias else None,
+                down_bias=cast(local_weight(self, "down_proj_bias")) if spec.bias else None,
                 transposed=spec.transposed,
                 apply_gate=_gate_of(self, spec.activation, spec.roles),
             )
@@ -260,7 +255,7 @@ def _ep_flat_forward(self: nn.Module, spec: _EpExperts, hidden_states: Tensor, t
 
     def expert_fn(x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
         # Layout change (views, no copy): this rank's (L*F, D) shard is L whole experts of F rows.
-        gate_LFD, up_LFD, down_LFD = (local_tensor(self.get_parameter(p)).view(-1, F, D)
+        gate_LFD, up_LFD, down_LFD = (local_weight(self, p).view(-1, F, D)
                                       for p in (flat.gate, flat.up, flat.down))
         return grouped_split_glu(x_SD, tokens_per_local_expert, gate_LFD.transpose(-2, -1),
                                  up_LFD.transpose(-2, -1), down_LFD, act_fn=act)

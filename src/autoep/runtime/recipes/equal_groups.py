@@ -26,13 +26,13 @@ from torch import Tensor, nn
 
 from autoep.detect.equal_groups_proof import EqualGroupsProof, equal_groups_proof
 from autoep.detect.structure import MoeStructure
+from autoep.runtime.adapters import check_parametrizations, parameter
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_grouped_forward
 from autoep.runtime.recipes import (
     bind_experts_forward,
     ep_group_of,
     join_backward_exchanges,
-    local_tensor,
     proven_experts,
     watching_facts,
     watching_under,
@@ -76,6 +76,7 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> Equal
 def _ep_forward(self: nn.Module, *args, **kwargs) -> Tensor:
     spec: _EpEqualGroups = self._autoep_ep
     proof = spec.equal.grouped
+    check_parametrizations(self)  # before any parameter is read (PEFT's LoRA: ``local_weight`` in grouped's SwiGLU)
     # Bound exactly as the experts' own forward binds it: unknown keywords fail as they would there.
     x = spec.signature.bind(self, *args, **kwargs).arguments[proof.x]
     E, D = _check_rows(self, spec.equal, x)
@@ -100,7 +101,7 @@ def _check_rows(experts: nn.Module, equal: EqualGroupsProof, x) -> tuple[int, in
     """(E, D) as the experts' own forward reads them now; raises where that forward raises or would mix
     rows across groups (rows of another width, a group count or width changed since the proof)."""
     proof = equal.grouped
-    weight = local_tensor(experts.get_parameter(proof.down))
+    weight = parameter(experts, proof.down)
     E = proof.num_experts
     D = int(weight.shape[2] if proof.transposed else weight.shape[1])  # down's output width
     now = {_read(experts, s) for s in equal.widths}
@@ -118,7 +119,7 @@ def _check_rows(experts: nn.Module, equal: EqualGroupsProof, x) -> tuple[int, in
 def _read(experts: nn.Module, source: tuple) -> int:
     """The number the forward reads, read the same way now (a weight's global shape: DTensors included)."""
     if source[0] == "weight":
-        return int(experts.get_parameter(source[1]).shape[source[2]])
+        return int(parameter(experts, source[1]).shape[source[2]])
     if source[0] == "attr":
         return getattr(experts, source[1])
     return source[1]

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from autoep.detect.grouped_proof import GroupedProof, grouped_proof
 from autoep.detect.structure import MoeStructure
+from autoep.runtime.adapters import check_parametrizations, local_weight, parameter
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import ep_experts_forward
 from autoep.runtime.experts import glu_gate, grouped_linear, grouped_swiglu
@@ -33,7 +34,6 @@ from autoep.runtime.recipes import (
     bind_experts_forward,
     ep_group_of,
     join_backward_exchanges,
-    local_tensor,
     proven_experts,
     shard_weights_at,
     watching_facts,
@@ -81,6 +81,7 @@ def shard_grouped_weights(experts: nn.Module, proof: GroupedProof, ep_mesh, *, n
 def _ep_forward(self: nn.Module, *args, **kwargs) -> Tensor:
     spec: _EpGrouped = self._autoep_ep
     proof = spec.proof
+    check_parametrizations(self)  # before any parameter is read (PEFT's LoRA: ``local_weight``)
     # Bound exactly as the experts' own forward binds them: unknown keywords fail as they would there.
     bound = spec.signature.bind(self, *args, **kwargs)
     x_SD, counts = bound.arguments[proof.x], bound.arguments[proof.counts]
@@ -104,7 +105,7 @@ def _group_sizes(experts: nn.Module, proof: GroupedProof, x_SD, counts) -> tuple
     """The rows each of the E experts computes (groups in order from row 0) and how many rows they cover,
     as the experts' own loops read ``counts``; raises where their forward raises or would compute
     something the exchange does not (negative counts)."""
-    weight = local_tensor(experts.get_parameter(proof.down))
+    weight = parameter(experts, proof.down)
     if not isinstance(x_SD, Tensor) or x_SD.dim() != 2 or x_SD.dtype != weight.dtype:
         raise ValueError(f"grouped experts got rows {getattr(x_SD, 'shape', x_SD)!r}; they need a 2-D tensor of "
                          f"their weights' dtype {weight.dtype}")
@@ -140,12 +141,12 @@ def _how_many(split: bool, loops: frozenset) -> str:
 def _local_swiglu(experts: nn.Module, proof: GroupedProof, x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
     """The proven SwiGLU on this rank's experts, rows grouped by local expert."""
     act = experts.get_submodule(proof.act) if isinstance(proof.act, str) else proof.act
-    down_LDF = local_tensor(experts.get_parameter(proof.down))
+    down_LDF = local_weight(experts, proof.down)
     if proof.gate == proof.up:  # one fused weight, chunked [gate | up]
-        gate_up = local_tensor(experts.get_parameter(proof.gate))
+        gate_up = local_weight(experts, proof.gate)
         return grouped_swiglu(x_SD, tokens_per_local_expert, gate_up, down_LDF, transposed=proof.transposed,
                               apply_gate=glu_gate(act))
     as_lio = (lambda w: w) if proof.transposed else (lambda w: w.transpose(-2, -1))  # noqa: E731 - (L, in, out)
-    gate_SF = grouped_linear(x_SD, tokens_per_local_expert, as_lio(local_tensor(experts.get_parameter(proof.gate))))
-    up_SF = grouped_linear(x_SD, tokens_per_local_expert, as_lio(local_tensor(experts.get_parameter(proof.up))))
+    gate_SF = grouped_linear(x_SD, tokens_per_local_expert, as_lio(local_weight(experts, proof.gate)))
+    up_SF = grouped_linear(x_SD, tokens_per_local_expert, as_lio(local_weight(experts, proof.up)))
     return grouped_linear(act(gate_SF) * up_SF, tokens_per_local_expert, as_lio(down_LDF))

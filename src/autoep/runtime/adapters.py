@@ -1,0 +1,172 @@
+"""PEFT's LoRA on the experts' parameters under expert parallelism (``LoraConfig(target_parameters=[...])``):
+each expert's delta is applied on the rank that owns the expert, with that expert's rows of the adapter.
+
+What the wrappers compute is in ``autoep.detect.adapters`` (read from PEFT's code): the experts' forward with each
+targeted parameter ``W`` replaced by PEFT's parametrization of it, ``W + delta``, per expert along dim 0. Under
+EP each rank holds ``W`` as a ``Shard(0)`` DTensor (whole experts ``first .. first + L``), while the adapter's
+``lora_A``/``lora_B`` are plain tensors sized from ``W``'s global shape (PEFT reads ``param.shape``, the global
+one). ``local_weight`` gives the experts' forward this rank's rows of ``W + delta``: PEFT's own proxy, built on
+the rows ``first .. first + L`` of its operands, applied to the local shard. Each rank's adapter gradient is then
+the contribution of the rows its experts computed (zeros on the other experts' rows); summed over the ranks it
+is the model's. The adapter's parameters are dense (replicated) parameters, reduced as dense gradients are
+(``finish_gradients``, DDP): exact, in either order of ``get_peft_model`` and ``apply_plan``/``ExpertParallel``
+(``apply_plan`` and ``resolve_plan`` read the experts under a chain: ``autoep.detect.adapters.peeled``).
+
+torch's ``register_parametrization`` (in the wrapper's forward) evaluates the parametrization once, on the
+DTensor, to check its shape and dtype; a plain operand would make DTensor raise there, so the outermost wrapper
+of a chain around EP experts runs under DTensor's implicit replication (``_adapted_forward``, set on it at the
+block's first call after the chain appears: ``follow``). That value is never used: ``local_weight`` never reads
+the parametrized attribute.
+
+Refused (``LiveStateError`` at the first forward, before any exchange): any other parametrization of a sharded
+expert parameter (``weight_norm``, one of the user's), a PEFT version whose code changed, and a PEFT wrapper
+that the replaced experts forward would not call (around a submodule of the experts: DBRX's ``experts.mlp``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from autoep.detect import adapters
+from autoep.detect.source import Refusal
+from autoep.errors import LiveStateError
+from autoep.runtime.shared import InstanceMethod
+
+_PATH = "_autoep_adapter_path"  # on a block: where its EP experts are (``follow``)
+
+
+def follow(block: nn.Module, path: str) -> None:
+    """Before each call of ``block``: a PEFT chain put around its EP experts at ``path`` (after apply) runs with
+    the shape check of its parametrizations allowed on the shards (module docstring). Idempotent."""
+    if getattr(block, _PATH, None) is None:
+        setattr(block, _PATH, path)
+        block.register_forward_pre_hook(_follow_hook, prepend=True)
+
+
+def _follow_hook(block: nn.Module, args) -> None:
+    path = getattr(block, _PATH)
+    top = block.get_submodule(path)
+    if not adapters.is_param_wrapper(top) or _adapted(top):
+        return
+    chain, base = adapters.wrapper_chain(top)
+    if getattr(base, "_autoep_ep", None) is None:
+        return  # not the experts a recipe bound (the block runs whatever is there, as before)
+    try:
+        for wrapper in chain:
+            adapters.check_wrapper(wrapper, f"{type(block).__name__}.{path}")
+    except Refusal as exc:
+        raise LiveStateError(f"{exc}; the expert-parallel experts under it would compute something autoep has not "
+                             f"read") from None
+    top.forward = InstanceMethod(top, _adapted_forward)
+
+
+def _adapted(wrapper: nn.Module) -> bool:
+    own = vars(wrapper).get("forward")
+    return isinstance(own, InstanceMethod) and own.fn is _adapted_forward
+
+
+def _adapted_forward(wrapper: nn.Module, *args, **kwargs):
+    """The wrapper's own forward, with DTensor's implicit replication on (module docstring)."""
+    with _implicit_replication():
+        return type(wrapper).forward(wrapper, *args, **kwargs)
+
+
+_adapted_forward._autoep_adapted = True  # the one instance forward ``adapters.check_wrapper`` accepts
+
+
+@contextlib.contextmanager
+def _implicit_replication():
+    # NOTE: torch's ``implicit_replication()`` sets the flag and resets it to False on leaving (not to what it was):
+    # a user's own ``with implicit_replication():`` around the model would end at the first block. Saved and
+    # restored here instead (a private attribute of torch 2.13's DTensor dispatcher).
+    dispatcher = DTensor._op_dispatcher
+    before = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = before
+
+
+def check_parametrizations(experts: nn.Module) -> None:
+    """Raise ``LiveStateError`` where a parametrization on the experts' parameters is not PEFT's LoRA known here
+    (checked before any parameter is read: reading one runs the parametrization on this rank's shard)."""
+    chains = experts._modules.get("parametrizations")
+    if chains is None:
+        return
+    for name, chain in chains.items():
+        if isinstance(chain.original, DTensor) and not all(adapters.known_proxy(p) for p in chain):
+            raise LiveStateError(
+                f"{type(experts).__name__}: [{name!r}] got a parametrization after apply_plan "
+                f"({', '.join(type(p).__name__ for p in chain)}: weight_norm, an own one, ...); under expert "
+                f"parallelism each rank holds only a Shard(0) slice of these 3-D expert weights, which the "
+                f"parametrization's code would mix with full-size tensors. PEFT's LoRA (LoraConfig("
+                f"target_parameters=...)) is supported; put other adapters on module experts' Linears, or leave "
+                f"this block out of parallel.plan")
+
+
+def local_weight(experts: nn.Module, path: str) -> Tensor:
+    """This rank's rows of the expert parameter at ``path`` under ``experts`` as the experts' forward reads it:
+    its local shard (differentiably), with PEFT's LoRA delta of those rows added where a PEFT wrapper's
+    parametrization is on (module docstring); the parameter itself where it is not sharded."""
+    owner_path, _, name = path.rpartition(".")
+    owner = experts.get_submodule(owner_path) if owner_path else experts
+    if adapters.is_param_wrapper(owner):
+        raise LiveStateError(
+            f"{type(experts).__name__}.{owner_path} is wrapped by PEFT's {type(owner).__name__} (LoraConfig("
+            f"target_parameters=[...{path}])); the expert-parallel experts compute their weights themselves and "
+            f"would not call it, so the adapter would be left out. PEFT's LoRA is supported on parameters of the "
+            f"experts module itself (e.g. experts.gate_up_proj); leave {path} out of target_parameters, or this "
+            f"block out of parallel.plan")
+    chains = owner._modules.get("parametrizations")
+    chain = chains[name] if chains is not None and name in chains else None
+    if chain is None:
+        param = owner._parameters[name]
+        return param.to_local() if isinstance(param, DTensor) else param
+    original = chain.original
+    if not isinstance(original, DTensor):
+        return getattr(owner, name)  # whole (no mesh): the parametrization as it is
+    first, rows = _local_rows(original, f"{type(experts).__name__}.{path}")
+    weight = original.to_local()
+    for proxy in chain:
+        if not adapters.known_proxy(proxy):
+            check_parametrizations(owner)  # raises, naming it
+        weight = _on_rows(proxy, first, rows, tuple(original.shape), f"{type(experts).__name__}.{path}")(weight)
+    return weight
+
+
+def parameter(experts: nn.Module, path: str) -> Tensor:
+    """The expert parameter at ``path`` under ``experts`` as registered (under a parametrization: its original),
+    for its global shape and dtype."""
+    owner_path, _, name = path.rpartition(".")
+    owner = experts.get_submodule(owner_path) if owner_path else experts
+    chains = owner._modules.get("parametrizations")
+    return chains[name].original if chains is not None and name in chains else experts.get_parameter(path)
+
+
+def _local_rows(param: DTensor, where: str) -> tuple[int, int]:
+    """(first, count) of the rows of dim 0 this rank holds: only dim 0 is split (``Shard(0)`` over ``ep``)."""
+    local, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(local[1:]) != tuple(param.shape[1:]) or any(offset[1:]):
+        raise LiveStateError(f"{where}: placements {param.placements} split other dims than the experts' dim 0; "
+                             f"PEFT's LoRA delta is applied per expert on its owner")
+    return offset[0], local[0]
+
+
+def _on_rows(proxy: nn.Module, first: int, rows: int, shape: tuple, where: str) -> nn.Module:
+    """PEFT's proxy of the same kind on rows ``first .. first + rows`` of its operands: what it computes for those
+    rows of ``W`` (each reads only its own rows: ``autoep.detect.adapters``)."""
+    end = first + rows
+    if hasattr(proxy, "delta_weight"):  # _LoraParameterProxy: W + delta, elementwise
+        delta = proxy.delta_weight
+        if tuple(delta.shape) != shape:
+            raise LiveStateError(f"{where}: PEFT's delta has shape {tuple(delta.shape)}, the parameter {shape}")
+        return type(proxy)(delta[first:end])
+    lhs, rhs = proxy.lhs, proxy.rhs  # _LoraFactorsProxy: baddbmm(W, lhs, rhs) over dim 0
+    if lhs.dim() != 3 or rhs.dim() != 3 or lhs.shape[0] != shape[0] or rhs.shape[0] != shape[0]:
+        raise LiveStateError(f"{where}: PEFT's LoRA factors of shapes {tuple(lhs.shape)}, {tuple(rhs.shape)} are "
+                             f"not batched over the parameter's {shape[0]} experts")
+    return type(proxy)(lhs[first:end], rhs[first:end], proxy.scaling)

@@ -1,0 +1,300 @@
+"""PEFT's LoRA on batched experts' 3-D weights under expert parallelism (``autoep.runtime.adapters``,
+``autoep.detect.adapters``), with the real peft library: ``get_peft_model(model, LoraConfig(target_parameters=
+[...experts.gate_up_proj, ...experts.down_proj]))``, the way PEFT adapts transformers 5.x MoE experts.
+
+Both orders a user writes: ``ExpertParallel`` then ``get_peft_model`` ("apply_first") and ``get_peft_model`` then
+``ExpertParallel`` on the PEFT model ("peft_first"); the LoRA parameters alone trainable (PEFT's default) and every
+parameter trainable (base experts and routers too). Whole tiny transformers 5.x models (Qwen3-MoE, Mixtral) from
+configs. The reference is the same PEFT model in one process, each rank's slice run separately (dense layers see
+the same shapes); the EP run: each rank its slice, uneven, with a step where a rank has no tokens at all. Per
+step: every rank's logits equal the reference's for its slice; at the first step every gradient (LoRA, base
+experts gathered, routers and other dense ones summed over ranks) equals the reference's; after every SGD step
+(momentum: a wrong scale moves the weights) every weight equals the reference's, PEFT left the experts as it
+found them (no parametrization, their own class) and the experts hold the parameter objects the optimizer holds.
+
+Harmful twins (refused before any step): a PEFT wrapper whose class runs another forward (one edit: a subclass
+doubling the experts' output), a PEFT version whose code autoep did not read (the digest), in both orders; a
+PEFT wrapper the EP experts would not call (DBRX-style ``target_parameters`` on a submodule of the experts) is in
+``test_after_apply``'s parametrization case's family: a ``LiveStateError`` naming it.
+
+``target_modules`` LoRA on ModuleList experts' Linears (examples/research_moe), both orders: trained exactly as the
+model, or refused naming what autoep cannot prove.
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import guarded, run_cases
+from torch.distributed.tensor import DTensor
+
+pytest.importorskip("peft", reason="PEFT's LoRA cases need peft (pip install '.[test]')")
+
+LR, MOMENTUM, STEPS, VOCAB, SEQ, HIDDEN = 0.1, 0.9, 3, 64, 6, 32
+# Per step, sequences per rank (whole models: transformers' attention cannot run on zero sequences) and tokens per
+# rank (the first MoE block alone: a rank with no tokens at all at one step, still joining every exchange).
+ROWS = {"model": {2: [(2, 1), (1, 3), (3, 1)], 4: [(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1)]},
+        "block": {2: [(5, 2), (6, 0), (0, 4)], 4: [(3, 0, 2, 1), (2, 2, 0, 3), (0, 1, 4, 2)]}}
+TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+PLAN = [{"match": "*model.layers.*.mlp", "local_compute_fn": "auto"}]
+
+
+@contextlib.contextmanager
+def raises(exc, match: str):
+    """``pytest.raises`` whose "did not raise" is an ``AssertionError``, which ``guarded`` records (pytest's own
+    outcome is a BaseException, which would end the rank)."""
+    try:
+        with pytest.raises(exc, match=match):
+            yield
+    except pytest.fail.Exception as e:
+        raise AssertionError(str(e)) from None
+
+
+def qwen3_moe():
+    import transformers
+
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True))
+
+
+def mixtral():
+    import transformers
+
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+
+
+FAMILIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral}
+
+
+def build(family: str):
+    """The family's tiny model, random weights (HF inits some to zero), the experts' eager forward."""
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name else 0.1 * torch.randn(p.shape, generator=g))
+    for m in model.modules():
+        if hasattr(getattr(m, "config", None), "_experts_implementation"):
+            m.config._experts_implementation = "eager"
+    return model
+
+
+def with_lora(model, trainable: str):
+    """``get_peft_model`` with LoRA on the experts' 3-D weights; the adapters drawn by name (PEFT zeroes B: a
+    delta of zero would test nothing), the same in every model; ``trainable="all"``: every parameter trains."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_parameters=TARGETS))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    if trainable == "all":
+        peft_model.requires_grad_(True)
+    return peft_model
+
+
+def inputs(level: str, step: int, world: int) -> list[torch.Tensor]:
+    """The step's global batch, one slice per rank: token ids (whole model) or hidden states (one block)."""
+    rows = ROWS[level][world][step]
+    g = torch.Generator().manual_seed(100 + step)
+    if level == "model":
+        return list(torch.randint(0, VOCAB, (sum(rows), SEQ), generator=g).split(rows))
+    return [x.unsqueeze(1).requires_grad_() for x in torch.randn((sum(rows), HIDDEN), generator=g).split(rows)]
+
+
+def run(net, level: str, x):
+    """The whole model's logits, or the first MoE block's output."""
+    if level == "model":
+        return net(input_ids=x).logits
+    block = next(m for n, m in net.named_modules() if n.endswith("layers.0.mlp"))
+    out = block(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def loss_of(level: str, out, x, total: int):
+    """Each rank's part of the global loss (they add up to it: "sum"): summed token losses (or squares of the
+    block's output) over the step's count."""
+    if level == "model":
+        return F.cross_entropy(out[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum") / total
+    return (out ** 2).sum() / total
+
+
+def gathered(p, grad: bool = False) -> torch.Tensor:
+    """A parameter (or its gradient) as one process holds it: expert shards gathered; a dense gradient summed
+    over the ranks (each holds its own tokens' part). A collective."""
+    t = p.grad if grad else p
+    if isinstance(p, DTensor):
+        if t is None:
+            t = DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, p.placements)
+        return t.full_tensor().detach().clone()
+    t = torch.zeros_like(p) if t is None else t.detach().clone()
+    if grad:
+        dist.all_reduce(t)
+    return t
+
+
+def experts_of(model) -> list:
+    from autoep.detect.adapters import wrapper_chain
+
+    return [wrapper_chain(m.experts)[1] for n, m in model.named_modules() if n.endswith(".mlp")]
+
+
+def ep_model(family: str, order: str, trainable: str, world: int):
+    from autoep import ExpertParallel
+
+    model = build(family)
+    if order == "apply_first":
+        ep = ExpertParallel(model, {"ep_size": world, "plan": PLAN}, grad_convention="sum")
+        return with_lora(model, trainable), ep
+    peft_model = with_lora(model, trainable)
+    return peft_model, ExpertParallel(peft_model, {"ep_size": world, "plan": PLAN}, grad_convention="sum")
+
+
+def train_case(rank, world, family: str, order: str, trainable: str, level: str):
+    ref = with_lora(build(family), trainable)
+    model, ep = ep_model(family, order, trainable, world)
+    names = [n for n, p in ref.named_parameters() if p.requires_grad]
+    assert any(".lora_" in n for n in names) and sorted(names) == sorted(
+        n for n, p in model.named_parameters() if p.requires_grad)
+    opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR, momentum=MOMENTUM)
+    opt = torch.optim.SGD(ep.param_groups(lr=LR, momentum=MOMENTUM))
+    classes = [type(e) for e in experts_of(model)]
+    held = [id(p) for e in experts_of(model) for p in e.parameters()]
+    failed: list[str] = []  # compared as they come, raised at the end: the ranks' collectives stay in step
+
+    def same(mine, theirs, what: str) -> None:
+        try:
+            torch.testing.assert_close(mine, theirs)
+        except AssertionError as e:
+            failed.append(f"{what}: {e}")
+
+    for step in range(STEPS):
+        slices = inputs(level, step, world)
+        total = max(1, sum(x.shape[0] * (x.shape[1] - 1 if level == "model" else 1) for x in slices))
+        for r, x in enumerate(slices):
+            out = run(ref, level, x)
+            loss = loss_of(level, out, x, total)
+            if loss.requires_grad:  # a block on no tokens: its loop computes nothing, nothing to differentiate
+                loss.backward()
+            if r == rank:
+                want, want_grad = out.detach(), x.grad if x.grad is not None else torch.zeros_like(x)
+        x = slices[rank].detach().requires_grad_(level == "block")
+        out = run(model, level, x)
+        same(out, want, f"step {step} output")
+        loss_of(level, out, x, total).backward()
+        if level == "block":
+            same(x.grad, want_grad, f"step {step} input grad")
+        if step == 0:
+            mine = dict(model.named_parameters())
+            for name, p in ref.named_parameters():
+                if p.requires_grad:
+                    same(gathered(mine[name], grad=True), p.grad if p.grad is not None else torch.zeros_like(p),
+                         f"grad of {name}")
+        ep.finish_gradients(dense_synced=False)
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+        mine = dict(model.named_parameters())
+        for name, p in ref.named_parameters():
+            same(gathered(mine[name]), p.detach(), f"step {step} {name}")
+        experts = experts_of(model)
+        assert [type(e) for e in experts] == classes and not any("parametrizations" in e._modules for e in experts)
+        assert [id(p) for e in experts for p in e.parameters()] == held
+    assert not failed, "\n".join(failed[:6])
+
+
+# -- harmful twins ------------------------------------------------------------------------------------------------
+def doubled_wrapper(model) -> None:
+    """One edit: the outermost PEFT wrapper of every experts module becomes a subclass whose forward doubles the
+    experts' output (not PEFT's code)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    class Doubled(ParamWrapper):
+        def forward(self, x, *args, **kwargs):
+            return 2 * super().forward(x, *args, **kwargs)
+
+    for name, m in model.named_modules():
+        if name.endswith(".mlp"):
+            m.experts.__class__ = Doubled
+
+
+def twin_case(rank, world, order: str, twin: str):
+    from autoep.detect import adapters
+    from autoep.errors import LiveStateError, PlanError, UnsupportedModuleStructure
+
+    saved = dict(adapters.READ)
+    try:
+        if twin == "peft_version":
+            adapters.READ[("_LoraFactorsProxy", "forward")] = "0" * 16
+        if order == "apply_first":
+            from autoep import ExpertParallel
+
+            model = build("qwen3_moe")
+            ExpertParallel(model, {"ep_size": world, "plan": PLAN})
+            model = with_lora(model, "lora")
+            if twin == "doubled":
+                doubled_wrapper(model)
+            with raises(LiveStateError, match=_TWIN_ERRORS[twin]):
+                run(model, "model", inputs("model", 0, world)[rank])
+        else:
+            model = with_lora(build("qwen3_moe"), "lora")
+            if twin == "doubled":
+                doubled_wrapper(model)
+            from autoep import ExpertParallel
+
+            # Rank 0 resolves; the others say it could not (PlanError naming rank 0's refusal), before any step.
+            with raises(UnsupportedModuleStructure if rank == 0 else PlanError, match=_TWIN_ERRORS[twin]):
+                ExpertParallel(model, {"ep_size": world, "plan": PLAN})
+    finally:
+        adapters.READ.clear()
+        adapters.READ.update(saved)
+
+
+_TWIN_ERRORS = {
+    "doubled": r"ParamWrapper\.forward of Doubled is not PEFT's own peft\.tuners\.lora\.layer\.ParamWrapper\.forward",
+    "peft_version": r"PEFT's _LoraFactorsProxy\.forward is not the code autoep read \(peft 0\.21\)",
+}
+
+
+ORDERS, TRAINABLE, LEVELS = ("apply_first", "peft_first"), ("lora", "all"), ("model", "block")
+TRAIN = [f"{f}-{o}-{t}-{lv}" for f in FAMILIES for o in ORDERS for t in TRAINABLE for lv in LEVELS]
+TWINS = [f"twin-{t}-{o}" for o in ORDERS for t in _TWIN_ERRORS]
+
+
+def cases(rank, world):
+    results = {}
+    for case in TRAIN:
+        guarded(results, case, train_case, rank, world, *case.split("-"))
+    if world == 2:
+        for case in TWINS:
+            _, twin, order = case.split("-")
+            guarded(results, case, twin_case, rank, world, order, twin)
+    return results
+
+
+_RESULTS: dict = {}
+
+
+@pytest.mark.parametrize("case", TRAIN + TWINS)
+def test_two_ranks(case):
+    if not _RESULTS.get(2):
+        _RESULTS[2] = run_cases(2, "test_adapters:cases")
+    errors = _RESULTS[2][case]
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("case", TRAIN)
+def test_four_ranks(case):
+    if not _RESULTS.get(4):
+        _RESULTS[4] = run_cases(4, "test_adapters:cases")
+    errors = _RESULTS[4][case]
+    assert not errors, "\n".join(errors)

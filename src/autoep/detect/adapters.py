@@ -141,6 +141,19 @@ def expert_chains(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, lis
     return found
 
 
+def tuner_layers_hint(block: nn.Module) -> str:
+    """Where a refused block holds PEFT layers (``target_modules`` LoRA on its Linears: PEFT's own forward, which
+    the proofs do not read), the fix in words: apply expert parallelism first, then PEFT; ``""`` where none."""
+    found = [(name, type(m).__name__) for name, m in block.named_modules()
+             if type(m).__module__.startswith("peft.tuners.") and hasattr(m, "base_layer")]
+    if not found:
+        return ""
+    name, cls = found[0]
+    return (f" (PEFT's {cls} wraps {name}: get_peft_model ran before autoep, and autoep does not read PEFT's layers' "
+            f"code; apply expert parallelism first (ExpertParallel / apply_plan), then get_peft_model: LoRA on the "
+            f"experts' Linears then runs in each expert's own forward, on the rank that owns it)")
+
+
 @contextlib.contextmanager
 def peeled(model: nn.Module):
     """Within: every chain of ``expert_chains`` replaced, in its parent, by the experts under it (checked known

@@ -280,8 +280,9 @@ def _detect_group(key: str, pattern: str, modules: dict, matched: list[str], *,
             n = structure.count_experts(modules[name], found)
         except UnsupportedModuleStructure as e:
             raise UnsupportedPlanEntry(
-                f"{key}.match={pattern!r} matched {name} ({e.cls_name}), which auto cannot take: {e.reason}. "
-                f"Narrow the match to MoE blocks, or opt out. {OPT_OUT_HINT}", e.cls_name, e.reason) from e
+                f"{key}.match={pattern!r} matched {name} ({e.cls_name}), which auto cannot take: {e.reason}"
+                f"{adapters.tuner_layers_hint(modules[name])}. Narrow the match to MoE blocks, or opt out. "
+                f"{OPT_OUT_HINT}", e.cls_name, e.reason) from e
         groups.setdefault((found, n), []).append(name)
     if len(groups) > 1:
         shown = "; ".join(f"{names[:3]}{' ...' if len(names) > 3 else ''} -> {s.as_dict()} with {n} experts"

@@ -5,7 +5,8 @@
 Both orders a user writes: ``ExpertParallel`` then ``get_peft_model`` ("apply_first") and ``get_peft_model`` then
 ``ExpertParallel`` on the PEFT model ("peft_first"); the LoRA parameters alone trainable (PEFT's default) and every
 parameter trainable (base experts and routers too). Whole tiny transformers 5.x models (Qwen3-MoE, Mixtral) from
-configs. The reference is the same PEFT model in one process, each rank's slice run separately (dense layers see
+configs, and a torchtitan-style model whose grouped experts ``experts(x_sorted, num_tokens_per_expert)`` hold
+(E, ...) weights ``w1``/``w2``/``w3`` (``tests/grouped_lm.py``). The reference is the same PEFT model in one process, each rank's slice run separately (dense layers see
 the same shapes); the EP run: each rank its slice, uneven, with a step where a rank has no tokens at all. Per
 step: every rank's logits equal the reference's for its slice; at the first step every gradient (LoRA, base
 experts gathered, routers and other dense ones summed over ranks) equals the reference's; after every SGD step
@@ -17,8 +18,10 @@ doubling the experts' output), a PEFT version whose code autoep did not read (th
 PEFT wrapper the EP experts would not call (DBRX-style ``target_parameters`` on a submodule of the experts) is in
 ``test_after_apply``'s parametrization case's family: a ``LiveStateError`` naming it.
 
-``target_modules`` LoRA on ModuleList experts' Linears (examples/research_moe), both orders: trained exactly as the
-model, or refused naming what autoep cannot prove.
+``target_modules`` LoRA on ModuleList experts' Linears (examples/research_moe): after apply it runs in each
+expert's own forward on the owner (the other ranks' adapters are meta stand-ins like the experts) and trains exactly
+(same comparisons, the experts' gradients on their owners); before apply the proofs cannot read PEFT's
+``lora.Linear`` and resolve refuses, naming it and the order that works.
 """
 from __future__ import annotations
 
@@ -80,12 +83,23 @@ def research_moe():
     return module.TinyMoELM(vocab_size=VOCAB, dim=HIDDEN, hidden_dim=64, num_layers=2, num_experts=4, top_k=2)
 
 
+def titan_grouped():
+    from grouped_lm import GroupedLM
+
+    model = GroupedLM(kind="titan_padded", vocab_size=VOCAB, hidden=HIDDEN, ffn=16, num_experts=4, top_k=2)
+    del model.config  # the trainer's namespace; PEFT reads a model's config as a mapping (none: a custom model)
+    return model
+
+
 # family: (builder, LoraConfig's targets, the plan's match). Batched experts take target_parameters on their 3-D
 # weights; ModuleList experts (a research model's w1/w2/w3 Linears) take target_modules.
 FAMILIES = {
     "qwen3_moe": (qwen3_moe, {"target_parameters": TARGETS}, "*model.layers.*.mlp"),
     "mixtral": (mixtral, {"target_parameters": TARGETS}, "*model.layers.*.mlp"),
     "research_moe": (research_moe, {"target_modules": ["w1", "w3"]}, "*layers.*.moe"),
+    # torchtitan's grouped experts ``experts(x_sorted, num_tokens_per_expert)``, (E, ...) weights w1/w2/w3
+    "titan_grouped": (titan_grouped, {"target_parameters": ["mlp.experts.w1", "mlp.experts.w2", "mlp.experts.w3"]},
+                      "*model.layers.*.mlp"),
 }
 
 

@@ -173,3 +173,69 @@ def test_switch_default_dropout_refused_while_training_accepted_in_eval(rows):
     ep_replay_block(ep, ep_mesh=None, structure=structure)
     x = torch.randn(2, 5, 32)
     torch.testing.assert_close(ep(x)[0], block(x)[0])
+
+
+# PEFT's LoRA (``target_modules``) on the ModuleList experts' Linears of Qwen3-MoE and Mixtral as transformers 4.x
+# writes them (``tests/peft_training.py``: the model's logits, gradients and SGD steps on 2 ranks). After apply the
+# adapters run in each expert's own forward on its owner (the other ranks' are meta stand-ins, as the experts are);
+# before apply resolve refuses, naming PEFT's layer and the order that works.
+V4_LORA = {"qwen3_moe_v4": (["gate_proj", "up_proj", "down_proj"], "*model.layers.*.mlp"),
+           "mixtral_v4": (["w1", "w2", "w3"], "*model.layers.*.block_sparse_moe")}
+V4_LORA_CASES = [f"{f}-{t}" for f in V4_LORA for t in ("lora", "all", "peft_first")]
+
+
+def _v4_families() -> None:
+    import peft_training as T
+
+    def qwen3_moe_v4():
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=T.VOCAB, hidden_size=T.HIDDEN, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=True))
+
+    def mixtral_v4():
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=T.VOCAB, hidden_size=T.HIDDEN, intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
+
+    for name, build in (("qwen3_moe_v4", qwen3_moe_v4), ("mixtral_v4", mixtral_v4)):
+        targets, match = V4_LORA[name]
+        T.FAMILIES[name] = (build, {"target_modules": targets}, match)
+
+
+def _peft_first_case(rank: int, world_size: int, family: str) -> None:
+    import peft_training as T
+
+    from autoep import ExpertParallel
+    from autoep.errors import PlanError
+
+    model = T.with_lora(T.build(family), family, "lora")
+    with T.raises(PlanError, match=r"PEFT's Linear wraps experts\.0\.\w+: get_peft_model ran before autoep.*"
+                                   r"apply expert parallelism first"):
+        ExpertParallel(model, {"ep_size": world_size, "plan": [{"match": V4_LORA[family][1],
+                                                                "local_compute_fn": "auto"}]})
+
+
+def peft_v4_cases(rank: int, world_size: int) -> dict:
+    import peft_training as T
+
+    _v4_families()
+    results = {}
+    for case in V4_LORA_CASES:
+        family, how = case.split("-")
+        if how == "peft_first":
+            guarded(results, case, _peft_first_case, rank, world_size, family)
+        else:
+            guarded(results, case, T.train_case, rank, world_size, family, "apply_first", how, "model")
+    return results
+
+
+_PEFT: dict = {}
+
+
+@pytest.mark.parametrize("case", V4_LORA_CASES)
+def test_peft_lora_on_module_list_experts(case):
+    pytest.importorskip("peft", reason="needs peft (pip install '.[test-tf4]')")
+    if not _PEFT:
+        _PEFT.update(run_cases(2, "test_transformers_v4:peft_v4_cases"))
+    assert not _PEFT[case], "\n".join(_PEFT[case])

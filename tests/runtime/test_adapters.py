@@ -13,6 +13,9 @@ experts gathered, routers and other dense ones summed over ranks) equals the ref
 (momentum: a wrong scale moves the weights) every weight equals the reference's, PEFT left the experts as it
 found them (no parametrization, their own class) and the experts hold the parameter objects the optimizer holds.
 
+``merge_and_unload()`` after a step, in both orders: the merged weights and the merged model's logits equal the
+merged reference's.
+
 Harmful twins (refused before any step): a PEFT wrapper whose class runs another forward (one edit: a subclass
 doubling the experts' output), a PEFT version whose code autoep did not read (the digest), in both orders; a
 PEFT wrapper the EP experts would not call (DBRX-style ``target_parameters`` on a submodule of the experts) is in
@@ -27,7 +30,8 @@ from __future__ import annotations
 
 import pytest
 from distributed import guarded, run_cases
-from peft_training import FAMILIES, build, raises, run, inputs, train_case, with_lora
+import torch
+from peft_training import FAMILIES, build, ep_model, inputs, raises, run, train_case, with_lora
 
 pytest.importorskip("peft", reason="PEFT's LoRA cases need peft (pip install '.[test]')")
 transformers = pytest.importorskip("transformers")
@@ -94,6 +98,23 @@ def peft_first_module_list_case(rank, world):
         ExpertParallel(model, {"ep_size": world, "plan": [{"match": "*layers.*.moe", "local_compute_fn": "auto"}]})
 
 
+def merge_case(rank, world, order: str):
+    """``merge_and_unload()`` on the EP model after a step (what a user runs to export): each expert's weight
+    becomes ``W + delta`` on its owner, as in the merged reference; the merged model's logits equal the reference's."""
+    from peft_training import weights
+
+    ref = with_lora(build("qwen3_moe"), "qwen3_moe", "lora")
+    model, ep = ep_model("qwen3_moe", order, "lora", world)
+    ids = inputs("model", 0, world)[rank]
+    run(model, "model", ids).sum().backward()  # a forward and a backward first, as training does
+    merged, want = model.merge_and_unload(), ref.merge_and_unload()
+    mine = weights(merged)
+    assert sorted(mine) == sorted(n for n, _ in want.named_parameters())
+    for name, p in want.named_parameters():
+        torch.testing.assert_close(mine[name], p.detach(), msg=lambda m: f"merged {name}: {m}")
+    torch.testing.assert_close(run(merged, "model", ids), run(want, "model", ids))
+
+
 _TWIN_ERRORS = {
     "doubled": r"ParamWrapper\.forward of Doubled is not PEFT's own peft\.tuners\.lora\.layer\.ParamWrapper\.forward",
     "peft_version": r"PEFT's _LoraFactorsProxy\.forward is not the code autoep read \(peft 0\.21\)",
@@ -113,6 +134,8 @@ def cases(rank, world):
         guarded(results, case, train_case, rank, world, *case.split("-"))
     if world == 2:
         guarded(results, "research_moe-peft_first", peft_first_module_list_case, rank, world)
+        for order in ORDERS:
+            guarded(results, f"merge-{order}", merge_case, rank, world, order)
         for case in TWINS:
             _, twin, order = case.split("-")
             guarded(results, case, twin_case, rank, world, order, twin)
@@ -122,7 +145,7 @@ def cases(rank, world):
 _RESULTS: dict = {}
 
 
-@pytest.mark.parametrize("case", TRAIN + TWINS + ["research_moe-peft_first"])
+@pytest.mark.parametrize("case", TRAIN + TWINS + ["research_moe-peft_first"] + [f"merge-{o}" for o in ORDERS])
 def test_two_ranks(case):
     if not _RESULTS.get(2):
         _RESULTS[2] = run_cases(2, "test_adapters:cases")

@@ -6,7 +6,8 @@ holding it (the batched experts), nested: each wraps the next (``base_layer``), 
 0.21's code was read (``ParamWrapper.forward``, ``_activate_lora``, ``_remove_parametrizations`` and the two
 proxies): with its adapters active and unmerged, a wrapper registers a ``torch.nn.utils.parametrize``
 parametrization of its parameter on the experts, calls the wrapped module once with the arguments it got, and
-removes the parametrization; disabled or merged, it calls the wrapped module as it is. The parametrization is
+removes the parametrization; disabled or merged, it calls the wrapped module as it is. Its ``merge`` (``unmerge``)
+adds (subtracts) ``get_delta_weight``, a tensor of the parameter's shape, to the parameter's data. The parametrization is
 ``W + delta``, per expert along dim 0:
 
 - ``_LoraFactorsProxy(lhs, rhs, scaling)``: ``torch.baddbmm(W, lhs, rhs, alpha=scaling)`` (autocast off), with
@@ -43,6 +44,9 @@ READ = {
     ("ParamWrapper", "forward"): "7b4dc3ff6e44c5d0",
     ("ParamWrapper", "_activate_lora"): "02e2146a049c975b",
     ("ParamWrapper", "_remove_parametrizations"): "29540ea0765601a7",
+    ("ParamWrapper", "merge"): "1c2cde1c7c740a29",
+    ("ParamWrapper", "unmerge"): "46787a4f6ecf2189",
+    ("ParamWrapper", "get_delta_weight"): "2bd1cef32f9945f6",
     ("_LoraFactorsProxy", "__init__"): "e3a21d8156468fbe",
     ("_LoraFactorsProxy", "forward"): "4c8ea16ee1e00596",
     ("_LoraParameterProxy", "__init__"): "7b54323721d26335",
@@ -87,9 +91,10 @@ def submodule(root: nn.Module, path: str) -> nn.Module:
 def check_wrapper(wrapper: nn.Module, where: str) -> None:
     """Refuse a wrapper whose class runs other code than PEFT's read here, or with a ``forward`` of its own."""
     lora = peft_classes()
-    own = vars(wrapper).get("forward")
-    if own is not None and not getattr(getattr(own, "fn", None), "_autoep_adapted", False):
-        raise Refusal(f"{where}: the PEFT {type(wrapper).__name__} has a forward set on its instance")
+    for name in ("forward", "merge", "unmerge"):
+        own = vars(wrapper).get(name)
+        if own is not None and not getattr(getattr(own, "fn", None), "_autoep_adapted", False):
+            raise Refusal(f"{where}: the PEFT {type(wrapper).__name__} has a {name} set on its instance")
     for (cls_name, fn_name), digest in READ.items():
         cls = type(wrapper) if cls_name == "ParamWrapper" else getattr(lora, cls_name, None)
         home = getattr(lora, cls_name, None)

@@ -15,8 +15,10 @@ is the model's. The adapter's parameters are dense (replicated) parameters, redu
 torch's ``register_parametrization`` (in the wrapper's forward) evaluates the parametrization once, on the
 DTensor, to check its shape and dtype; a plain operand would make DTensor raise there, so the outermost wrapper
 of a chain around EP experts runs under DTensor's implicit replication (``_adapted_forward``, set on it at the
-block's first call after the chain appears: ``follow``). That value is never used: ``local_weight`` never reads
-the parametrized attribute.
+block's first call after the chain appears, or at ``apply_plan`` where the chain was there before: ``follow``,
+``adopt``). That value is never used: ``local_weight`` never reads the parametrized attribute. PEFT's ``merge`` and
+``unmerge`` (``merge_and_unload``) add the whole delta to the parameter's data: under implicit replication each
+rank adds its experts' rows, which is exact.
 
 Refused (``LiveStateError`` at the first forward, before any exchange): any other parametrization of a sharded
 expert parameter (``weight_norm``, one of the user's), a PEFT version whose code changed, and a PEFT wrapper
@@ -47,8 +49,23 @@ def follow(block: nn.Module, path: str) -> None:
 
 
 def _follow_hook(block: nn.Module, args) -> None:
-    path = getattr(block, _PATH)
-    top = block.get_submodule(path)
+    adopt(block)
+
+
+def adopt_all(model: nn.Module) -> None:
+    """``adopt`` every block of ``model`` a recipe made ``follow`` its experts (``apply_plan``, after the chains
+    went back in place: ``merge_and_unload`` before any forward works too)."""
+    for block in model.modules():
+        if getattr(block, _PATH, None) is not None:
+            adopt(block)
+
+
+def adopt(block: nn.Module) -> None:
+    """Where a PEFT chain is around ``block``'s EP experts (``follow``'s path) and not adopted yet: check its code is
+    the code read (``LiveStateError`` otherwise) and run its forward, and each wrapper's ``merge``/``unmerge``,
+    under implicit replication (module docstring). Nothing where no chain is there."""
+    path = getattr(block, _PATH, None)
+    top = block.get_submodule(path) if path is not None else None
     if not adapters.is_param_wrapper(top) or _adapted(top):
         return
     chain, base = adapters.wrapper_chain(top)
@@ -61,6 +78,11 @@ def _follow_hook(block: nn.Module, args) -> None:
         raise LiveStateError(f"{exc}; the expert-parallel experts under it would compute something autoep has not "
                              f"read") from None
     top.forward = InstanceMethod(top, _adapted_forward)
+    for wrapper in chain:
+        # PEFT's merge adds the whole delta to the parameter (``param.data += delta``): replicated onto the shard,
+        # each rank adds its experts' rows (merge_and_unload after training leaves the EP experts merged).
+        wrapper.merge = InstanceMethod(wrapper, _adapted_merge)
+        wrapper.unmerge = InstanceMethod(wrapper, _adapted_unmerge)
 
 
 def _adapted(wrapper: nn.Module) -> bool:
@@ -74,7 +96,18 @@ def _adapted_forward(wrapper: nn.Module, *args, **kwargs):
         return type(wrapper).forward(wrapper, *args, **kwargs)
 
 
-_adapted_forward._autoep_adapted = True  # the one instance forward ``adapters.check_wrapper`` accepts
+def _adapted_merge(wrapper: nn.Module, *args, **kwargs):
+    with _implicit_replication():
+        return type(wrapper).merge(wrapper, *args, **kwargs)
+
+
+def _adapted_unmerge(wrapper: nn.Module, *args, **kwargs):
+    with _implicit_replication():
+        return type(wrapper).unmerge(wrapper, *args, **kwargs)
+
+
+for _fn in (_adapted_forward, _adapted_merge, _adapted_unmerge):
+    _fn._autoep_adapted = True  # the instance methods ``adapters.check_wrapper`` accepts
 
 
 @contextlib.contextmanager

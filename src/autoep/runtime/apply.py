@@ -40,6 +40,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autoep.detect import adapters
 from autoep.errors import PlanError
+from autoep.runtime import adapters as ep_adapters
 from autoep.runtime import after_apply, live_state
 from autoep.targets import RECIPES, check_not_moved, factory_spec
 
@@ -57,10 +58,12 @@ def apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, *, allowed_targets
     are sharded and bound (``autoep.detect.adapters``, ``autoep.runtime.adapters``).
     """
     with adapters.peeled(model):
-        return _apply_plan(model, resolved_parallel_cfg, mesh, allowed_targets)
+        _apply_plan(model, resolved_parallel_cfg, mesh, allowed_targets)
+    ep_adapters.adopt_all(model)  # the chains back in place: their merge too runs on the shards
+    return model
 
 
-def _apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, allowed_targets: Iterable[str]) -> nn.Module:
+def _apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, allowed_targets: Iterable[str]) -> None:
     cfg = _plain(resolved_parallel_cfg)
     allowed = ALLOWED_PREFIXES + tuple(allowed_targets) + tuple(cfg.get("allowed_targets") or ())
     ep_mesh = ep_mesh_of(mesh)
@@ -86,7 +89,6 @@ def _apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, allowed_targets: 
     # The parameter objects the recipes replaced (sharded, released): an optimizer still holding one is refused.
     kept = {id(p) for _, p in model.named_parameters(remove_duplicate=False)}
     after_apply.track(model, {k: v for k, v in before.items() if k not in kept})
-    return model
 
 
 def _check_live_state(model: nn.Module, cfg: dict, named: dict) -> None:

@@ -103,10 +103,14 @@ def build(family: str):
 
 def with_lora(model, family: str, trainable: str):
     """``get_peft_model`` with LoRA on the experts' weights; the adapters drawn by name (PEFT zeroes B: a delta
-    of zero would test nothing), the same in every model; ``trainable="all"``: every parameter trains."""
+    of zero would test nothing), the same in every model; ``trainable="all"``: every parameter trains; ``"two"``:
+    two adapters active at once (PEFT folds their summed delta, ``_LoraParameterProxy``), both trained."""
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, **FAMILIES[family][1]))
+    if trainable == "two":
+        peft_model.add_adapter("other", LoraConfig(r=3, lora_alpha=2, **FAMILIES[family][1]))
+        peft_model.base_model.set_adapter(["default", "other"])
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if ".lora_" in name:

@@ -3,8 +3,9 @@
 [...experts.gate_up_proj, ...experts.down_proj]))``, the way PEFT adapts transformers 5.x MoE experts.
 
 Both orders a user writes: ``ExpertParallel`` then ``get_peft_model`` ("apply_first") and ``get_peft_model`` then
-``ExpertParallel`` on the PEFT model ("peft_first"); the LoRA parameters alone trainable (PEFT's default) and every
-parameter trainable (base experts and routers too). Whole tiny transformers 5.x models (Qwen3-MoE, Mixtral) from
+``ExpertParallel`` on the PEFT model ("peft_first"); the LoRA parameters alone trainable (PEFT's default), every
+parameter trainable (base experts and routers too), and two adapters active at once (PEFT then folds their summed
+delta, the other proxy). Whole tiny transformers 5.x models (Qwen3-MoE, Mixtral) from
 configs, and a torchtitan-style model whose grouped experts ``experts(x_sorted, num_tokens_per_expert)`` hold
 (E, ...) weights ``w1``/``w2``/``w3`` (``tests/grouped_lm.py``). The reference is the same PEFT model in one process, each rank's slice run separately (dense layers see
 the same shapes); the EP run: each rank its slice, uneven, with a step where a rank has no tokens at all. Per
@@ -125,6 +126,7 @@ QWEN_PLAN = [{"match": FAMILIES["qwen3_moe"][2], "local_compute_fn": "auto"}]
 ORDERS, TRAINABLE, LEVELS = ("apply_first", "peft_first"), ("lora", "all"), ("model", "block")
 TRAIN = [f"{f}-{o}-{t}-{lv}" for f in FAMILIES for o in ORDERS for t in TRAINABLE for lv in LEVELS
          if not (f == "research_moe" and o == "peft_first")]
+TRAIN += [f"qwen3_moe-{o}-two-{lv}" for o in ORDERS for lv in LEVELS]  # two adapters active at once
 TWINS = [f"twin-{t}-{o}" for o in ORDERS for t in _TWIN_ERRORS]
 
 

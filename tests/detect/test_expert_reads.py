@@ -118,3 +118,64 @@ def test_genuine_tells_a_wrapper_from_torchs_own():
         assert genuine.patched_torch_objects() == ["torch.matmul"]
     finally:
         torch.matmul = real
+
+
+# --- reads, not reachability (issue 31 item 5) -----------------------------------------------------------------
+
+
+def test_a_tensor_library_on_the_routing_path_is_not_taken_for_a_read_of_the_experts():
+    """``einops.reduce`` given the routing's top-k weights: its backend lookup reads ``sys.modules``, which reaches
+    every module object, but nothing the block hands it can hold the experts."""
+    pytest.importorskip("einops")
+    import reads_blocks as R
+
+    assert detect_moe_structure(R.moe(R.EinopsRoutingMoE)).expert_storage == "module_list"
+
+
+def test_a_helper_refuses_only_where_the_block_hands_it_the_experts():
+    """The same helper, one edit apart: given the routing's scores it reads no module; given ``self`` its
+    ``value.parameters()`` reads every expert (stand-ins on other ranks under EP)."""
+    import reads_blocks as R
+
+    assert detect_moe_structure(R.moe(R.LoggedScoresMoE)).expert_storage == "module_list"
+    reason = refusal(R.moe(R.LoggedSelfMoE))
+    assert "LoggedSelfMoE.forward -> total line" in reason and "reads `parameters`" in reason, reason
+
+
+def test_a_helper_reached_through_a_carrying_value_is_followed():
+    """What the taint follows: a parameter of the block, a list holding a module of it, a method's result on one, a
+    helper passed around as a value: each hands ``total`` something its ``parameters`` read may reach; a tensor of
+    the input or a submodule's output does not."""
+    from autoep.detect import expert_reads
+
+    def check(body: str, refused: bool):
+        source = f"def forward(self, x):\n{body}\n    return x\n"
+        filename = f"<autoep reads: {body}>"
+        import linecache
+
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        namespace = {"total": __import__("reads_blocks").total, "torch": torch, "map": map, "__name__": __name__}
+        exec(compile(source, filename, "exec"), namespace)
+        cls = type("Reads", (blocks.MoE,), {"forward": namespace["forward"]})
+        namespace["forward"].__qualname__ = "Reads.forward"
+        expert_reads._class_reads.cache_clear()
+        expert_reads._carried.cache_clear()
+        why = expert_reads._class_reads(cls, frozenset(), "experts")
+        assert ("reads `parameters`" in why) == refused, (body, why)
+
+    check("    total(x.sum(-1))", False)
+    check("    w = self.gate.weight\n    total(w)", True)  # a parameter: the helper's read is of the block's
+    check("    s = self.gate(x)\n    total(s)", False)  # a submodule's output
+    check("    ms = [self.gate]\n    total(ms[0])", True)
+    check("    total(self.gate.weight.t())", True)  # a method's result on a carrying value
+    check("    list(map(total, [x]))", True)  # passed as a value: whoever calls it may give it anything
+
+
+def test_a_raise_the_configuration_never_reaches_does_not_refuse():
+    """A framework layer's unsupplied-weight check (``if weight is None: if self.weight is None: raise``) folds
+    where the layer holds its weight; its one-edit twin, built without the weight, reaches the raise."""
+    import reads_blocks as R
+
+    assert detect_moe_structure(R.framework_moe()).expert_kind == "row_local"
+    reason = refusal(R.framework_moe(skip_weight_param_allocation=True))
+    assert "FrameworkLinear.forward line 4: `raise RuntimeError(" in reason and "raises on this path" in reason, reason

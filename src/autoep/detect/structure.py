@@ -416,7 +416,7 @@ def clear_caches() -> None:
     for fn in (source.code_tree, routing_proof._router_module_proof, routing_proof._experts_call_source,
                module_list_proof._swiglu_shape, expert_loop.local_names, expert_loop.stored_names,
                loop_context.self_reads, expert_reads._names, expert_reads._self_whole_reads,
-               expert_reads._class_reads, wrappers._digest):
+               expert_reads._class_reads, expert_reads._carried, expert_reads._global_names, wrappers._digest):
         fn.cache_clear()
 
 

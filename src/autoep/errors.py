@@ -6,6 +6,9 @@ OPT_OUT_SPELLING = ("{_factory_: my_pkg.ep.my_factory, ...kwargs} "
                     "(or {_target_: my_pkg.ep.my_factory, _partial_: true, ...})")
 OPT_OUT_HINT = (f"Declare an explicit local_compute_fn to opt out of structure detection: {OPT_OUT_SPELLING}; "
                 f"a bare _target_ is called by a host app's recursive hydra.utils.instantiate.")
+# The plan entry's opt-in to random draws inside experts (``PlanEntry.expert_draws``), as a refusal names it
+# (``resolve_plan`` prefixes the entry's key: ``parallel.plan.0.expert_draws=on_owner``).
+DRAWS_OPT_IN = "expert_draws=on_owner"
 
 
 class UnsupportedModuleStructure(ValueError):

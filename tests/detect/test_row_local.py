@@ -386,3 +386,124 @@ def test_leading_dims_pinned_names_each_experts_construct():
     block = blocks.ExpertListMoE([_expert_running(LEADING_FREE[1]), _expert_running("h = F.softmax(h, dim=1)")] * 2)
     pinned = replay_proof.leading_dims_pinned(block, "experts_list")
     assert pinned[0] == pinned[2] == "" and "`F.softmax(h, dim=1)`" in pinned[1] and pinned[1] == pinned[3]
+
+
+# --- mode-aware row-locality (issue 31 item 4): each mode-dependent module checked in the mode it runs in --------
+
+
+class Normed(Expert):
+    """fc2(norm(fc1(x))) for any norm module over FF features."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.fc1(x)))
+
+
+class DropsWith(Expert):
+    """fc2(drop(relu(fc1(x)))) for any dropout module."""
+
+    def __init__(self, drop: nn.Module):
+        super().__init__()
+        self.drop = drop
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.relu(self.fc1(x))))
+
+
+class FunctionalBatchNorm(Expert):
+    """A BatchNorm written out: ``F.batch_norm`` with the module's own running statistics and mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(FF))
+        self.register_buffer("running_var", torch.ones(FF))
+        self.weight, self.bias = nn.Parameter(torch.ones(FF)), nn.Parameter(torch.zeros(FF))
+
+    def forward(self, x):
+        h = F.batch_norm(self.fc1(x), self.running_mean, self.running_var, self.weight, self.bias,
+                         training=self.training)
+        return self.fc2(h)
+
+
+class CentresWhileTraining(Expert):
+    """A custom module branching on ``self.training``: batch centring while training (mixes rows), none in eval."""
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.training:
+            h = h - h.mean(0, keepdim=True)
+        return self.fc2(h)
+
+
+class FunctionalDropoutAtZero(Expert):
+    def forward(self, x):
+        return self.fc2(F.dropout(self.fc1(x), 0.0, self.training))
+
+
+BATCH_WHY = "batch statistics mix rows across ranks"
+MODES = {  # name: (expert builder, refusal in training (None: accepted), refusal in eval (None: accepted),
+    #             folded entries recorded in eval)
+    "batch_norm_1d": (lambda: Normed(nn.BatchNorm1d(FF)), BATCH_WHY, None, {"norm.training=False"}),
+    "sync_batch_norm": (lambda: Normed(nn.SyncBatchNorm(FF)), BATCH_WHY, None, {"norm.training=False"}),
+    "batch_norm_2d": (lambda: Normed(nn.BatchNorm2d(FF)), BATCH_WHY, "takes (N, C, ...) input of more dims", set()),
+    "batch_norm_no_running_stats": (lambda: Normed(nn.BatchNorm1d(FF, track_running_stats=False)), BATCH_WHY,
+                                    BATCH_WHY, set()),
+    "instance_norm": (lambda: Normed(nn.InstanceNorm1d(FF, track_running_stats=True)), "channels are the rows",
+                      "channels are the rows", set()),
+    "group_norm": (lambda: Normed(nn.GroupNorm(4, FF)), None, None, set()),
+    "functional_batch_norm": (FunctionalBatchNorm, BATCH_WHY, None, {"training=False"}),
+    "training_branch": (CentresWhileTraining, "`h.mean(0, keepdim=True)` works along dim 0: mixes rows", None,
+                        {"training=False"}),
+    "alpha_dropout": (lambda: DropsWith(nn.AlphaDropout(0.1)), "is dropout with p=0.1 while training", None,
+                      {"drop.training=False", "drop.p=0.1"}),
+    "dropout_1d": (lambda: DropsWith(nn.Dropout1d(0.1)), "is dropout with p=0.1 while training", None,
+                   {"drop.training=False", "drop.p=0.1"}),
+    "feature_alpha_dropout": (lambda: DropsWith(nn.FeatureAlphaDropout(0.1)), "is dropout with p=0.1 while training",
+                              None, {"drop.training=False", "drop.p=0.1"}),
+}
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_mode_dependent_modules_are_proven_for_the_mode_they_run_in(name):
+    """Accepted in the mode where the module is a map of each row alone, its mode folded (a change after apply is
+    drift); refused in the other, naming why. The two modes of one module are each other's one-edit twins."""
+    build, in_training, in_eval, folded = MODES[name]
+    for mode, refusal in (("train", in_training), ("eval", in_eval)):
+        experts = [build() for _ in range(4)]
+        for e in experts:
+            e.train(mode == "train")
+        if refusal is None:
+            found = detect_moe_structure(blocks.ExpertListMoE(experts, hidden=D))
+            want = {f"experts_list.*.{f}" for f in folded} if mode == "eval" else set()
+            assert want <= set(found.folded), found.folded
+            if mode == "train":  # nothing mode-dependent recorded where the mode decides nothing
+                assert not any(f.endswith("training=True") for f in found.folded), found.folded
+        else:
+            with pytest.raises(UnsupportedModuleStructure) as info:
+                detect_moe_structure(blocks.ExpertListMoE(experts, hidden=D))
+            assert refusal in str(info.value), str(info.value)
+
+
+def test_train_mode_batch_norm_refusal_says_why():
+    with pytest.raises(Refusal) as info:
+        row_local.prove_expert(Normed(nn.BatchNorm1d(FF)).train(), "experts[0]")
+    text = str(info.value)
+    assert "BatchNorm1d uses batch statistics" in text and BATCH_WHY in text and "in eval with running statistics" \
+        in text, text
+
+
+def test_a_norm_is_pinned_to_its_channel_dim_on_nd_calls():
+    for norm in (nn.GroupNorm(4, FF), nn.BatchNorm1d(FF)):
+        proof = row_local.prove_expert(Normed(norm).eval(), "experts[0]")
+        assert not proof.leading_dims_free and "reads dim 1 as its channels" in proof.pinned_by, proof
+
+
+def test_a_mode_read_that_decides_nothing_is_not_folded():
+    """``F.dropout(h, 0.0, self.training)`` is the identity in either mode: switching modes after apply is no drift
+    (its one-edit twin at p=0.1 in eval folds the mode)."""
+    assert row_local.prove_expert(FunctionalDropoutAtZero().train(), "e").folded == ()
+    assert row_local.prove_expert(FunctionalDropoutAtZero().eval(), "e").folded == ()
+    assert ("training", "False") in row_local.prove_expert(FunctionalDropout().eval(), "e").folded

@@ -115,7 +115,7 @@ def _check_dropout(expert: nn.Module, name: str, what: str) -> None:
                       "call, which EP cannot reproduce; exact only at p=0 (set it to 0, or opt out)")
 
 
-def module_list_facts(experts: nn.Module, path: str = "experts") -> dict:
+def module_list_facts(experts: nn.Module, path: str = "experts", draws_on_owner: bool = False) -> dict:
     """The experts of a ``ModuleList``/``ModuleDict`` (expert e: the e-th entry), proven one of two kinds:
 
     - ``expert_kind="swiglu"`` (the grouped-GEMM fast path may run them): every expert the same class and
@@ -124,7 +124,9 @@ def module_list_facts(experts: nn.Module, path: str = "experts") -> dict:
     - ``expert_kind="row_local"`` (only their own forward may run them): every expert row-local, deterministic
       and stateless (``autoep.detect.row_local``), no parameter shared between experts.
 
-    Refuses naming the property the row-local proof found broken (the SwiGLU shape is only a fast path)."""
+    Refuses naming the property the row-local proof found broken (the SwiGLU shape is only a fast path).
+    ``draws_on_owner``: ``row_local.prove_expert``'s (an element-wise dropout with p > 0 accepted, drawn on the
+    owner; the SwiGLU fast path leaves dropout out, so it takes p=0 alone)."""
     if type(experts) not in (nn.ModuleList, nn.ModuleDict):
         raise Refusal(f"{path} is a {type(experts).__name__}, not a plain nn.ModuleList or nn.ModuleDict")
     if type(experts) is nn.ModuleList:
@@ -132,18 +134,19 @@ def module_list_facts(experts: nn.Module, path: str = "experts") -> dict:
             return dict(_swiglu_facts(experts), expert_kind="swiglu")
         except Refusal:
             pass
-    return row_local_facts(experts, path)
+    return row_local_facts(experts, path, draws_on_owner=draws_on_owner)
 
 
-def row_local_facts(experts: nn.Module, path: str, members: list | None = None, folded_path: str | None = None
-                    ) -> dict:
+def row_local_facts(experts: nn.Module, path: str, members: list | None = None, folded_path: str | None = None,
+                    draws_on_owner: bool = False) -> dict:
     """``expert_kind="row_local"``: each expert proven on its own (heterogeneous experts are fine: each runs
     its own forward), no parameter object in two experts (its gradient would be split over ranks), no global
     hooks (they would see other batches of rows). ``folded``: the constant attributes the proofs read, as
     ``<path>.<e or *>.<attr>=<value>`` (``*``: the same in every expert). ``members``: the experts, where the
     container holds more than them (default: every entry). ``folded_path``: the path the folded entries name
     the experts under where it is not ``path`` ("": experts registered on the block itself, held in a plain
-    dict/list attribute; entries ``<key>.<attr>``, one per expert)."""
+    dict/list attribute; entries ``<key>.<attr>``, one per expert). ``expert_draws``: the draws accepted under
+    ``draws_on_owner`` (``row_local.ExpertProof.draws``), named as ``folded`` is, ``<path>.<e or *>.<where>=<what>``."""
     if members is None:
         members = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
     if not members:
@@ -151,15 +154,19 @@ def row_local_facts(experts: nn.Module, path: str, members: list | None = None, 
     if global_hooks():
         raise Refusal("global module hooks are registered; under EP they would see other batches of rows")
     owner: dict[int, int] = {}
-    per_expert = []
+    per_expert, per_expert_draws = [], []
     for e, expert in enumerate(members):
         for name, p in expert.named_parameters(remove_duplicate=False):
             if owner.setdefault(id(p), e) != e:
                 raise Refusal(f"{path}[{e}].{name} is the same parameter as one of {path}[{owner[id(p)]}]: a "
                               "parameter shared between experts would get its gradient on two ranks")
-        per_expert.append(row_local.prove_expert(expert, f"{path}[{e}]").folded)
+        proof = row_local.prove_expert(expert, f"{path}[{e}]", draws_on_owner)
+        per_expert.append(proof.folded)
+        per_expert_draws.append(proof.draws)
+    named = path if folded_path is None else folded_path
     return dict(expert_kind="row_local", expert_projs=(), expert_act="", identity_experts=0,
-                folded=_fold_entries(path if folded_path is None else folded_path, per_expert, expert_keys(experts)))
+                folded=_fold_entries(named, per_expert, expert_keys(experts)),
+                expert_draws=_fold_entries(named, per_expert_draws, expert_keys(experts)))
 
 
 def expert_keys(experts: nn.Module) -> list[str]:

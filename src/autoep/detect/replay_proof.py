@@ -186,9 +186,10 @@ def find_container(block: nn.Module) -> str:
     return found[0]
 
 
-def replay_facts(block: nn.Module, path: str) -> dict:
+def replay_facts(block: nn.Module, path: str, draws_on_owner: bool = False) -> dict:
     """The facts a replay structure records: the experts at ``path`` proven row-local (``expert_kind``,
-    ``folded``), the block's forward fit to be run by the one-pass execution. ``Refusal`` otherwise."""
+    ``folded``, ``expert_draws`` under ``draws_on_owner``), the block's forward fit to be run by the one-pass
+    execution. ``Refusal`` otherwise."""
     cls = type(block)
     plain_method(cls, "forward", block)  # no instance forward, no decorator (the runtime calls the class forward)
     if cls.__call__ is not nn.Module.__call__:
@@ -205,18 +206,20 @@ def replay_facts(block: nn.Module, path: str) -> dict:
         n = num_experts(block, path)  # ``Refusal`` naming an entry that is not a registered expert
         view, _ = plain_experts.resolve(block, path)
         _no_whole_module_reads(block, None)
-        return module_list_proof.row_local_facts(view, path, members(view)[:n], folded_path="")
+        return module_list_proof.row_local_facts(view, path, members(view)[:n], folded_path="",
+                                                 draws_on_owner=draws_on_owner)
     container = block.get_submodule(path)
     _no_whole_module_reads(block, container)
-    return module_list_proof.row_local_facts(container, path, members(container)[:num_experts(block, path)])
+    return module_list_proof.row_local_facts(container, path, members(container)[:num_experts(block, path)],
+                                             draws_on_owner=draws_on_owner)
 
 
-def leading_dims_pinned(block: nn.Module, path: str) -> tuple[str, ...]:
+def leading_dims_pinned(block: nn.Module, path: str, draws_on_owner: bool = False) -> tuple[str, ...]:
     """Per expert at ``path`` (the proven ones, ``num_experts``): "" where ``expert(x)`` on ``(..., D)`` is its
     ``(prod(...), D)`` rows' output reshaped (``row_local.ExpertProof.leading_dims_free``), else the construct
     of its forward that reads a leading dim or the input's rank. ``Refusal`` where an expert is not row-local."""
     labels, experts = expert_labels(block, path)
-    return tuple(row_local.prove_expert(expert, label).pinned_by
+    return tuple(row_local.prove_expert(expert, label, draws_on_owner).pinned_by
                  for label, expert in zip(labels, experts[:num_experts(block, path)]))
 
 

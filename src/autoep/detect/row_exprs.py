@@ -33,6 +33,11 @@ RANDOM = "draws random numbers (not deterministic)"
 STATE = "writes module state (not stateless)"
 INPLACE = "edits the expert's input in place (not stateless)"
 BATCH_STATS = "uses batch statistics (not row-local, not stateless)"
+BATCH_STATS_WHY = ("in training (or without running statistics) it normalises each row by the mean and variance of the "
+                   "batch it is called on, and under EP an expert's owner calls it once on the rows every rank sent it: "
+                   "batch statistics mix rows across ranks (and its running statistics would update on the owner alone); "
+                   "in eval with running statistics it is a per-feature affine map of each row, which EP runs exactly "
+                   "(model.eval() before the plan is resolved; train() after apply raises), or opt out")
 
 MAX_DEPTH = 8
 _MAX_UNROLL = 64
@@ -65,6 +70,10 @@ _RNG = {torch.rand, torch.randn, torch.rand_like, torch.randn_like, torch.randin
 _RNG_METHODS = {"uniform_", "normal_", "bernoulli_", "bernoulli", "exponential_", "random_", "geometric_",
                 "cauchy_", "log_normal_", "multinomial"}
 BATCH_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm)
+DROPOUTS = (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+# One independent draw per element, whatever the layout of the rows: equal in distribution wherever they run.
+ELEMENTWISE_DROPOUTS = (nn.Dropout, nn.AlphaDropout)
+_ELEMENTWISE_DROPOUT_FNS = {F.dropout, torch.dropout, F.alpha_dropout}
 _BATCH_FNS = {F.batch_norm, F.instance_norm, F.group_norm}
 # Pure functions a proof may evaluate on values known at detection (never a tensor).
 _PURE = {len, abs, min, max, int, float, bool, round, str, range, math.sqrt, math.log, math.exp, math.ceil, math.floor,
@@ -607,8 +616,10 @@ class Interpreter:
             self.refuse(node, "calls a module that is not part of the expert (its parameters are not the expert's)")
         if fn in _RNG_SET:
             if fn in (F.dropout, torch.dropout, F.dropout1d, F.dropout2d, F.alpha_dropout, F.feature_alpha_dropout):
-                return self.dropout_fn(node, args, kwargs)
+                return self.dropout_fn(node, fn, args, kwargs)
             self.refuse(node, RANDOM)
+        if fn is F.batch_norm:
+            return self.batch_norm_fn(node, args, kwargs)
         if fn in _BATCH_SET:
             self.refuse(node, BATCH_STATS)
         if fn is isinstance:
@@ -668,17 +679,53 @@ class Interpreter:
             self.refuse(node, "is not applied to the rows")
         return self.combine(node, values)
 
-    def dropout_fn(self, node, args: list, kwargs: dict):
-        names = ("input", "p", "training", "inplace")
+    def dropout_fn(self, node, fn, args: list, kwargs: dict):
+        """``F.dropout(rows, p, training)`` and its kin: ``row_local._Context.dropout`` decides (identity, draw on
+        the owner, refusal); a mode read from a module (``training=self.training``) was folded at the read and is
+        released where it decides nothing."""
+        names = ("input", "p", "train" if fn is torch.dropout else "training", "inplace")
         bound = dict(zip(names, args)) | kwargs
-        p, training = bound.get("p", Obj(0.5)), bound.get("training", Obj(True))
+        p, training = bound.get("p", Obj(0.5)), bound.get(names[2], Obj(True))
         if not (isinstance(p, Obj) and isinstance(training, Obj)):
             self.refuse(node, "is dropout whose p or training flag the proof cannot fold")
         if bound.get("inplace", Obj(False)).value:
             self.refuse(node, INPLACE)
-        if p.value == 0 or not training.value:
-            return bound["input"]
-        self.refuse(node, f"is dropout with p={p.value} while training: it {RANDOM}")
+        if not isinstance(bound.get("input"), Row):
+            self.refuse(node, "is not applied to the rows")
+        name = getattr(fn, "__name__", "dropout")
+        return self.ctx.dropout(self.at(node, "")[:-1], None, p.value, self.mode_read(node, names) or bool(training.value),
+                                fn in _ELEMENTWISE_DROPOUT_FNS, f"{name}(p={p.value})",
+                                f"{self.path + '.' if self.path else ''}{self.where} line {node.lineno}", bound["input"])
+
+    def mode_read(self, node: ast.Call, names: tuple) -> str | None:
+        """The folded path of the mode a dropout call passes where it is a module's ``training`` read (``self.training``,
+        ``self.sub.training``), else None."""
+        arg = node.args[2] if len(node.args) > 2 else next((k.value for k in node.keywords if k.arg == names[2]), None)
+        if not (isinstance(arg, ast.Attribute) and arg.attr == "training"):
+            return None
+        base = self.eval(arg.value)
+        if not isinstance(base, (SelfModule, SubModule)):
+            return None
+        path = f"{base.path}.training" if base.path else "training"
+        return path if path in self.ctx.folded else None
+
+    def batch_norm_fn(self, node, args: list, kwargs: dict):
+        """``F.batch_norm`` with ``training=False`` and the expert's running statistics: a per-feature affine map
+        of each row (its channels are dim 1 on an N-D input); otherwise batch statistics, refused saying why."""
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+        bound = dict(zip(names, args)) | kwargs
+        stats = [bound.get("running_mean", Obj(None)), bound.get("running_var", Obj(None))]
+        if bound.get("training", Obj(False)) != Obj(False) or not all(
+                isinstance(t, ExpertTensor) and t.tensor.dim() == 1 for t in stats):
+            self.refuse(node, f"{BATCH_STATS}: {BATCH_STATS_WHY}")
+        if not isinstance(bound.get("input"), Row):
+            self.refuse(node, "is not applied to the rows")
+        for name in ("weight", "bias"):
+            value = bound.get(name, Obj(None))
+            if not (value == Obj(None) or isinstance(value, ExpertTensor) and value.tensor.dim() == 1):
+                self.refuse(node, f"scales by a {name} that is not a 1-D tensor of the expert")
+        self.pin(node, "dim 1 as its channels")
+        return ROWS
 
     def linear(self, node, args: list, kwargs: dict):
         bound = dict(zip(("input", "weight", "bias"), args)) | kwargs
@@ -890,6 +937,12 @@ def _in(fn, functions) -> bool:
 def aliases(value) -> bool:
     """The value may be the expert's input tensor itself (or a view of it)."""
     return value in (INPUT, VIEW)
+
+
+def uses_batch_statistics(module: nn.Module) -> bool:
+    """A BatchNorm normalises with the batch's statistics: in training, or in eval without running statistics
+    (torch's own rule in ``_BatchNorm.forward``)."""
+    return module.training or module.running_mean is None or module.running_var is None
 
 
 def _is_library(fn) -> bool:

@@ -10,12 +10,23 @@ rows than the model's own loop gives it. That is exact when the expert's computa
 ``prove_expert(expert, what)`` proves it by one abstract interpreter over the expert module and the ASTs of
 the ``forward`` (and helper methods, user submodules, plain functions) it runs. The whitelist: containers
 (``nn.Sequential`` as torch runs it, ``nn.ModuleList`` iterated), ``nn.Linear`` with or without bias, any
-element-wise activation (function or module, ``autoep.detect.elementwise``), ``nn.Dropout`` with p=0 or in
-eval, last-dim norms (``nn.LayerNorm``/``nn.RMSNorm`` over the last dim, or written out with reductions over
-dim -1), ``nn.Identity``, user modules recursively, optional arguments the call site does not pass (their
+element-wise activation (function or module, ``autoep.detect.elementwise``), dropout (every ``nn`` dropout module,
+``F.dropout`` and kin) with p=0 or in eval, last-dim norms (``nn.LayerNorm``/``nn.RMSNorm`` over the last dim, or
+written out with reductions over dim -1), ``nn.GroupNorm``, ``nn.Identity``, user modules recursively, optional arguments the call site does not pass (their
 defaults), and branches on constant instance attributes, folded at detection (``ExpertProof.folded``: the
 fingerprint and the replay check read them). Anything else is a refusal naming the property that failed and
 the model's line: ``MyExpert.forward line 4: `x.mean(0)` mixes rows (not row-local)``.
+
+Mode-aware: a module whose row-locality depends on ``training`` is proven for the mode it is in, and that mode
+is folded (re-checked before each call after apply, ``runtime.recipes.check_facts``): ``nn.BatchNorm1d`` and
+``nn.SyncBatchNorm`` in eval with running statistics (and ``F.batch_norm`` with ``training=False`` and the expert's
+running statistics) are a per-feature affine map of each row; in training they normalise by the statistics of
+the batch an expert's owner gathers from every rank (batch statistics mix rows across ranks) and are refused
+saying so; a dropout in eval is the identity; a branch on ``self.training`` is folded as any constant. A mode read
+that decides nothing (``F.dropout(x, 0.0, self.training)``) is released, not recorded (``_Context.release``).
+Random draws: under ``draws_on_owner`` (``PlanEntry.expert_draws=on_owner``) an element-wise dropout with p > 0
+is accepted in either mode, its masks drawn wherever the expert runs (equal in distribution to the model's, not
+bit-equal), recorded in ``ExpertProof.draws`` with neither its p nor its mode folded.
 
 Values (the shared domain of ``autoep.detect.loop_values``):
   Row(("x",))     the expert's input rows (n, D), or a view of them (in-place edits are refused)
@@ -38,6 +49,7 @@ expressions is ``autoep.detect.row_exprs``.
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import types
 from dataclasses import dataclass
@@ -50,6 +62,9 @@ from autoep.detect.loop_values import Row
 from autoep.detect.row_exprs import (
     BATCH_NORMS,
     BATCH_STATS,
+    BATCH_STATS_WHY,
+    DROPOUTS,
+    ELEMENTWISE_DROPOUTS,
     INPLACE,
     INPUT,
     MAX_DEPTH,
@@ -58,11 +73,14 @@ from autoep.detect.row_exprs import (
     RANDOM,
     ROWS,
     TWO_D,
+    VIEW,
     Interpreter,
     aliases,
     show,
+    uses_batch_statistics,
 )
 from autoep.detect.source import Refusal, function_tree
+from autoep.errors import DRAWS_OPT_IN
 
 
 @dataclass(frozen=True)
@@ -71,21 +89,27 @@ class ExpertProof:
     attribute the proof read (branches folded on them, numbers it computed with), sorted; a change of any
     of them after detection is drift. ``leading_dims_free``: the expert treats every dim before the last alike
     (module docstring), so ``expert(x)`` on ``(..., D)`` is ``expert(x.reshape(-1, D)).reshape(..., P)``;
-    ``pinned_by``: where it is false, the first construct that reads a leading dim or the input's rank."""
+    ``pinned_by``: where it is false, the first construct that reads a leading dim or the input's rank.
+    ``draws``: ``(where under the expert, what)`` of each random draw accepted under ``draws_on_owner`` (an
+    element-wise dropout with p > 0: made on the expert's owner, equal in distribution, not bit-equal), sorted."""
 
     folded: tuple[tuple[str, str], ...] = ()
     leading_dims_free: bool = False
     pinned_by: str = ""
+    draws: tuple[tuple[str, str], ...] = ()
 
 
-def prove_expert(expert: nn.Module, what: str) -> ExpertProof:
+def prove_expert(expert: nn.Module, what: str, draws_on_owner: bool = False) -> ExpertProof:
     """``expert(rows)`` on ``(n, D)`` rows is row-local, deterministic and stateless, or ``Refusal`` naming the
-    property, the model's class and line."""
-    ctx = _Context(what)
+    property, the model's class and line. ``draws_on_owner`` (``PlanEntry.expert_draws=on_owner``): an
+    element-wise dropout with p > 0 is accepted in either mode, its draws made wherever the expert runs
+    (``ExpertProof.draws``); without it such a dropout is exact only at p=0 or in eval."""
+    ctx = _Context(what, draws_on_owner)
     out = ctx.call_module(expert, [INPUT], {}, "", None)
     if out not in TWO_D:
         raise Refusal(f"{what} ({type(expert).__name__}) does not return rows (it returns {show(out)})")
-    return ExpertProof(tuple(sorted(ctx.folded.items())), not ctx.pinned_by, ctx.pinned_by)
+    folded = {k: v for k, v in ctx.folded.items() if ctx.reads[k] > 0}
+    return ExpertProof(tuple(sorted(folded.items())), not ctx.pinned_by, ctx.pinned_by, tuple(sorted(ctx.draws.items())))
 
 
 def folded_drift(block: nn.Module, folded) -> list[str]:
@@ -138,13 +162,21 @@ def _walk(obj, path: str):
 class _Context:
     """One proof: the folded attributes and the call depth, shared by every function it interprets."""
 
-    def __init__(self, what: str):
-        self.what, self.depth = what, 0
+    def __init__(self, what: str, draws_on_owner: bool = False):
+        self.what, self.depth, self.draws_on_owner = what, 0, draws_on_owner
         self.folded: dict[str, str] = {}
+        self.reads: collections.Counter = collections.Counter()  # reads of each folded value not released since
+        self.draws: dict[str, str] = {}  # where -> what, the draws accepted under ``draws_on_owner``
         self.pinned_by = ""  # the first construct that reads a leading dim or the rank ("": none yet)
 
     def fold(self, path: str, value) -> None:
         self.folded[path] = fold_repr(value)
+        self.reads[path] += 1
+
+    def release(self, path: str) -> None:
+        """One read of the folded ``path`` decided nothing (``F.dropout(x, 0.0, self.training)``: the identity in
+        either mode): it is recorded only if another read remains."""
+        self.reads[path] -= 1
 
     def pin(self, where: str) -> None:
         """The expert reads a dim before the last by a positive index, or the input's rank: on ``(..., D)``
@@ -162,23 +194,16 @@ class _Context:
             for name, child in module.named_children():
                 rows = self.call_module(child, [rows], {}, f"{path}.{name}" if path else name, node)
             return rows
-        if cls in (nn.Linear, nn.Identity, nn.LayerNorm, nn.RMSNorm, nn.Dropout) or _is_activation(module):
+        if cls in (nn.Linear, nn.Identity, nn.LayerNorm, nn.RMSNorm) or _is_activation(module):
             if not isinstance(rows, Row):
                 raise Refusal(f"{where} is called on {show(rows)}, not on the expert's rows alone")
             return self._torch_module(module, rows, path, where)
-        if cls is nn.BatchNorm1d and not module.training and module.track_running_stats and \
-                module.running_mean is not None and isinstance(rows, Row):
-            # In eval, its running statistics: a per-feature affine map of each (rows, features) row. Its mode is a
-            # fact (``model.train()`` after apply would switch it to batch statistics); on an N-D input its channels
-            # are dim 1, not the last.
-            self.fold(f"{path}.training" if path else "training", False)
-            self.fold(f"{path}.track_running_stats" if path else "track_running_stats", True)
-            self.pin(f"{where} reads dim 1 as its channels on an N-D input")
-            return ROWS
         if isinstance(module, BATCH_NORMS):
-            raise Refusal(f"{where}: {cls.__name__} {BATCH_STATS}")
-        if isinstance(module, nn.Dropout.__mro__[1]):  # other dropouts: random per call or per channel
-            raise Refusal(f"{where}: {cls.__name__} {RANDOM}")
+            return self._norm_module(module, rows, path, where)
+        if cls in DROPOUTS:
+            if not isinstance(rows, Row):
+                raise Refusal(f"{where} is called on {show(rows)}, not on the expert's rows alone")
+            return self._dropout_module(module, rows, path, where)
         if cls.__module__.startswith("torch."):
             raise Refusal(f"{where}: {cls.__name__} is a torch module the proof does not know row-local")
         self.depth += 1
@@ -204,17 +229,66 @@ class _Context:
                 raise Refusal(f"{where} normalises over {tuple(module.normalized_shape)}, not the last dim alone: "
                               f"{MIXES}")
             return ROWS
-        if cls is nn.Dropout:
-            # Its probability is a fact at p=0 too: raised after apply, the model's own loop would draw masks.
-            self.fold(f"{path}.p" if path else "p", module.p)
-            if module.p == 0:
-                return rows
-            if module.training:
-                raise Refusal(f"{where} is dropout with p={module.p} while training: it {RANDOM}; exact only at "
-                              "p=0 or in eval (set it to 0, or opt out)")
-            self.fold(f"{path}.training" if path else "training", False)
-            return rows
         return ROWS  # an element-wise activation module
+
+    def _norm_module(self, module: nn.Module, rows, path: str, where: str) -> Row:
+        """A BatchNorm, InstanceNorm, GroupNorm or LocalResponseNorm: row-local where it is a per-feature map of
+        each row. BatchNorm1d and SyncBatchNorm in eval with running statistics are (an affine map per feature,
+        their mode folded and watched: ``train()`` after apply raises); GroupNorm is in either mode (each row
+        normalised over groups of its own features). On an N-D call their channels are dim 1, not the last."""
+        cls = type(module)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and uses_batch_statistics(module):
+            raise Refusal(f"{where}: {cls.__name__} {BATCH_STATS}: {BATCH_STATS_WHY}")
+        if not isinstance(rows, Row):
+            raise Refusal(f"{where} is called on {show(rows)}, not on the expert's rows alone")
+        if isinstance(module, nn.modules.lazy.LazyModuleMixin):
+            raise Refusal(f"{where}: {cls.__name__} is lazy: its parameters' shapes are set at its first call")
+        if cls in (nn.BatchNorm1d, nn.SyncBatchNorm, nn.GroupNorm):
+            if cls is not nn.GroupNorm:  # in eval, its running statistics: ``model.train()`` would switch them off
+                self.fold(f"{path}.training" if path else "training", False)
+                self.fold(f"{path}.track_running_stats" if path else "track_running_stats", module.track_running_stats)
+            self.pin(f"{where} reads dim 1 as its channels on an N-D input")
+            return ROWS
+        if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+            raise Refusal(f"{where}: {cls.__name__} reads the expert's (n, D) rows as one instance whose channels are "
+                          f"the rows (statistics, running statistics and affine weights indexed by a row's position): "
+                          f"{MIXES}; a LayerNorm over the last dim normalises each row alone")
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise Refusal(f"{where}: {cls.__name__} takes (N, C, ...) input of more dims than the expert's (n, D) rows")
+        raise Refusal(f"{where}: {cls.__name__} is a norm across features and rows the proof does not follow")
+
+    def _dropout_module(self, module: nn.Module, rows: Row, path: str, where: str) -> Row:
+        cls = type(module)
+        if module.inplace and aliases(rows):
+            raise Refusal(f"{where} runs in place on the expert's input: it {INPLACE}")
+        training = f"{path}.training" if path else "training"
+        self.fold(training, module.training)  # released where the mode decides nothing (p=0, or drawn on the owner)
+        return self.dropout(where, f"{path}.p" if path else "p", module.p, training, cls in ELEMENTWISE_DROPOUTS,
+                            f"{cls.__name__}(p={module.p})", path or "(expert)", rows)
+
+    def dropout(self, where: str, p_path: str | None, p: float, training: str | bool, elementwise: bool, what: str,
+                at: str, rows: Row) -> Row:
+        """A dropout's value on ``rows``: the identity at p=0 or in eval, its probability (and, at p > 0, its mode)
+        folded, so a change after apply raises; at p > 0 while training a refusal naming ``DRAWS_OPT_IN``. Under
+        ``draws_on_owner`` an element-wise dropout with p > 0 is a draw made wherever the expert runs, in either
+        mode (recorded at ``at``; neither folded). ``training``: the folded path the mode was read from (released
+        where it decides nothing), or the mode itself."""
+        mode = training if isinstance(training, bool) else self.folded.get(training) == "True"
+        drawn = p != 0 and self.draws_on_owner and elementwise
+        if isinstance(training, str) and (p == 0 or drawn):
+            self.release(training)
+        if drawn:
+            self.draws[at] = f"{self.draws[at]} + {what}" if at in self.draws else what
+            return VIEW if aliases(rows) else ROWS  # the identity in eval, a fresh tensor while training
+        if p_path is not None:
+            self.fold(p_path, p)  # a fact at p=0 too: raised after apply, the model's own loop would draw masks
+        if p == 0 or not mode:
+            return rows
+        opt_in = (f"or set {DRAWS_OPT_IN} on its plan entry to draw its masks on each expert's owner (equal in "
+                  "distribution to the model's, not bit-equal)") if elementwise else \
+            f"{DRAWS_OPT_IN} takes element-wise dropout only (nn.Dropout, nn.AlphaDropout, F.dropout), not {what}"
+        raise Refusal(f"{where} is dropout with p={p} while training: it {RANDOM}; exact only at p=0 or in eval (set "
+                      f"it to 0, or opt out); {opt_in}")
 
     # -- calling a function -------------------------------------------------------------------------
 

@@ -103,6 +103,11 @@ class MoeStructure:
     # exchange + grouped compute) | replay (module experts whose loop is not proven: the block's forward runs
     # once, its expert outputs deferred to the exchange, ``autoep.runtime.recipes.replay``; the fallback).
     execution: str = "spliced"
+    # row_local experts under ``PlanEntry.expert_draws=on_owner``: their random draws (an element-wise dropout with
+    # p > 0), ``<experts_path>.<e or *>.<where>=<what>``, each made on the expert's owner rank: equal in
+    # distribution to the model's, not bit-equal. Empty without the opt-in, and with it where nothing draws
+    # (p=0: the same structure, the same results).
+    expert_draws: tuple[str, ...] = ()
 
     def __post_init__(self):
         # A resolved config gives the names back as a list (YAML has no tuples): held as a tuple, so two
@@ -110,7 +115,7 @@ class MoeStructure:
         if isinstance(self.expert_projs, str):
             raise ValueError(f"expert_projs={self.expert_projs!r} is one comma-joined string, as detector version 2 "
                              f"wrote it; it is a list of names now: regenerate the resolved config with autoep-plan")
-        for name in ("expert_projs", "folded", "idle_experts"):
+        for name in ("expert_projs", "folded", "idle_experts", "expert_draws"):
             if not isinstance(getattr(self, name), tuple):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
 
@@ -166,7 +171,7 @@ def find_experts(module: nn.Module, looped=_UNKNOWN) -> str | None:
     return lists[0] if len(lists) == 1 else None
 
 
-def _structure(module: nn.Module) -> MoeStructure:
+def _structure(module: nn.Module, draws_on_owner: bool = False) -> MoeStructure:
     patched = genuine.patched_torch_objects(elementwise.activation_classes(), module_call=False)
     if patched:  # the proofs below resolve names to objects; a patch would be taken for torch's own
         raise Refusal(f"{', '.join(patched)} is not torch's own (patched process-wide): the model's experts would "
@@ -187,7 +192,7 @@ def _structure(module: nn.Module) -> MoeStructure:
                       "inside the experts container")
     if looped is not None or type(experts) is nn.ModuleList:
         storage = "module_list"
-        facts = module_list_proof.module_list_facts(experts, path)
+        facts = module_list_proof.module_list_facts(experts, path, draws_on_owner)
         plans = module_list_proof.module_list_plan(module, path)  # the expert regions autoep splices out
         facts["idle_experts"] = tuple(plan.idle for plan in plans)
     elif isinstance(experts, nn.Module) and grouped_proof.takes_groups(experts):
@@ -289,7 +294,7 @@ def _block_params_refusal(module: nn.Module) -> Refusal | None:
     return Refusal(_BLOCK_PARAMS.format(", ".join(f"{n} {tuple(p.shape)}" for n, p in own))) if own else None
 
 
-def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
+def _replay_structure(module: nn.Module, refused: Refusal, draws_on_owner: bool = False) -> MoeStructure:
     """The fallback where the proofs of the fast paths refuse (``refused``): module experts of one container
     the forward calls, each proven row-local, run by the one-pass execution (``autoep.detect.replay_proof``);
     its loop needs no proof. Raises ``refused`` where the block has no such container, else both reasons."""
@@ -300,7 +305,7 @@ def _replay_structure(module: nn.Module, refused: Refusal) -> MoeStructure:
     except Refusal:  # no module experts to call: the fast paths' reason is the one about this block's experts
         raise refused from None
     try:
-        facts = replay_proof.replay_facts(module, path)
+        facts = replay_proof.replay_facts(module, path, draws_on_owner)
         structure = MoeStructure(router=routing_proof.router_kind(module), expert_storage="module_list",
                                  shared_experts=routing_proof.shared_kind(module), jitter=hasattr(module, "jitter_noise"),
                                  experts_path=path, execution="replay", **facts)
@@ -329,22 +334,24 @@ def _live_state(module: nn.Module, structure: MoeStructure) -> None:
         raise Refusal(f"{tied[0]}: {sharing.SHARING_FIX}")
 
 
-def detect_moe_structure(module: nn.Module, *, replay: bool = True) -> MoeStructure:
+def detect_moe_structure(module: nn.Module, *, replay: bool = True, draws_on_owner: bool = False) -> MoeStructure:
     """What kind of MoE block ``module`` is, proven from its source and attributes: the fastest proven
     execution (``MoeStructure.execution``: a fast path's spliced loop or grouped compute where its proof holds,
     else the one-pass execution for module experts; ``replay=False``, ``PlanEntry.record_replay: false``,
-    refuses where the fast paths do).
+    refuses where the fast paths do). ``draws_on_owner`` (``PlanEntry.expert_draws=on_owner``): module experts
+    may draw random numbers (an element-wise dropout with p > 0), each expert's draws made on its owner rank
+    (``MoeStructure.expert_draws`` records where); without it they are refused.
 
     Never calls a forward and allocates nothing (works on ``torch.device("meta")`` modules).
     Raises ``UnsupportedModuleStructure`` naming the class, the failed proof and the opt-out hint.
     """
-    return _detected(module, replay=replay)
+    return _detected(module, replay=replay, draws_on_owner=draws_on_owner)
 
 
-def replay_structure(module: nn.Module) -> MoeStructure:
+def replay_structure(module: nn.Module, *, draws_on_owner: bool = False) -> MoeStructure:
     """``module`` run by the one-pass execution even where a fast path is proven too (``PlanEntry.execution=
     replay``): its module experts proven as the fallback proves them; refusals as ``detect_moe_structure``'s."""
-    return _detected(module, replay=True, fast=False)
+    return _detected(module, replay=True, fast=False, draws_on_owner=draws_on_owner)
 
 
 def fast_path_structure(module: nn.Module) -> MoeStructure:
@@ -353,17 +360,17 @@ def fast_path_structure(module: nn.Module) -> MoeStructure:
     return _detected(module, replay=False)
 
 
-def _detected(module: nn.Module, replay: bool, fast: bool = True) -> MoeStructure:
+def _detected(module: nn.Module, replay: bool, fast: bool = True, draws_on_owner: bool = False) -> MoeStructure:
     try:
         try:
             if not fast:  # the reason replay gives where it finds no container
                 raise _block_params_refusal(module) or Refusal("execution=replay needs module experts of one "
                                                                "container its forward calls")
-            return _structure(module)
+            return _structure(module, draws_on_owner)
         except Refusal as exc:
             if not replay:
                 raise
-            return _replay_structure(module, exc)
+            return _replay_structure(module, exc, draws_on_owner)
     except Refusal as exc:
         raise _refuse(module, exc) from None
     except UnsupportedModuleStructure:

@@ -21,13 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from autoep.detect import adapters, row_local, sharing, structure
-from autoep.errors import (OPT_OUT_HINT, OPT_OUT_SPELLING, DriftError, PlanError, UnsupportedModuleStructure,
-                           UnsupportedPlanEntry)
+from autoep.errors import (DRAWS_OPT_IN, OPT_OUT_HINT, OPT_OUT_SPELLING, DriftError, PlanError,
+                           UnsupportedModuleStructure, UnsupportedPlanEntry)
 from autoep.plan import archetypes, replay
 from autoep.plan import ep_size as auto_ep
 from autoep.plan.artifact import load_plan
 from autoep.plan.fingerprint import class_hashes, seal
-from autoep.plan.schema import EXECUTIONS, ON_DRIFT, ParallelConfig, PlanEntry
+from autoep.plan.schema import EXECUTIONS, EXPERT_DRAWS, ON_DRIFT, ParallelConfig, PlanEntry
 from autoep.plan.table import param_bytes
 from autoep.targets import FACTORY_KEY, check_not_moved, factory_key, factory_mapping, factory_spec, import_object
 
@@ -147,6 +147,7 @@ def _plain(node, where: str = "plan entry") -> dict:
 
 def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str, nn.Module]) -> dict:
     check_execution(key, entry)
+    check_expert_draws(key, entry)
     matched = match_modules(key, entry["match"], modules)
     skipped: list[str] = []
     if entry.get("moe_only"):
@@ -154,6 +155,11 @@ def resolve_entry(key: str, entry: dict, parallel: DictConfig, modules: dict[str
     if entry.get("decision") is not None:
         return replay_entry(key, entry, parallel, modules, matched, skipped)
     return decide_entry(key, entry, parallel, modules, matched, skipped)
+
+
+def _draws_on_owner(entry: Mapping) -> bool:
+    """The entry's ``expert_draws`` is on_owner (``PlanEntry``: exact unless the entry says so)."""
+    return entry.get("expert_draws", "exact") == "on_owner"
 
 
 def _record_replay(entry: Mapping) -> bool:
@@ -207,7 +213,8 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
                             f"Name the factory ('{key}.local_compute_fn={{{FACTORY_KEY}:pkg.fn}}') or remove the entry")
         structure_dict, num_experts = _detect_group(key, entry["match"], modules, matched,
                                                    replay=_record_replay(entry),
-                                                   execution=entry.get("execution", AUTO))
+                                                   execution=entry.get("execution", AUTO),
+                                                   draws_on_owner=_draws_on_owner(entry))
         cls_name = type(modules[matched[0]]).__name__
         fn = archetypes.compute_fn_config(structure.MoeStructure(**structure_dict), cls_name)
         source = "auto"
@@ -233,6 +240,8 @@ def decide_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
     flags = {"moe_only": True} if entry.get("moe_only") else {}
     if entry.get("execution", AUTO) != AUTO:
         flags["execution"] = entry["execution"]
+    if _draws_on_owner(entry):  # the opt-in, kept in resolved.yaml (a replay checks it against the decision)
+        flags["expert_draws"] = entry["expert_draws"]
     return out | flags | {"record_replay": _record_replay(entry)}
 
 
@@ -255,6 +264,26 @@ def check_execution(key: str, entry: dict) -> None:
                         f"to decide afresh, or set {key}.execution={frozen}")
 
 
+def check_expert_draws(key: str, entry: dict) -> None:
+    """``expert_draws`` is one of ``schema.EXPERT_DRAWS``, on_owner only where autoep decides (an explicit factory
+    runs as it is written), and a frozen decision that draws on the owner is replayed with the opt-in."""
+    draws = entry.get("expert_draws", "exact")
+    if draws not in EXPERT_DRAWS:
+        raise PlanError(f"{key}.expert_draws={draws!r} is not one of {list(EXPERT_DRAWS)}; e.g. {key}.expert_draws=exact "
+                        f"(experts that draw random numbers are refused) or {key}.expert_draws=on_owner (their draws "
+                        f"made on each expert's owner: equal in distribution, not bit-equal)")
+    fn, decision = entry.get("local_compute_fn", AUTO), entry.get("decision")
+    if draws != "exact" and fn != AUTO and (decision is None or decision.get("source") != "auto"):
+        raise PlanError(f"{key}.expert_draws={draws} is a choice of autoep's own executions, but {key}.local_compute_fn "
+                        f"names a factory, which runs as written; set {key}.expert_draws=exact or "
+                        f"{key}.local_compute_fn=auto")
+    frozen = ((decision or {}).get("structure") or {}).get("expert_draws")
+    if frozen and draws == "exact":
+        raise PlanError(f"{key}.expert_draws=exact, but its frozen decision draws on the experts' owners "
+                        f"({list(frozen)[0]}{' ...' if len(frozen) > 1 else ''}); set {key}.{DRAWS_OPT_IN} as it was "
+                        f"resolved, or drop the decision ({key}.decision=null) to decide afresh")
+
+
 def as_factory(fn: Mapping) -> dict:
     """``fn`` with its factory under ``_factory_`` (the key Hydra's ``instantiate`` never calls), first."""
     _, target, kwargs = factory_spec(fn)
@@ -269,18 +298,20 @@ def seal_entry(match: str, fn, decision: Mapping) -> str:
 
 
 def _detect_group(key: str, pattern: str, modules: dict, matched: list[str], *,
-                  replay: bool = True, execution: str = AUTO) -> tuple[dict, int]:
+                  replay: bool = True, execution: str = AUTO, draws_on_owner: bool = False) -> tuple[dict, int]:
     """One (structure, expert count) for every matched module, or an error naming the groups (``replay``: the
     the one-pass execution fallback for module experts is allowed, ``PlanEntry.record_replay``, the default;
-    ``execution``: ``PlanEntry.execution``, auto or the one asked for)."""
+    ``execution``: ``PlanEntry.execution``, auto or the one asked for; ``draws_on_owner``: ``PlanEntry.expert_draws``
+    is on_owner)."""
     groups: dict[tuple[structure.MoeStructure, int], list[str]] = {}
     for name in matched:
         try:
-            found = _detect_execution(key, name, modules[name], replay, execution)
+            found = _detect_execution(key, name, modules[name], replay, execution, draws_on_owner)
             n = structure.count_experts(modules[name], found)
         except UnsupportedModuleStructure as e:
+            reason = e.reason.replace(DRAWS_OPT_IN, f"{key}.{DRAWS_OPT_IN}")  # the opt-in this entry would set
             raise UnsupportedPlanEntry(
-                f"{key}.match={pattern!r} matched {name} ({e.cls_name}), which auto cannot take: {e.reason}"
+                f"{key}.match={pattern!r} matched {name} ({e.cls_name}), which auto cannot take: {reason}"
                 f"{adapters.tuner_layers_hint(modules[name])}. Narrow the match to MoE blocks, or opt out. "
                 f"{OPT_OUT_HINT}", e.cls_name, e.reason) from e
         groups.setdefault((found, n), []).append(name)
@@ -293,14 +324,15 @@ def _detect_group(key: str, pattern: str, modules: dict, matched: list[str], *,
     return found.as_dict(), n
 
 
-def _detect_execution(key: str, name: str, module: nn.Module, replay: bool, execution: str) -> structure.MoeStructure:
+def _detect_execution(key: str, name: str, module: nn.Module, replay: bool, execution: str,
+                      draws_on_owner: bool = False) -> structure.MoeStructure:
     """The block's structure under ``execution``: auto, the fastest proven one (the detector's order, grouped or
     spliced where a fast path is proven, else replay where ``replay`` allows it: docs/benchmarks.md says why);
     replay, the one-pass execution even where a fast path is proven too; grouped | spliced, the fast path's
     structure if it is that execution, else a ``PlanError`` naming the key."""
     if execution == "replay":
-        return structure.replay_structure(module)
-    found = structure.detect_moe_structure(module, replay=replay and execution == AUTO)
+        return structure.replay_structure(module, draws_on_owner=draws_on_owner)
+    found = structure.detect_moe_structure(module, replay=replay and execution == AUTO, draws_on_owner=draws_on_owner)
     if execution not in (AUTO, found.execution):
         raise PlanError(f"{key}.execution={execution}: {name} ({type(module).__name__}) is proven for "
                         f"execution={found.execution} (expert_storage={found.expert_storage}), not {execution}; set "
@@ -411,7 +443,8 @@ def replay_entry(key: str, entry: dict, parallel: DictConfig, modules: dict, mat
         log.warning("%s: drift (%s); parallel.on_drift=redetect, deciding afresh", where, "; ".join(drift))
         fresh = {"match": entry["match"], "local_compute_fn": AUTO if decision["source"] == "auto" else fn,
                  "moe_only": entry.get("moe_only", False), "record_replay": _record_replay(entry),
-                 **({"execution": entry["execution"]} if "execution" in entry else {})}
+                 **({"execution": entry["execution"]} if "execution" in entry else {}),
+                 **({"expert_draws": entry["expert_draws"]} if "expert_draws" in entry else {})}
         return decide_entry(key, fresh, parallel, modules, matched, skipped)
     check_compute_fn(key, fn, parallel.allowed_targets)
     check_ep_size(parallel.ep_size, decision["num_experts"], matched)

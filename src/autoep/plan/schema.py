@@ -24,6 +24,9 @@ ON_DRIFT = ("error", "redetect")
 # How a plan entry's blocks run their expert work (``MoeStructure.execution``): auto = the fastest proven one,
 # grouped > spliced > replay (docs/benchmarks.md, "Execution"); any other: that one, or the entry is refused.
 EXECUTIONS = ("auto", "grouped", "spliced", "replay")
+# Where random draws inside module experts are made (``PlanEntry.expert_draws``): exact = nowhere (an expert that
+# draws is refused); on_owner = on each expert's owner rank, equal in distribution to the model's, not bit-equal.
+EXPERT_DRAWS = ("exact", "on_owner")
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,14 @@ class PlanEntry:
     # fast path is proven too), refused naming this key where it is not proven; kept in resolved.yaml and
     # checked against the frozen decision when the artifact is replayed.
     execution: str = field(default="auto", metadata=one_of(EXECUTIONS, "how the blocks' expert work runs"))
+    # exact (the default): module experts that draw random numbers (dropout with p > 0 while training) are refused:
+    # under EP an expert runs on another rank, on other rows, so its draws cannot be the model's bit for bit.
+    # on_owner: an element-wise dropout (nn.Dropout, nn.AlphaDropout, F.dropout) with p > 0 is accepted and draws
+    # its masks on the rank that owns the expert, from that rank's generator: equal in distribution to the model
+    # (each element dropped with probability p, kept ones scaled by 1/(1-p), the backward through the same mask),
+    # not bit-equal. Recorded in decision.structure.expert_draws and the plan table; at p=0 and in eval nothing
+    # is drawn and the results are bit-identical to exact. README, "Randomness in experts".
+    expert_draws: str = field(default="exact", metadata=one_of(EXPERT_DRAWS, "where the experts' random draws are made"))
     decision: Optional[Decision] = None
 
 

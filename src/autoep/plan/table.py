@@ -19,6 +19,8 @@ def structure_label(decision) -> str:
     flags = [k for k in ("jitter", "expert_bias", "expert_transposed") if s.get(k)]
     flags += [f"{k}={s[k]}" for k, default in (("gate_up_layout", "concatenated"), ("activation", "glu"))
               if s.get(k, default) != default]
+    if s.get("expert_draws"):  # PlanEntry.expert_draws=on_owner, and an expert draws: not bit-equal to the model
+        flags.append("expert_draws=on_owner (equal in distribution, not bit-equal)")
     return "/".join([s["router"], s["shared_experts"], s["expert_storage"], *flags])
 
 

@@ -233,8 +233,9 @@ def check_facts(module: nn.Module) -> None:
     if drift:
         raise FactChanged(f"{type(module).__name__}: {drift[0]}; the expert-parallel plan was proven for the old "
                           "value (e.g. an expert's dropout at p=0 or in eval is the identity, otherwise it draws random "
-                          "numbers the exchange cannot reproduce): set it back, or apply the plan to the model in its "
-                          "new state")
+                          "numbers the exchange cannot reproduce, unless the plan entry sets expert_draws=on_owner; a "
+                          "BatchNorm in eval maps each row by its running statistics, in training by its batch's, "
+                          "which mix rows across ranks): set it back, or apply the plan to the model in its new state")
 
 
 def _check_proven_hook(module: nn.Module, args) -> None:

@@ -252,7 +252,7 @@ def _region_fn(plan, ep_group):
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_):
     """Resolve-time check (an explicit ``_target_`` included) that this recipe computes what ``module``
     computes: its expert loop and every expert are proven, and the given expert facts are the proven
-    ones. Returns the splice plans (one per expert region); raises ``UnsupportedModuleStructure`` naming the key otherwise."""
+    ones (random draws accepted where ``structure.expert_draws`` records them: ``PlanEntry.expert_draws=on_owner``). Returns the splice plans (one per expert region); raises ``UnsupportedModuleStructure`` naming the key otherwise."""
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
     name = type(module).__name__
     if spec_of(module) is not None:
@@ -263,12 +263,12 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_):
         raise UnsupportedModuleStructure(name, f"the module_list recipe needs a ModuleList/ModuleDict of experts at "
                                                f"structure.experts_path={path!r}")
     try:
-        proven = module_list_facts(experts, path)
+        proven = module_list_facts(experts, path, bool(structure.get("expert_draws")))
         plan = module_list_plan(module, path)
     except Refusal as exc:
         raise UnsupportedModuleStructure(name, str(exc)) from None
     for key, value in proven.items():
-        given = structure.get(key)
+        given = structure.get(key, () if key == "expert_draws" else None)  # a structure resolved before it: none
         if (tuple(given) if isinstance(given, list) else given) != value:  # YAML gives the names back as a list
             reason = f"structure.{key}={structure.get(key)!r}, but the experts are proven {key}={value!r}"
             raise UnsupportedModuleStructure(name, reason)

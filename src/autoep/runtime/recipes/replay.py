@@ -143,7 +143,8 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
     # The container's leading entries are the experts; entries its forward reads by name (NLLB's token dropout)
     # stay where the token is, as the rest of the block (``replay_proof.num_experts``, checked by validate).
     num_experts = replay_proof.num_experts(module, facts.experts_path)
-    pinned = replay_proof.leading_dims_pinned(module, facts.experts_path)  # before the stand-ins replace experts
+    # before the stand-ins replace experts
+    pinned = replay_proof.leading_dims_pinned(module, facts.experts_path, bool(facts.expert_draws))
     labels, _ = replay_proof.expert_labels(module, facts.experts_path)
     # Experts in a plain dict/list attribute are the block's own registered children: placed under their names
     # (the attribute and the registration are one object each, so both reach the placed expert or its stand-in).
@@ -168,12 +169,13 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> None:
     """Resolve-time check (an explicit ``_target_`` included): the block's experts are the container at
     ``structure.experts_path`` its forward calls, each proven row-local, deterministic and stateless, and the
-    folded facts are the proven ones. Raises ``UnsupportedModuleStructure`` naming the key otherwise."""
+    folded facts are the proven ones (random draws accepted where ``structure.expert_draws`` records them:
+    ``PlanEntry.expert_draws=on_owner``). Raises ``UnsupportedModuleStructure`` naming the key otherwise."""
     facts, name = as_structure(structure), type(module).__name__
     if spec_of(module) is not None:
         raise UnsupportedModuleStructure(name, "the block is already EP-ready (apply_plan ran on it)")
     try:
-        proven = replay_proof.replay_facts(module, facts.experts_path)
+        proven = replay_proof.replay_facts(module, facts.experts_path, bool(facts.expert_draws))
     except Refusal as exc:
         raise UnsupportedModuleStructure(name, str(exc)) from None
     for key, value in proven.items():

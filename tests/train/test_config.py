@@ -68,7 +68,7 @@ def test_default_model_is_a_shipped_family_and_default_plan_is_auto():
     assert cfg.parallel.ep_size == 1 and cfg.parallel.on_drift == "error" and cfg.parallel.allowed_targets == []
     assert OmegaConf.to_container(cfg.parallel.plan) == [
         {"match": "model.layers.*.mlp", "local_compute_fn": "auto", "moe_only": True, "record_replay": True,
-         "execution": "auto", "decision": None}]
+         "execution": "auto", "expert_draws": "exact", "decision": None}]
 
 
 def test_model_kwarg_typo_is_caught_without_building():

@@ -14,6 +14,7 @@ from test_config import DOC_OVERRIDES
 from autoep.plan.artifact import plan_hash
 
 EXPLICIT, AUTO, NO_DETECT = DOC_OVERRIDES[0], DOC_OVERRIDES[1], DOC_OVERRIDES[2]
+DRAWS = "parallel.plan.0.expert_draws=on_owner"  # docs/overrides.md, README "Randomness in experts"
 SCRIPT = Path(sys.executable).parent / "autoep-plan"
 
 
@@ -48,7 +49,8 @@ def ok(result):
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
-    first = run_all(tmp, {"auto": ["parallel.ep_size=2"], "explicit": [EXPLICIT], "nodetect": [NO_DETECT]})
+    first = run_all(tmp, {"auto": ["parallel.ep_size=2"], "explicit": [EXPLICIT], "nodetect": [NO_DETECT],
+                          "draws": [DRAWS]})
     ok(first["auto"]), ok(first["explicit"])
     text = (tmp / "auto" / "resolved.yaml").read_text()
     edited_text = text.replace("num_experts: 8", "num_experts: 16")
@@ -115,3 +117,13 @@ def test_hand_edited_resolved_yaml_is_refused(cli):
     assert not (tmp / "hand_edited").exists()  # refused before Hydra made a run dir
     rc, _, stderr = results["rehashed"]
     assert rc == 2 and "parallel.plan.0: match/local_compute_fn/decision were changed" in stderr, stderr
+
+
+def test_the_draws_opt_in_is_recorded_and_changes_nothing_where_nothing_draws(cli):
+    """Qwen3-MoE's experts draw nothing: the same structure as without the key, the key kept in resolved.yaml."""
+    tmp, results = cli
+    ok(results["draws"])
+    assert DRAWS in (Path(__file__).resolve().parents[2] / "docs" / "overrides.md").read_text()
+    draws, auto = resolved(tmp, "draws")["parallel"]["plan"][0], resolved(tmp, "auto")["parallel"]["plan"][0]
+    assert draws["expert_draws"] == "on_owner" and draws["decision"]["structure"]["expert_draws"] == []
+    assert draws["decision"]["structure"] == auto["decision"]["structure"]

@@ -33,11 +33,11 @@ RANDOM = "draws random numbers (not deterministic)"
 STATE = "writes module state (not stateless)"
 INPLACE = "edits the expert's input in place (not stateless)"
 BATCH_STATS = "uses batch statistics (not row-local, not stateless)"
-BATCH_STATS_WHY = ("in training (or without running statistics) it normalises each row by the mean and variance of the "
-                   "batch it is called on, and under EP an expert's owner calls it once on the rows every rank sent it: "
-                   "batch statistics mix rows across ranks (and its running statistics would update on the owner alone); "
-                   "in eval with running statistics it is a per-feature affine map of each row, which EP runs exactly "
-                   "(model.eval() before the plan is resolved; train() after apply raises), or opt out")
+BATCH_STATS_WHY = ("in training (or without running statistics) it normalises each row by the mean and variance of "
+                   "the batch it is called on, and under EP an expert's owner calls it once on the rows every rank "
+                   "sent it: batch statistics mix rows across ranks (and its running statistics would update on the "
+                   "owner alone); in eval with running statistics it is a per-feature affine map of each row, which "
+                   "EP runs exactly (model.eval() before the plan is resolved; train() after apply raises), or opt out")
 
 MAX_DEPTH = 8
 _MAX_UNROLL = 64
@@ -692,14 +692,14 @@ class Interpreter:
             self.refuse(node, INPLACE)
         if not isinstance(bound.get("input"), Row):
             self.refuse(node, "is not applied to the rows")
-        name = getattr(fn, "__name__", "dropout")
-        return self.ctx.dropout(self.at(node, "")[:-1], None, p.value, self.mode_read(node, names) or bool(training.value),
-                                fn in _ELEMENTWISE_DROPOUT_FNS, f"{name}(p={p.value})",
-                                f"{self.path + '.' if self.path else ''}{self.where} line {node.lineno}", bound["input"])
+        name, mode = getattr(fn, "__name__", "dropout"), self.mode_read(node, names) or bool(training.value)
+        at = f"{self.path + '.' if self.path else ''}{self.where} line {node.lineno}"
+        return self.ctx.dropout(self.at(node, "")[:-1], None, p.value, mode, fn in _ELEMENTWISE_DROPOUT_FNS,
+                                f"{name}(p={p.value})", at, bound["input"])
 
     def mode_read(self, node: ast.Call, names: tuple) -> str | None:
-        """The folded path of the mode a dropout call passes where it is a module's ``training`` read (``self.training``,
-        ``self.sub.training``), else None."""
+        """The folded path of the mode a dropout call passes where it is a module's ``training`` read
+        (``self.training``, ``self.sub.training``), else None."""
         arg = node.args[2] if len(node.args) > 2 else next((k.value for k in node.keywords if k.arg == names[2]), None)
         if not (isinstance(arg, ast.Attribute) and arg.attr == "training"):
             return None

@@ -12,8 +12,8 @@ the ``forward`` (and helper methods, user submodules, plain functions) it runs. 
 (``nn.Sequential`` as torch runs it, ``nn.ModuleList`` iterated), ``nn.Linear`` with or without bias, any
 element-wise activation (function or module, ``autoep.detect.elementwise``), dropout (every ``nn`` dropout module,
 ``F.dropout`` and kin) with p=0 or in eval, last-dim norms (``nn.LayerNorm``/``nn.RMSNorm`` over the last dim, or
-written out with reductions over dim -1), ``nn.GroupNorm``, ``nn.Identity``, user modules recursively, optional arguments the call site does not pass (their
-defaults), and branches on constant instance attributes, folded at detection (``ExpertProof.folded``: the
+written out with reductions over dim -1), ``nn.GroupNorm``, ``nn.Identity``, user modules recursively, optional
+arguments the call site does not pass (their defaults), and branches on constant instance attributes, folded at detection (``ExpertProof.folded``: the
 fingerprint and the replay check read them). Anything else is a refusal naming the property that failed and
 the model's line: ``MyExpert.forward line 4: `x.mean(0)` mixes rows (not row-local)``.
 

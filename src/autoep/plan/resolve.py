@@ -269,14 +269,15 @@ def check_expert_draws(key: str, entry: dict) -> None:
     runs as it is written), and a frozen decision that draws on the owner is replayed with the opt-in."""
     draws = entry.get("expert_draws", "exact")
     if draws not in EXPERT_DRAWS:
-        raise PlanError(f"{key}.expert_draws={draws!r} is not one of {list(EXPERT_DRAWS)}; e.g. {key}.expert_draws=exact "
-                        f"(experts that draw random numbers are refused) or {key}.expert_draws=on_owner (their draws "
-                        f"made on each expert's owner: equal in distribution, not bit-equal)")
+        raise PlanError(f"{key}.expert_draws={draws!r} is not one of {list(EXPERT_DRAWS)}; e.g. "
+                        f"{key}.expert_draws=exact (experts that draw random numbers are refused) or "
+                        f"{key}.expert_draws=on_owner (their draws made on each expert's owner: equal in distribution, "
+                        "not bit-equal)")
     fn, decision = entry.get("local_compute_fn", AUTO), entry.get("decision")
     if draws != "exact" and fn != AUTO and (decision is None or decision.get("source") != "auto"):
-        raise PlanError(f"{key}.expert_draws={draws} is a choice of autoep's own executions, but {key}.local_compute_fn "
-                        f"names a factory, which runs as written; set {key}.expert_draws=exact or "
-                        f"{key}.local_compute_fn=auto")
+        raise PlanError(f"{key}.expert_draws={draws} is a choice of autoep's own executions, but "
+                        f"{key}.local_compute_fn names a factory, which runs as written; set {key}.expert_draws=exact "
+                        f"or {key}.local_compute_fn=auto")
     frozen = ((decision or {}).get("structure") or {}).get("expert_draws")
     if frozen and draws == "exact":
         raise PlanError(f"{key}.expert_draws=exact, but its frozen decision draws on the experts' owners "

@@ -252,7 +252,8 @@ def _region_fn(plan, ep_group):
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_):
     """Resolve-time check (an explicit ``_target_`` included) that this recipe computes what ``module``
     computes: its expert loop and every expert are proven, and the given expert facts are the proven
-    ones (random draws accepted where ``structure.expert_draws`` records them: ``PlanEntry.expert_draws=on_owner``). Returns the splice plans (one per expert region); raises ``UnsupportedModuleStructure`` naming the key otherwise."""
+    ones (random draws accepted where ``structure.expert_draws`` records them: ``PlanEntry.expert_draws=on_owner``).
+    Returns the splice plans (one per expert region); raises ``UnsupportedModuleStructure`` naming the key otherwise."""
     structure = structure.as_dict() if isinstance(structure, MoeStructure) else dict(structure)
     name = type(module).__name__
     if spec_of(module) is not None:

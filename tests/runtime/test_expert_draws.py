@@ -212,3 +212,24 @@ def test_switch_at_its_default_config_is_taken_with_the_opt_in():
     torch.testing.assert_close(model["mlp"](x), ref(x))
     model.train()
     assert not torch.allclose(model["mlp"](x), ref(x))  # drawn: 10% of each expert's hidden units dropped
+
+
+@pytest.mark.parametrize("execution", EXECUTIONS)
+def test_checkpointing_recomputes_the_same_masks(execution):
+    """Activation checkpointing around the block (non-reentrant) recomputes its forward with the RNG state restored:
+    the owner draws the same masks again, so output, input grad and every parameter grad equal the run without it
+    (a different mask in the recomputation would give the backward another mask than the forward's, silently)."""
+    import torch.utils.checkpoint as cp
+
+    seen = []
+    for checkpointed in (False, True):
+        model, _ = ep_parity.ep_model(_block(), 1, execution=execution, expert_draws="on_owner")
+        x, grad_out = ep_parity.data(1, D, batches=[40])[0]
+        torch.manual_seed(5)
+        x = x.clone().requires_grad_()
+        out = cp.checkpoint(model["mlp"], x * 1, use_reentrant=False) if checkpointed else model["mlp"](x * 1)
+        (out * grad_out).sum().backward()
+        seen.append((out.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}))
+    (out0, x0, grads0), (out1, x1, grads1) = seen
+    assert (out0 == 0).any() and torch.equal(out0, out1) and torch.equal(x0, x1)
+    assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)

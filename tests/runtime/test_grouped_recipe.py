@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from blocks import AriaStyleMoELayer, TitanMoE, TitanPaddedMoE, TuneMoE
+from function_blocks import FunctionMoE, FusedFunctionExperts
 from distributed import guarded, run_cases, spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -32,9 +33,12 @@ BATCH_PER_RANK = {1: [4], 2: [3, 0], 4: [2, 0, 3, 1]}  # sequences per rank; une
 
 
 def _idle_experts_titan():
+    return _idle_experts(TitanMoE(hidden=D, num_experts=4, top_k=2))
+
+
+def _idle_experts(block):
     """Positive inputs and router rows 2.. negative: tokens only pick experts 0 and 1, so the ranks
     owning the others receive nothing and must still produce zero expert gradients."""
-    block = TitanMoE(hidden=D, num_experts=4, top_k=2)
     with torch.no_grad():
         block.router.weight.abs_()
         block.router.weight[2:].neg_()
@@ -49,6 +53,11 @@ BLOCKS = {
     "aria_style": lambda: AriaStyleMoELayer(hidden=D, num_experts=4, top_k=2),
     "aria_style_8": lambda: AriaStyleMoELayer(hidden=D, num_experts=8, top_k=3),
     "idle_experts": _idle_experts_titan,
+    # the model's own autograd Function (ScatterMoE's ParallelLinear idiom), run on the owner's slice
+    "own_function": lambda: FunctionMoE(hidden=D, num_experts=4, top_k=2),
+    "own_function_8": lambda: FunctionMoE(hidden=D, num_experts=8, top_k=3),
+    "own_function_fused": lambda: FunctionMoE(FusedFunctionExperts, hidden=D, num_experts=4, top_k=2),
+    "own_function_idle": lambda: _idle_experts(FunctionMoE(hidden=D, num_experts=4, top_k=2)),
 }
 
 
@@ -62,7 +71,7 @@ def _data(name: str, world_size: int):
     g = torch.Generator().manual_seed(7)
     batches = BATCH_PER_RANK[world_size]
     x = torch.randn(sum(batches), SEQ, D, generator=g)
-    if name == "idle_experts":
+    if name.endswith("idle_experts") or name.endswith("_idle"):
         x = x.abs()
     grad_out = torch.randn(x.shape, generator=g)
     bounds = [sum(batches[:r]) for r in range(world_size + 1)]

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import ast
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from autoep.detect import elementwise
+from autoep.detect import autograd_functions, elementwise
 from autoep.detect.loop_context import plain_method
 from autoep.detect.loop_values import Obj, Sub
 from autoep.detect.names import Scope, attribute
@@ -86,6 +86,39 @@ class Acc:
     item: tuple | None = None
 
 
+@dataclass(frozen=True)
+class FnApply:
+    """``Fn.apply`` of a model's own ``torch.autograd.Function`` (``autoep.detect.autograd_functions``)."""
+
+    cls: type
+
+
+@dataclass(eq=False)
+class Ctx:
+    """A Function's ``ctx``: what its forward saved (``save_for_backward``, once) and set on it (plain values)."""
+
+    saved: tuple | None = None
+    attrs: dict = field(default_factory=dict)
+    backward: bool = False  # read by the backward: no writes
+
+
+@dataclass(frozen=True)
+class Outer:
+    """``g_e.t() @ x_e`` inside a backward's per-group loop: expert e's weight gradient, from group e alone
+    (``t``: the group's rows transposed, before the product)."""
+
+    expr: tuple
+
+
+@dataclass(frozen=True)
+class FunctionUse:
+    """A weight applied through a proven per-group Function: ``cls.apply`` with the arguments in ``roles``
+    order ("x", "counts", "weight")."""
+
+    cls: type
+    roles: tuple
+
+
 
 
 _MAX_DEPTH = 6
@@ -105,18 +138,23 @@ class _Interpreter:
         self.loops: set[str] = set()  # the kinds of per-expert loop that ran
         self.in_loop = False  # helpers called inside a per-expert loop may not loop themselves
         self.split_head = False  # the split loop running splits x[:sum(counts)]
+        self.functions: dict[str, FunctionUse] = {}  # weights applied through a proven autograd Function
+        self.plain: set[str] = set()  # weights the experts' own code applies (outside any Function)
+        self.in_function = False
 
     # -- entry -----------------------------------------------------------------------------------
 
     def refuse(self, f: _Frame, node, why="is not a construct the grouped-experts proof knows"):
         raise Refusal(f"{f.where} line {getattr(node, 'lineno', '?')}: `{ast.unparse(node)[:80]}` {why}")
 
-    def call_function(self, fn, args: list, owner: nn.Module | None, path: str, depth: int):
+    def call_function(self, fn, args: list, owner: nn.Module | None, path: str, depth: int, decorated=False):
+        """``decorated``: a Function's static method (``autograd_functions.checked_function`` read its
+        decorators)."""
         if depth > _MAX_DEPTH:
             raise Refusal(f"{fn.__qualname__}: calls nest too deep to follow")
         tree = function_tree(fn)
         a = tree.args
-        if tree.decorator_list or hasattr(fn, "__wrapped__"):
+        if (tree.decorator_list and not decorated) or hasattr(fn, "__wrapped__"):
             raise Refusal(f"{fn.__qualname__} is decorated; autoep does not know what the decorator does")
         names = [x.arg for x in a.args][1 if owner is not None else 0:]
         if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults or len(names) != len(args):
@@ -135,6 +173,8 @@ class _Interpreter:
                 self.assign(f, stmt, loop)
             elif isinstance(stmt, ast.Expr) and loop is not None:
                 self.append(f, stmt, loop)
+            elif isinstance(stmt, ast.Expr) and loop is None and self.in_function:
+                self.save_for_backward(f, stmt)
             elif isinstance(stmt, ast.For) and loop is None:
                 self.for_loop(f, stmt)
             elif isinstance(stmt, ast.Return) and loop is None and i == len(stmts) - 1 and stmt.value is not None:
@@ -151,6 +191,12 @@ class _Interpreter:
         if isinstance(target, ast.Subscript):
             return self.store(f, stmt, loop)
         value = self.eval(f, stmt.value)
+        if isinstance(target, ast.Attribute) and loop is None:
+            ctx = self.eval(f, target.value)
+            if not (isinstance(ctx, Ctx) and not ctx.backward and isinstance(value, (Counts, Obj))):
+                self.refuse(f, stmt, "sets an attribute other than a plain value or the counts on a Function's ctx")
+            ctx.attrs[target.attr] = value
+            return
         if isinstance(target, ast.Name):
             f.env[target.id] = value
         elif isinstance(target, ast.Tuple) and all(isinstance(t, ast.Name) for t in target.elts) \
@@ -178,9 +224,24 @@ class _Interpreter:
             and call.func.attr == "append" and len(call.args) == 1 and not call.keywords
         target = self.eval(f, call.func.value) if ok else None
         value = self.eval(f, call.args[0]) if ok else None
+        if isinstance(value, Outer) and isinstance(target, OutList) and target.item is None:
+            target.item = ("outer", value.expr)  # expert e's weight gradient (a Function's backward)
+            return
         if not (isinstance(target, OutList) and target.item is None and isinstance(value, Rows) and value.group):
             self.refuse(f, stmt, "is not `out.append(<rows of this expert>)`, once, in the split loop")
         target.item, target.head = value.expr, self.split_head
+
+    def save_for_backward(self, f: _Frame, stmt: ast.Expr) -> None:
+        """``ctx.save_for_backward(<the Function's inputs>)``, once, in a Function's forward."""
+        call = stmt.value
+        ok = isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) \
+            and call.func.attr == "save_for_backward" and not call.keywords
+        ctx = self.eval(f, call.func.value) if ok else None
+        if not (isinstance(ctx, Ctx) and not ctx.backward and ctx.saved is None):
+            self.refuse(f, stmt, "is not `ctx.save_for_backward(...)`, once, in a Function's forward")
+        ctx.saved = tuple(self.eval(f, a) for a in call.args)
+        if not all(isinstance(v, (Rows, Weight)) and not getattr(v, "group", False) for v in ctx.saved):
+            self.refuse(f, stmt, "saves something other than the Function's rows and weight")
 
     def for_loop(self, f: _Frame, stmt: ast.For) -> None:
         if stmt.orelse or self.in_loop:
@@ -196,6 +257,14 @@ class _Interpreter:
             f.env[target.elts[0].id] = Tag("idx")
             f.env[target.elts[1].id] = Rows(split.of[0], group=True)
             kind, self.split_head = "split", split.of[1]
+        elif self.in_function and isinstance(it, ast.Call) and len(it.args) == 1 and not it.keywords \
+                and self.eval(f, it.func) == Obj(enumerate) and isinstance(target, ast.Tuple) \
+                and len(target.elts) == 2 and isinstance(target.elts[0], ast.Name) \
+                and isinstance(target.elts[1], ast.Tuple) and all(isinstance(t, ast.Name) for t in target.elts[1].elts):
+            splits = self.zipped_splits(f, it.args[0], len(target.elts[1].elts))
+            f.env[target.elts[0].id] = Tag("idx")
+            f.env.update({t.id: Rows(expr, group=True) for t, expr in zip(target.elts[1].elts, splits)})
+            kind = "split"
         elif isinstance(it, ast.Call) and len(it.args) == 1 and not it.keywords \
                 and self.eval(f, it.func) == Obj(range) and isinstance(target, ast.Name):
             if self.eval(f, it.args[0]) != Tag("num_experts"):
@@ -211,6 +280,17 @@ class _Interpreter:
         # Names bound inside the loop hold the last expert's rows afterwards: reading them is refused.
         for name in (set(f.env) - set(before)) | {n for n in before if f.env[n] is not before[n]}:
             f.env[name] = Tag("dead", name)
+
+    def zipped_splits(self, f: _Frame, node, n: int) -> list:
+        """``zip(torch.split(a, counts, dim=0), torch.split(b, counts, dim=0), ...)`` in a Function's backward:
+        group e of each (the same counts split them all)."""
+        if not (isinstance(node, ast.Call) and self.eval(f, node.func) == Obj(zip) and len(node.args) == n
+                and not node.keywords):
+            self.refuse(f, node, "is not zip(<splits of the rows by the counts>)")
+        splits = [self.eval(f, a) for a in node.args]
+        if not all(isinstance(s, Tag) and s.kind == "split" and not s.of[1] for s in splits):
+            self.refuse(f, node, "zips something other than torch.split(<rows>, counts.tolist(), dim=0)")
+        return [s.of[0] for s in splits]
 
     def bounds(self, f: _Frame, node) -> bool:
         return isinstance(node, ast.Slice) and node.step is None and node.lower is not None \
@@ -252,6 +332,12 @@ class _Interpreter:
         base = self.eval(f, node.value)
         if isinstance(base, Obj) and inspect.ismodule(base.value) and hasattr(base.value, node.attr):
             return Obj(attribute(base.value, node.attr))  # a module-level name: torch.matmul, nn.functional
+        if isinstance(base, Obj) and autograd_functions.is_function_class(base.value) and node.attr == "apply":
+            return FnApply(base.value)
+        if isinstance(base, Ctx) and base.backward and node.attr == "saved_tensors" and base.saved is not None:
+            return base.saved
+        if isinstance(base, Ctx) and base.backward and node.attr in base.attrs:
+            return base.attrs[node.attr]
         if isinstance(base, Rows) and node.attr in ("dtype", "device"):
             return Tag(node.attr, base.group)
         if isinstance(base, Rows) and node.attr == "shape":
@@ -324,9 +410,17 @@ class _Interpreter:
         self.refuse(f, node, "is arithmetic the proof does not accept (only the product of two row values)")
 
     def matmul(self, f: _Frame, node, rows, weight):
+        if isinstance(rows, tuple) and len(rows) == 2 and rows[0] == "rows.t" and isinstance(weight, Rows) \
+                and weight.group:
+            return Outer((rows[1], weight.expr))  # group e's rows, transposed, times group e's: expert e's grad
         if not (isinstance(rows, Rows) and rows.group and isinstance(weight, Slice)):
             self.refuse(f, node, "is not the rows of an expert times that expert's weight")
-        return Rows(("lin", rows.expr, weight.path, weight.t), group=True)
+        return self.lin(rows, weight.path, weight.t)
+
+    def lin(self, rows: Rows, path: str, t: bool) -> Rows:
+        if not self.in_function:
+            self.plain.add(path)
+        return Rows(("lin", rows.expr, path, t), group=True)
 
     def returned(self, f: _Frame, stmt: ast.Return):
         value = self.eval(f, stmt.value)
@@ -351,6 +445,8 @@ class _Interpreter:
         target = self.eval(f, func)
         if isinstance(target, Sub):
             return self.submodule_call(f, node, target)
+        if isinstance(target, FnApply):
+            return self.function_apply(f, node, target.cls)
         if isinstance(target, Obj):
             return self.function_call(f, node, target.value)
         self.refuse(f, node, "calls something the proof cannot resolve")
@@ -380,6 +476,8 @@ class _Interpreter:
             return Tag("pad", base.expr)
         if isinstance(base, Slice) and attr == "t" and no_args:
             return Slice(base.path, not base.t)
+        if isinstance(base, Rows) and base.group and self.in_function and attr == "t" and no_args:
+            return ("rows.t", base.expr)  # only as the left factor of a weight gradient (matmul)
         if isinstance(base, Slice) and attr == "transpose" and not node.keywords and len(node.args) == 2:
             dims = {self.eval(f, a) for a in node.args}
             if dims in ({Obj(-2), Obj(-1)}, {Obj(0), Obj(1)}):
@@ -390,6 +488,18 @@ class _Interpreter:
         if fn is torch.matmul:
             args = self.bind(f, node, ["input", "other"], 2)
             return self.matmul(f, node, args["input"], args["other"])
+        if fn is torch.nn.functional.linear:
+            args = self.bind(f, node, ["input", "weight"], 2)  # no bias: F.linear(x_e, w[e]) is x_e @ w[e].T
+            if not (isinstance(args["input"], Rows) and args["input"].group and isinstance(args["weight"], Slice)):
+                self.refuse(f, node, "is not F.linear(<rows of an expert>, <that expert's weight>)")
+            return self.lin(args["input"], args["weight"].path, not args["weight"].t)
+        if fn is torch.stack and self.in_function:
+            args = self.bind(f, node, ["tensors", "dim"], 1)
+            seq = args["tensors"]
+            if not (isinstance(seq, OutList) and seq.item is not None and seq.item[0] == "outer"
+                    and args.get("dim", Obj(0)) == Obj(0)):
+                self.refuse(f, node, "is not torch.stack(<per-expert weight gradients>, dim=0)")
+            return Tag("wgrad")
         if fn is torch.split:
             return self.split(f, node, self.bind(f, node, ["tensor", "split_size_or_sections", "dim"], 2))
         if fn is torch.chunk:
@@ -413,6 +523,66 @@ class _Interpreter:
                 self.refuse(f, node, "passes keywords to a helper function")
             return self.call_function(fn, args, None, f.path, f.depth + 1)
         self.refuse(f, node, f"calls {getattr(fn, '__qualname__', fn)!s:.60}, which the proof does not know")
+
+    def function_apply(self, f: _Frame, node: ast.Call, cls: type):
+        """``Fn.apply(rows, counts, weight)`` (any order) of a model's own autograd Function whose forward is a
+        per-group linear map of the rows by the weight and whose backward is per-group too: the rows' ``lin``
+        by that weight, recorded so the recipe runs ``Fn.apply`` itself on the local experts. Refusals name
+        the Function."""
+        if node.keywords or self.in_loop or self.in_function:
+            self.refuse(f, node, "applies a Function with keywords, inside a per-expert loop or inside a Function")
+        args = [self.eval(f, a) for a in node.args]
+        roles = tuple("x" if isinstance(a, Rows) else "counts" if a == Counts("tensor") else
+                      "weight" if isinstance(a, Weight) else repr(a) for a in args)
+        rows = next((a for a in args if isinstance(a, Rows)), None)
+        if sorted(roles) != ["counts", "weight", "x"] or rows.group or rows.head:
+            self.refuse(f, node, f"passes {list(roles)}; autoep reads a Function applied to (the rows, the counts "
+                        "tensor, one expert weight), in any order")
+        weight = next(a for a in args if isinstance(a, Weight))
+        try:
+            autograd_functions.genuine_autograd()
+            forward, backward = autograd_functions.checked_function(cls)
+            out = self.function_forward(forward, args, f)
+            if not (isinstance(out, Rows) and out.result and not out.head and out.expr[:3] == ("lin", rows.expr,
+                                                                                            weight.path)):
+                raise Refusal(f"{forward.__qualname__} does not return its per-group loop's F.linear(x_e, w[e]) "
+                              "(or x_e @ w[e]) of its rows")
+            self.function_backward(backward, args, roles, f)
+        except Refusal as exc:
+            raise Refusal(f"custom autograd Function {cls.__qualname__} applied at {f.where} line {node.lineno} is "
+                          f"not proven per-group: {exc}") from None
+        use = FunctionUse(cls, roles)
+        if self.functions.setdefault(weight.path, use) != use:
+            self.refuse(f, node, f"applies {weight.path} through two different Functions")
+        return Rows(out.expr, result=True)
+
+    def function_forward(self, forward, args: list, f: _Frame):
+        self.ctx, self.in_function = Ctx(), True
+        loops = set(self.loops)
+        try:
+            out = self.call_function(forward, [self.ctx, *args], None, f.path, f.depth + 1, decorated=True)
+        finally:
+            self.in_function = False
+        if self.loops - loops - {"split"}:
+            raise Refusal(f"{forward.__qualname__} uses a per-group loop other than the split loop")
+        return out
+
+    def function_backward(self, backward, args: list, roles: tuple, f: _Frame):
+        """The backward, over ``grad_output``'s rows and what the forward saved: the rows' gradient is per-group
+        rows (or None), the counts' None, the weight's the stack of per-group ``g_e.t() @ x_e`` (or None)."""
+        ctx = self.ctx
+        if ctx.saved is None:
+            raise Refusal(f"{backward.__qualname__}: its forward saves nothing with ctx.save_for_backward")
+        ctx.backward = True
+        inner = _Interpreter(self.experts)
+        inner.in_function, inner.ctx = True, ctx
+        grads = inner.call_function(backward, [ctx, Rows(("grad",))], None, f.path, f.depth + 1, decorated=True)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        want = {"x": lambda g: isinstance(g, Rows) and g.result and not g.head, "counts": lambda g: False,
+                "weight": lambda g: g == Tag("wgrad")}
+        if len(grads) != len(roles) or any(g != Obj(None) and not want[r](g) for g, r in zip(grads, roles)):
+            raise Refusal(f"{backward.__qualname__} does not return, per input in order, its per-group loop's "
+                          "rows gradient, None for the counts, and torch.stack of the per-expert g_e.t() @ x_e")
 
     def submodule_call(self, f: _Frame, node: ast.Call, sub: Sub):
         module = self.experts.get_submodule(sub.path)
@@ -456,7 +626,7 @@ class _Interpreter:
 
     def cat(self, f: _Frame, node, args: dict):
         seq, dim = args["tensors"], args.get("dim", Obj(0))
-        if isinstance(seq, OutList) and seq.item is not None and dim == Obj(0):
+        if isinstance(seq, OutList) and seq.item is not None and seq.item[0] != "outer" and dim == Obj(0):
             return Rows(seq.item, result=True, head=seq.head)
         if seq == (Tag("zero"), Tag("cumsum")) and dim == Obj(0):
             return Tag("offsets")
@@ -488,8 +658,12 @@ class _Interpreter:
         self.refuse(f, node, "is not zeros(1, dtype=long) or zeros(rows, out_features, dtype=rows.dtype)")
 
 
-def interpret(experts: nn.Module, forward) -> tuple[object, frozenset]:
-    """(the value ``forward(x, counts)`` returns, the kinds of per-expert loop that ran) for ``experts``."""
+def interpret(experts: nn.Module, forward) -> tuple[object, frozenset, dict]:
+    """(the value ``forward(x, counts)`` returns, the kinds of per-expert loop that ran, the weights applied
+    through a proven autograd Function by path) for ``experts``."""
     interp = _Interpreter(experts)
     out = interp.call_function(forward, [Rows(("x",)), Counts("tensor")], experts, "", 0)
-    return out, frozenset(interp.loops)
+    mixed = sorted(interp.plain & set(interp.functions))
+    if mixed:
+        raise Refusal(f"experts {type(experts).__name__} apply {mixed} both through a Function and by their own code")
+    return out, frozenset(interp.loops), dict(interp.functions)

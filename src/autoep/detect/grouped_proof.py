@@ -38,6 +38,9 @@ class GroupedProof:
     # offsets clipped to the rows as slicing clips them | a split and offsets: exactly E counts
     loops: frozenset = frozenset()
     facts: dict = field(compare=False, default_factory=dict)
+    # weights applied through the model's own per-group autograd Function (``autoep.detect.autograd_functions``),
+    # by path: the recipe calls ``use.cls.apply`` on the local slice, its hand-written backward included
+    functions: dict = field(compare=False, default_factory=dict)
 
 
 def grouped_experts_facts(experts: nn.Module) -> dict:
@@ -59,7 +62,7 @@ def grouped_proof(experts: nn.Module) -> GroupedProof:
     elementwise.runtime_clean(experts, f"experts {cls.__name__}")
     fn = plain_method(cls, "forward", experts)
     names = [a.arg for a in function_tree(fn).args.args[1:]]
-    out, loops = interpret(experts, fn)
+    out, loops, functions = interpret(experts, fn)
     if not (isinstance(out, Rows) and out.result and not out.group and not out.head):
         raise Refusal(f"{fn.__qualname__} does not return the output of its per-expert loop")
     gate, up, down, t, act = _swiglu(out.expr, fn.__qualname__)
@@ -70,7 +73,8 @@ def grouped_proof(experts: nn.Module) -> GroupedProof:
         raise Refusal("global module hooks are registered; the grouped exchange would not run them")
     facts = swiglu_facts(gate, up, down, t, act)
     tail = "exact" if "split" in loops else "zeros"
-    return GroupedProof(names[0], names[1], gate, up, down, not t, act, tail, num_experts, loops=loops, facts=facts)
+    return GroupedProof(names[0], names[1], gate, up, down, not t, act, tail, num_experts, loops=loops, facts=facts,
+                        functions=functions)
 
 
 def swiglu_facts(gate: str, up: str, down: str, t: bool, act) -> dict:

@@ -141,6 +141,8 @@ def _how_many(split: bool, loops: frozenset) -> str:
 def _local_swiglu(experts: nn.Module, proof: GroupedProof, x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
     """The proven SwiGLU on this rank's experts, rows grouped by local expert."""
     act = experts.get_submodule(proof.act) if isinstance(proof.act, str) else proof.act
+    if proof.functions:
+        return _local_swiglu_own_functions(experts, proof, act, x_SD, tokens_per_local_expert)
     down_LDF = local_weight(experts, proof.down)
     if proof.gate == proof.up:  # one fused weight, chunked [gate | up]
         gate_up = local_weight(experts, proof.gate)
@@ -150,3 +152,25 @@ def _local_swiglu(experts: nn.Module, proof: GroupedProof, x_SD: Tensor, tokens_
     gate_SF = grouped_linear(x_SD, tokens_per_local_expert, as_lio(local_weight(experts, proof.gate)))
     up_SF = grouped_linear(x_SD, tokens_per_local_expert, as_lio(local_weight(experts, proof.up)))
     return grouped_linear(act(gate_SF) * up_SF, tokens_per_local_expert, as_lio(down_LDF))
+
+
+def _local_swiglu_own_functions(experts: nn.Module, proof: GroupedProof, act, x_SD: Tensor,
+                                tokens_per_local_expert: Tensor) -> Tensor:
+    """The proven SwiGLU where the experts apply their weights through their own per-group autograd Function:
+    that Function runs here, forward and hand-written backward, on the local weight slice and the local counts
+    (proven per-group: ``autoep.detect.autograd_functions``); the products and activation as proven."""
+
+    def linear(rows_SI: Tensor, path: str) -> Tensor:
+        weight = local_weight(experts, path)
+        use = proof.functions.get(path)
+        if use is None:  # applied by the experts' own code: the grouped GEMM in its proven layout
+            as_lio = (lambda w: w) if proof.transposed else (lambda w: w.transpose(-2, -1))  # noqa: E731
+            return grouped_linear(rows_SI, tokens_per_local_expert, as_lio(weight))
+        given = {"x": rows_SI, "counts": tokens_per_local_expert, "weight": weight}
+        return use.cls.apply(*(given[role] for role in use.roles))
+
+    if proof.gate == proof.up:  # one fused weight, chunked [gate | up]
+        gate_SF, up_SF = linear(x_SD, proof.gate).chunk(2, dim=-1)
+    else:
+        gate_SF, up_SF = linear(x_SD, proof.gate), linear(x_SD, proof.up)
+    return linear(act(gate_SF) * up_SF, proof.down)

@@ -1,0 +1,167 @@
+"""Grouped experts that apply their 3-D weights through a custom ``torch.autograd.Function`` with a hand-written
+backward (the ScatterMoE / JetMoE-era ``ParallelLinear.apply(x, counts, W)`` idiom), and one-edit twins of them.
+
+``ParallelLinear`` is written as such research code writes it: a per-group loop over ``x.split(counts)`` with
+``F.linear(x_e, W[e])`` in the forward, the matching loop in the backward (rows' gradient ``g_e @ W[e]``, weight
+gradient ``g_e.t() @ x_e`` stacked). The twins each change one expression: a backward scaling the rows'
+gradient, a forward or backward reading the next expert's weight, a backward averaging the weight gradient over
+the experts it holds (a number that differs on a rank's slice), a backward with the gradient of a weight it never
+reads. Every block routes as torchtitan's does (``TitanMoE``): sorted rows and counts to ``experts(x, counts)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from blocks import TitanMoE
+from torch import nn
+
+
+class ParallelLinear(torch.autograd.Function):
+    """``y_e = x_e @ W[e].T`` for each group e of rows (``counts[e]`` rows, in order), its own backward."""
+
+    @staticmethod
+    def forward(ctx, x, counts, weight):
+        sizes = counts.tolist()
+        ctx.save_for_backward(x, weight)
+        ctx.sizes = sizes
+        out = []
+        for e, x_e in enumerate(torch.split(x, sizes, dim=0)):
+            out.append(F.linear(x_e, weight[e]))
+        return torch.cat(out, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = [], []
+        for e, (x_e, g_e) in enumerate(zip(torch.split(x, ctx.sizes, dim=0), torch.split(grad_out, ctx.sizes, dim=0))):
+            grad_x.append(g_e @ weight[e])
+            grad_w.append(g_e.t() @ x_e)
+        return torch.cat(grad_x, dim=0), None, torch.stack(grad_w, dim=0)
+
+
+class FunctionExperts(nn.Module):
+    """SwiGLU experts, weights (E, out, in), every projection through ``ParallelLinear``."""
+
+    def __init__(self, dim=16, hidden_dim=32, num_experts=4):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) / hidden_dim**0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) / dim**0.5)
+
+    def forward(self, x, num_tokens_per_expert):
+        h = F.silu(ParallelLinear.apply(x, num_tokens_per_expert, self.w1))
+        h = h * ParallelLinear.apply(x, num_tokens_per_expert, self.w3)
+        return ParallelLinear.apply(h, num_tokens_per_expert, self.w2)
+
+
+class FusedFunctionExperts(nn.Module):
+    """One fused (E, 2F, D) [gate | up] weight through the Function, chunked; the down projection applied by the
+    experts' own loop (``x_e @ w2[e]``, weights (E, F, D)): both spellings in one module."""
+
+    def __init__(self, dim=16, hidden_dim=32, num_experts=4):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(num_experts, 2 * hidden_dim, dim) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) / hidden_dim**0.5)
+
+    def forward(self, x, counts):
+        gate, up = ParallelLinear.apply(x, counts, self.gate_up).chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        return ParallelLinear.apply(h, counts, self.down)
+
+
+class FunctionMoE(TitanMoE):
+    """torchtitan's routing around experts of ``experts_cls``."""
+
+    def __init__(self, experts_cls=FunctionExperts, *, hidden=16, ffn=32, num_experts=4, top_k=2):
+        super().__init__(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k)
+        self.experts = experts_cls(hidden, ffn, num_experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# One-edit twins: each must be refused (a proof that accepted one could compute something else on a slice)
+# ---------------------------------------------------------------------------------------------
+
+
+class ScaledBackward(ParallelLinear):
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = [], []
+        for e, (x_e, g_e) in enumerate(zip(torch.split(x, ctx.sizes, dim=0), torch.split(grad_out, ctx.sizes, dim=0))):
+            grad_x.append(2.0 * (g_e @ weight[e]))  # the edit: the rows' gradient scaled
+            grad_w.append(g_e.t() @ x_e)
+        return torch.cat(grad_x, dim=0), None, torch.stack(grad_w, dim=0)
+
+
+class NextExpertForward(ParallelLinear):
+    @staticmethod
+    def forward(ctx, x, counts, weight):
+        sizes = counts.tolist()
+        ctx.save_for_backward(x, weight)
+        ctx.sizes = sizes
+        out = []
+        for e, x_e in enumerate(torch.split(x, sizes, dim=0)):
+            out.append(F.linear(x_e, weight[e + 1]))  # the edit: the next expert's weight
+        return torch.cat(out, dim=0)
+
+
+class NextExpertBackward(ParallelLinear):
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = [], []
+        for e, (x_e, g_e) in enumerate(zip(torch.split(x, ctx.sizes, dim=0), torch.split(grad_out, ctx.sizes, dim=0))):
+            grad_x.append(g_e @ weight[e + 1])  # the edit
+            grad_w.append(g_e.t() @ x_e)
+        return torch.cat(grad_x, dim=0), None, torch.stack(grad_w, dim=0)
+
+
+class AveragedWeightGrad(ParallelLinear):
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = [], []
+        for e, (x_e, g_e) in enumerate(zip(torch.split(x, ctx.sizes, dim=0), torch.split(grad_out, ctx.sizes, dim=0))):
+            grad_x.append(g_e @ weight[e])
+            grad_w.append(g_e.t() @ x_e)
+        return torch.cat(grad_x, dim=0), None, torch.stack(grad_w, dim=0) / weight.shape[0]  # the edit
+
+
+class NoWeightGradOrder(ParallelLinear):
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = [], []
+        for e, (x_e, g_e) in enumerate(zip(torch.split(x, ctx.sizes, dim=0), torch.split(grad_out, ctx.sizes, dim=0))):
+            grad_x.append(g_e @ weight[e])
+            grad_w.append(g_e.t() @ x_e)
+        return torch.stack(grad_w, dim=0), None, torch.cat(grad_x, dim=0)  # the edit: gradients swapped
+
+
+class WithSetupContext(ParallelLinear):
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # the edit: torch would call this, the proof reads forward alone
+        pass
+
+
+TWIN_FUNCTIONS = {
+    "scaled_backward": ScaledBackward,
+    "next_expert_forward": NextExpertForward,
+    "next_expert_backward": NextExpertBackward,
+    "averaged_weight_grad": AveragedWeightGrad,
+    "swapped_grads": NoWeightGradOrder,
+    "setup_context": WithSetupContext,
+}
+
+
+def twin_experts(fn: type) -> type:
+    """``FunctionExperts`` applying ``fn`` (a twin) to its gate weight, ``ParallelLinear`` elsewhere."""
+
+    class TwinExperts(FunctionExperts):
+        def forward(self, x, num_tokens_per_expert):
+            h = F.silu(fn.apply(x, num_tokens_per_expert, self.w1))
+            h = h * ParallelLinear.apply(x, num_tokens_per_expert, self.w3)
+            return ParallelLinear.apply(h, num_tokens_per_expert, self.w2)
+
+    TwinExperts.__qualname__ = f"TwinExperts[{fn.__name__}]"
+    return TwinExperts

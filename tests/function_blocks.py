@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from blocks import TitanMoE
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 class ParallelLinear(torch.autograd.Function):
@@ -144,6 +145,18 @@ class WithSetupContext(ParallelLinear):
         pass
 
 
+class OnceDifferentiable(ParallelLinear):
+    @staticmethod
+    @once_differentiable  # the edit: a decorator the proof does not read
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = [], []
+        for e, (x_e, g_e) in enumerate(zip(torch.split(x, ctx.sizes, dim=0), torch.split(grad_out, ctx.sizes, dim=0))):
+            grad_x.append(g_e @ weight[e])
+            grad_w.append(g_e.t() @ x_e)
+        return torch.cat(grad_x, dim=0), None, torch.stack(grad_w, dim=0)
+
+
 TWIN_FUNCTIONS = {
     "scaled_backward": ScaledBackward,
     "next_expert_forward": NextExpertForward,
@@ -151,7 +164,20 @@ TWIN_FUNCTIONS = {
     "averaged_weight_grad": AveragedWeightGrad,
     "swapped_grads": NoWeightGradOrder,
     "setup_context": WithSetupContext,
+    "once_differentiable": OnceDifferentiable,
 }
+
+
+class MixedExperts(FunctionExperts):
+    """The gate weight applied through the Function and by the experts' own matmul: one weight, two ways."""
+
+    def forward(self, x, num_tokens_per_expert):
+        h = F.silu(ParallelLinear.apply(x, num_tokens_per_expert, self.w1))
+        h = h * ParallelLinear.apply(x, num_tokens_per_expert, self.w3)
+        out = []
+        for e, h_e in enumerate(torch.split(h, num_tokens_per_expert.tolist(), dim=0)):
+            out.append(h_e @ self.w1[e])
+        return torch.cat(out, dim=0)
 
 
 def twin_experts(fn: type) -> type:

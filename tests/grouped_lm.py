@@ -1,5 +1,6 @@
 """A tiny causal LM whose MoE blocks call grouped experts ``experts(x_sorted, num_tokens_per_expert)``
-(``tests/blocks.py``: torchtitan's padded spelling or the Aria-style layer with nested grouped-GEMM modules),
+(``tests/blocks.py``: torchtitan's padded spelling or the Aria-style layer with nested grouped-GEMM modules;
+``tests/function_blocks.py``: experts applying their weights through their own autograd Function),
 built by the trainer from a ``_target_`` model config (``model_config(kind)``). Module names follow
 transformers: ``model.layers.{i}.mlp``."""
 from __future__ import annotations
@@ -8,9 +9,10 @@ from types import SimpleNamespace
 
 import torch
 from blocks import AriaStyleMoELayer, TitanPaddedMoE
+from function_blocks import FunctionMoE
 from torch import nn
 
-BLOCKS = {"titan_padded": TitanPaddedMoE, "aria_style": AriaStyleMoELayer}
+BLOCKS = {"titan_padded": TitanPaddedMoE, "aria_style": AriaStyleMoELayer, "own_function": FunctionMoE}
 
 
 class Layer(nn.Module):

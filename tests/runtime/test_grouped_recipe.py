@@ -242,7 +242,7 @@ def test_deepcopy_of_applied_block_is_independent():
 # checkpoint of it resumes at ep_size=1 on the same curve
 # ---------------------------------------------------------------------------------------------
 
-LM_KINDS = ("titan_padded", "aria_style")
+LM_KINDS = ("titan_padded", "aria_style", "own_function")
 
 
 def lm_worker(rank: int, world_size: int, tmp: str) -> dict:

@@ -13,12 +13,20 @@ Accepted spellings of the per-group loop:
 - offset loop: ``offs = torch.cat((zeros(1), torch.cumsum(counts, dim=0)))``, ``for e in range(E):
   acc[offs[e]:offs[e + 1]] = x[offs[e]:offs[e + 1]] @ w[e]`` into ``acc = torch.zeros(rows, out,
   dtype=x.dtype, ...)`` (transformers' Aria): rows past the groups stay zero.
+- a model's own ``torch.autograd.Function`` applied as ``Fn.apply(rows, counts, weight)`` (ScatterMoE's
+  ``ParallelLinear``; any argument order): its forward is read as a split loop of ``F.linear(x_e, w[e])`` (or
+  ``x_e @ w[e]``) with ``ctx.save_for_backward(...)`` and plain values set on ``ctx``, and its backward as a loop
+  over ``enumerate(zip(<splits by the same counts>))`` returning, per input, the rows' per-group gradient, None
+  for the counts, and ``torch.stack`` of the per-expert ``g_e.t() @ x_e``: every value per group, so the Function
+  computes on a rank's local experts what it computes on all of them (``autoep.detect.autograd_functions``).
+  The weights it applies are returned by path; the recipe runs ``Fn.apply`` itself there.
 Between loops only row-local element-wise code runs (``chunk(2, dim=-1)``, activations, products).
 
 Abstract values: ``Rows`` (each row an expression of the same input row; ``group``: inside a loop, the
 rows of expert e only), ``Counts``, ``Weight`` (an expert parameter, dim 0 = expert) and ``Slice`` (its
 ``[e]``, ``t``: transposed), ``Sub`` (a submodule), loop bookkeeping (``Tag``, ``OutList``, ``Acc``) and
-``Obj`` (a resolved Python object). Expressions: ``("x",)``, ``("lin", e, path, t)`` (e @ w[e], ``t``:
+``Obj`` (a resolved Python object); inside a Function, ``Ctx`` (its ``ctx``) and ``Outer`` (a per-expert weight
+gradient). Expressions: ``("x",)``, ``("lin", e, path, t)`` (e @ w[e], ``t``:
 @ w[e].T), ``("act", e, fn or module path)``, ``("mul", a, b)``, ``("chunk", e, i)``.
 
 One interpreter class, longer than most files here: its statement and call halves share the loop state
@@ -36,7 +44,7 @@ import torch.nn as nn
 from autoep.detect import autograd_functions, elementwise
 from autoep.detect.loop_context import plain_method
 from autoep.detect.loop_values import Obj, Sub
-from autoep.detect.names import Scope, attribute
+from autoep.detect.names import Scope, attribute, watch_methods
 from autoep.detect.source import Refusal, function_tree
 
 
@@ -542,6 +550,7 @@ class _Interpreter:
         try:
             autograd_functions.genuine_autograd()
             forward, backward = autograd_functions.checked_function(cls)
+            watch_methods(cls, ("forward", "backward"))
             out = self.function_forward(forward, args, f)
             if not (isinstance(out, Rows) and out.result and not out.head and out.expr[:3] == ("lin", rows.expr,
                                                                                             weight.path)):

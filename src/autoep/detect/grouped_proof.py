@@ -4,7 +4,9 @@
 per-expert loops and the whitelist) and proves that for each expert e the ``counts[e]`` contiguous rows
 of group e (offset ``cumsum``) come back as the SwiGLU ``down(act(x @ gate[e]) * (x @ up[e]))`` of the
 same rows, computed row-locally, from weights the experts hold and nothing else (no other parameters,
-buffers, hooks or instance forwards). Anything else is a ``Refusal`` naming what was not proven.
+buffers, hooks or instance forwards). A projection may go through the model's own per-group autograd Function
+(``Fn.apply(x, counts, w)``, its forward and backward proven per-group): the proof names it, by weight, and the
+recipe runs it. Anything else is a ``Refusal`` naming what was not proven.
 """
 from __future__ import annotations
 

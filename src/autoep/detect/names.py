@@ -144,7 +144,9 @@ def _watched(value, functions: bool = False) -> bool:
     ``functions``, also a Python function (compared by identity)."""
     if type(value) is tuple:
         return all(_watched(v) for v in value)
-    return isinstance(value, _PLAIN) or functions and isinstance(value, types.FunctionType)
+    # a model's own autograd Function class (compared by identity): the recipe runs the one it proved
+    function_class = isinstance(value, type) and issubclass(value, torch.autograd.Function)
+    return isinstance(value, _PLAIN) or functions and (isinstance(value, types.FunctionType) or function_class)
 
 
 def instance_attr(owner, name: str, where: str):
@@ -185,6 +187,17 @@ def attribute(base, name: str):
     elif isinstance(base, type) and (base.__module__ or "").split(".")[0] not in _LIBRARIES:
         record.setdefault((id(base), name), ClassFact(base, name, value))
     return value
+
+
+def watch_methods(cls: type, methods: tuple[str, ...]) -> None:
+    """Record ``cls.<method>`` for each method a proof read the source of (a model's own autograd Function's
+    ``forward`` and ``backward``): one patched on the class after apply raises at the next call instead of
+    running unproven code."""
+    record = _RECORD.get()
+    if record is None or (cls.__module__ or "").split(".")[0] in _LIBRARIES:
+        return
+    for name in methods:
+        record.setdefault((id(cls), name), ClassFact(cls, name, getattr(cls, name)))
 
 
 def _record_global(space: dict, name: str, value, where: str) -> None:

@@ -6,7 +6,10 @@ The block's own forward runs unchanged (routing, sorting, scores before or after
 scatter back, shared experts); only ``block.experts.forward`` is replaced. The rows of group e (the
 ``counts[e]`` contiguous rows at offset ``cumsum``) go to the rank owning expert e, are computed there
 in grouped form with the proven SwiGLU (``autoep.detect.grouped_proof``), and come back in place: each row
-is a (token, expert) pair with weight 1 and top_k 1 for the shared token exchange.
+is a (token, expert) pair with weight 1 and top_k 1 for the shared token exchange. A projection the experts apply
+through their own per-group autograd Function (ScatterMoE's ``ParallelLinear.apply(x, counts, W)``) runs that
+Function on the owner, on the local weight slice and local counts: its forward and hand-written backward are the
+model's own.
 
 Shape legend: S rows passed to the experts, R rows the counts cover (sum of counts), D hidden, F
 expert intermediate size, E routed experts, L local experts.

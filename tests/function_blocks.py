@@ -56,8 +56,8 @@ class FunctionExperts(nn.Module):
 
 
 class FusedFunctionExperts(nn.Module):
-    """One fused (E, 2F, D) [gate | up] weight through the Function, chunked; the down projection applied by the
-    experts' own loop (``x_e @ w2[e]``, weights (E, F, D)): both spellings in one module."""
+    """One fused (E, 2F, D) [gate | up] weight through the Function, chunked; the down projection (E, D, F) applied
+    by the experts' own split loop: both spellings in one module."""
 
     def __init__(self, dim=16, hidden_dim=32, num_experts=4):
         super().__init__()
@@ -67,7 +67,10 @@ class FusedFunctionExperts(nn.Module):
     def forward(self, x, counts):
         gate, up = ParallelLinear.apply(x, counts, self.gate_up).chunk(2, dim=-1)
         h = F.silu(gate) * up
-        return ParallelLinear.apply(h, counts, self.down)
+        out = []
+        for e, h_e in enumerate(torch.split(h, counts.tolist(), dim=0)):
+            out.append(torch.matmul(h_e, self.down[e].transpose(-2, -1)))
+        return torch.cat(out, dim=0)
 
 
 class FunctionMoE(TitanMoE):
@@ -191,3 +194,93 @@ def twin_experts(fn: type) -> type:
 
     TwinExperts.__qualname__ = f"TwinExperts[{fn.__name__}]"
     return TwinExperts
+
+
+# ---------------------------------------------------------------------------------------------
+# An experts container holding one parameter of its own beside its 3-D expert weights
+# ---------------------------------------------------------------------------------------------
+
+
+class LayerScaleExperts(nn.Module):
+    """torchtitan's grouped experts with a learned per-feature output scale of the container's own (LayerScale,
+    the CaiT / DINOv2 idiom): the one parameter that is not an expert's, dense under EP."""
+
+    def __init__(self, dim=16, hidden_dim=32, num_experts=4):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden_dim) / hidden_dim**0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden_dim, dim) / dim**0.5)
+        self.gamma = nn.Parameter(1.0 + 0.5 * torch.randn(dim))
+
+    def forward(self, x, num_tokens_per_expert):
+        out = []
+        for expert_idx, x_expert in enumerate(torch.split(x, num_tokens_per_expert.tolist(), dim=0)):
+            h = F.silu(torch.matmul(x_expert, self.w1[expert_idx].transpose(-2, -1)))
+            h = h * torch.matmul(x_expert, self.w3[expert_idx].transpose(-2, -1))
+            out.append(torch.matmul(h, self.w2[expert_idx].transpose(-2, -1)))
+        return torch.cat(out, dim=0) * self.gamma
+
+
+class FirstFeatureScaleExperts(LayerScaleExperts):
+    """One-edit twin: every row scaled by the scale's first entry (a number the proof does not read)."""
+
+    def forward(self, x, num_tokens_per_expert):
+        out = []
+        for expert_idx, x_expert in enumerate(torch.split(x, num_tokens_per_expert.tolist(), dim=0)):
+            h = F.silu(torch.matmul(x_expert, self.w1[expert_idx].transpose(-2, -1)))
+            h = h * torch.matmul(x_expert, self.w3[expert_idx].transpose(-2, -1))
+            out.append(torch.matmul(h, self.w2[expert_idx].transpose(-2, -1)))
+        return torch.cat(out, dim=0) * self.gamma[0]
+
+
+class ExpertWeightScaleExperts(LayerScaleExperts):
+    """One-edit twin: the output times an expert weight (3-D, per expert), not a scale of the container's own."""
+
+    def forward(self, x, num_tokens_per_expert):
+        out = []
+        for expert_idx, x_expert in enumerate(torch.split(x, num_tokens_per_expert.tolist(), dim=0)):
+            h = F.silu(torch.matmul(x_expert, self.w1[expert_idx].transpose(-2, -1)))
+            h = h * torch.matmul(x_expert, self.w3[expert_idx].transpose(-2, -1))
+            out.append(torch.matmul(h, self.w2[expert_idx].transpose(-2, -1)))
+        return torch.cat(out, dim=0) * self.w2
+
+
+class UnusedScaleExperts(LayerScaleExperts):
+    """One-edit twin: the scale held but never applied (who updates it is not the experts' business: refused)."""
+
+    def forward(self, x, num_tokens_per_expert):
+        out = []
+        for expert_idx, x_expert in enumerate(torch.split(x, num_tokens_per_expert.tolist(), dim=0)):
+            h = F.silu(torch.matmul(x_expert, self.w1[expert_idx].transpose(-2, -1)))
+            h = h * torch.matmul(x_expert, self.w3[expert_idx].transpose(-2, -1))
+            out.append(torch.matmul(h, self.w2[expert_idx].transpose(-2, -1)))
+        return torch.cat(out, dim=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Function one module down: JetMoE / ScatterMoE's ``ParallelExperts`` submodules of the experts
+# ---------------------------------------------------------------------------------------------
+
+
+class ParallelExperts(nn.Module):
+    """One grouped linear map, weight (E, out, in), applied through ``ParallelLinear``."""
+
+    def __init__(self, num_experts, input_size, output_size):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(num_experts, output_size, input_size) / input_size**0.5)
+
+    def forward(self, inputs, expert_size):
+        return ParallelLinear.apply(inputs, expert_size, self.weight)
+
+
+class ParallelExpertsMLP(nn.Module):
+    """JetMoE's MoE MLP shape: a fused [gate | up] ``input_linear``, GLU, ``output_linear``."""
+
+    def __init__(self, dim=16, hidden_dim=32, num_experts=4):
+        super().__init__()
+        self.input_linear = ParallelExperts(num_experts, dim, 2 * hidden_dim)
+        self.output_linear = ParallelExperts(num_experts, hidden_dim, dim)
+
+    def forward(self, x, expert_size):
+        gate, up = self.input_linear(x, expert_size).chunk(2, dim=-1)
+        return self.output_linear(F.silu(gate) * up, expert_size)

@@ -1,18 +1,21 @@
 """A tiny causal LM whose MoE blocks call grouped experts ``experts(x_sorted, num_tokens_per_expert)``
 (``tests/blocks.py``: torchtitan's padded spelling or the Aria-style layer with nested grouped-GEMM modules;
-``tests/function_blocks.py``: experts applying their weights through their own autograd Function),
+``tests/function_blocks.py``: experts applying their weights through their own autograd Function, or holding a
+LayerScale of their own),
 built by the trainer from a ``_target_`` model config (``model_config(kind)``). Module names follow
 transformers: ``model.layers.{i}.mlp``."""
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import torch
 from blocks import AriaStyleMoELayer, TitanPaddedMoE
-from function_blocks import FunctionMoE
+from function_blocks import FunctionMoE, LayerScaleExperts
 from torch import nn
 
-BLOCKS = {"titan_padded": TitanPaddedMoE, "aria_style": AriaStyleMoELayer, "own_function": FunctionMoE}
+BLOCKS = {"titan_padded": TitanPaddedMoE, "aria_style": AriaStyleMoELayer, "own_function": FunctionMoE,
+          "layer_scale": functools.partial(FunctionMoE, LayerScaleExperts)}
 
 
 class Layer(nn.Module):

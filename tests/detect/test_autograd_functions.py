@@ -10,13 +10,19 @@ import torch
 import torch.nn.functional as F
 from function_blocks import (
     TWIN_FUNCTIONS,
+    ExpertWeightScaleExperts,
+    FirstFeatureScaleExperts,
     FunctionExperts,
     FunctionMoE,
     FusedFunctionExperts,
+    LayerScaleExperts,
     MixedExperts,
+    ParallelExpertsMLP,
     ParallelLinear,
+    UnusedScaleExperts,
     twin_experts,
 )
+from torch import nn
 
 from autoep.detect.grouped_proof import grouped_proof
 from autoep.detect.structure import detect_moe_structure
@@ -24,17 +30,19 @@ from autoep.errors import UnsupportedModuleStructure
 from autoep.runtime.recipes.grouped import ep_grouped_experts
 
 
-@pytest.mark.parametrize("experts_cls,projs,layout", [
-    (None, ("w1", "w3", "w2"), "separate"),
-    (FusedFunctionExperts, ("gate_up", "down"), "concatenated"),
+@pytest.mark.parametrize("experts_cls,projs,layout,through", [
+    (None, ("w1", "w3", "w2"), "separate", ("w1", "w3", "w2")),
+    (FusedFunctionExperts, ("gate_up", "down"), "concatenated", ("gate_up",)),  # down by the experts' own loop
+    (ParallelExpertsMLP, ("input_linear.weight", "output_linear.weight"), "concatenated",  # one module down
+     ("input_linear.weight", "output_linear.weight")),
 ])
-def test_accepted_as_grouped_experts_with_the_function_recorded(experts_cls, projs, layout):
+def test_accepted_as_grouped_experts_with_the_function_recorded(experts_cls, projs, layout, through):
     block = FunctionMoE(experts_cls) if experts_cls else FunctionMoE()
     structure = detect_moe_structure(block)
     assert (structure.expert_storage, structure.execution) == ("grouped", "grouped")
     assert (structure.expert_projs, structure.gate_up_layout) == (projs, layout)
     functions = grouped_proof(block.experts).functions
-    assert {p: use.cls.__name__ for p, use in functions.items()} == {p: "ParallelLinear" for p in projs}
+    assert {p: use.cls.__name__ for p, use in functions.items()} == {p: "ParallelLinear" for p in through}
     assert {use.roles for use in functions.values()} == {("x", "counts", "weight")}
 
 
@@ -112,3 +120,41 @@ def test_a_function_patched_after_apply_raises_instead_of_running_unproven_code(
         monkeypatch.setattr(function_blocks, "ParallelLinear", function_blocks.AveragedWeightGrad)
     with pytest.raises(FactChanged, match="ParallelLinear"):
         block(torch.randn(1, 3, 16))
+
+
+# ---------------------------------------------------------------------------------------------
+# An experts container holding one parameter of its own (a LayerScale) beside its 3-D expert weights
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_scale_of_the_experts_own_is_accepted_as_dense():
+    """Parity (1, 2, 4 ranks, an idle-experts variant, five SGD steps of a tiny LM): test_grouped_recipe's
+    ``layer_scale*``; there no rank keeps ``gamma.grad`` None and ``gamma`` stays a plain tensor."""
+    structure = detect_moe_structure(FunctionMoE(LayerScaleExperts))
+    assert (structure.expert_storage, structure.dense_params, structure.expert_projs) == (
+        "grouped", ("gamma",), ("w1", "w3", "w2"))
+    assert grouped_proof(FunctionMoE(LayerScaleExperts).experts).scale == "gamma"
+
+
+@pytest.mark.parametrize("experts_cls,match", [
+    (FirstFeatureScaleExperts, r"`self\.gamma\[0\]` is not a construct"),
+    (ExpertWeightScaleExperts, r"multiply their output by w2 \(4, 16, 32\), not a 1-D per-feature scale"),
+    (UnusedScaleExperts, r"hold parameters \['gamma'\] the proven forward does not use"),
+])
+def test_one_edit_twins_of_the_scale_are_refused(experts_cls, match):
+    with pytest.raises(UnsupportedModuleStructure, match=match):
+        detect_moe_structure(FunctionMoE(experts_cls))
+
+
+def test_apply_leaves_the_experts_own_scale_dense():
+    """``apply_plan`` marks (one process) or shards (a mesh: the 2- and 4-rank runs) every parameter registered on
+    the experts but the ones the proof names dense: ``gamma`` lands in the dense parameter group."""
+    from autoep.plan.archetypes import compute_fn_config
+    from autoep.runtime.apply import apply_plan, unsharded_expert_names
+
+    model = nn.ModuleDict({"mlp": FunctionMoE(LayerScaleExperts)})
+    structure = detect_moe_structure(model["mlp"])
+    decision = {"source": "auto", "structure": structure.as_dict(), "modules": ["mlp"]}
+    apply_plan(model, {"plan": [{"match": "mlp", "local_compute_fn": compute_fn_config(structure),
+                                 "decision": decision}]}, None)
+    assert unsharded_expert_names(model) == {"mlp.experts.w1", "mlp.experts.w2", "mlp.experts.w3"}

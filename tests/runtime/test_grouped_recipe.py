@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from blocks import AriaStyleMoELayer, TitanMoE, TitanPaddedMoE, TuneMoE
-from function_blocks import FunctionMoE, FusedFunctionExperts
 from distributed import guarded, run_cases, spawn
+from function_blocks import FunctionMoE, FusedFunctionExperts, LayerScaleExperts, ParallelExpertsMLP
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -58,6 +58,10 @@ BLOCKS = {
     "own_function_8": lambda: FunctionMoE(hidden=D, num_experts=8, top_k=3),
     "own_function_fused": lambda: FunctionMoE(FusedFunctionExperts, hidden=D, num_experts=4, top_k=2),
     "own_function_idle": lambda: _idle_experts(FunctionMoE(hidden=D, num_experts=4, top_k=2)),
+    "own_function_nested": lambda: FunctionMoE(ParallelExpertsMLP, hidden=D, num_experts=4, top_k=2),  # JetMoE's
+    # a dense parameter of the experts container's own (a LayerScale on their output) beside the 3-D weights
+    "layer_scale": lambda: FunctionMoE(LayerScaleExperts, hidden=D, num_experts=4, top_k=2),
+    "layer_scale_idle": lambda: _idle_experts(FunctionMoE(LayerScaleExperts, hidden=D, num_experts=4, top_k=2)),
 }
 
 
@@ -71,7 +75,7 @@ def _data(name: str, world_size: int):
     g = torch.Generator().manual_seed(7)
     batches = BATCH_PER_RANK[world_size]
     x = torch.randn(sum(batches), SEQ, D, generator=g)
-    if name.endswith("idle_experts") or name.endswith("_idle"):
+    if name.endswith(("idle_experts", "_idle")):
         x = x.abs()
     grad_out = torch.randn(x.shape, generator=g)
     bounds = [sum(batches[:r]) for r in range(world_size + 1)]
@@ -127,7 +131,10 @@ def _check_block(name, rank, world_size, mesh_shape):
     apply_plan(model, _plan(model), mesh)
     block = model["mlp"]
     out, x_grad = _run(block, *slices[rank])
+    # every rank's forward reaches every dense parameter (an empty slice too): none may keep grad None here
+    no_grad = [n for n, p in block.named_parameters() if not isinstance(p, DTensor) and p.grad is None]
     grads, weights = _gathered(block, mesh)
+    assert not no_grad, f"rank {rank}: dense {no_grad} kept grad None (the model's forward gives them one)"
 
     ref_out, ref_x_grad = ref_results[rank]
     torch.testing.assert_close(out, ref_out)
@@ -242,7 +249,7 @@ def test_deepcopy_of_applied_block_is_independent():
 # checkpoint of it resumes at ep_size=1 on the same curve
 # ---------------------------------------------------------------------------------------------
 
-LM_KINDS = ("titan_padded", "aria_style", "own_function")
+LM_KINDS = ("titan_padded", "aria_style", "own_function", "layer_scale")
 
 
 def lm_worker(rank: int, world_size: int, tmp: str) -> dict:

@@ -27,7 +27,8 @@ rows of expert e only), ``Counts``, ``Weight`` (an expert parameter, dim 0 = exp
 ``[e]``, ``t``: transposed), ``Sub`` (a submodule), loop bookkeeping (``Tag``, ``OutList``, ``Acc``) and
 ``Obj`` (a resolved Python object); inside a Function, ``Ctx`` (its ``ctx``) and ``Outer`` (a per-expert weight
 gradient). Expressions: ``("x",)``, ``("lin", e, path, t)`` (e @ w[e], ``t``:
-@ w[e].T), ``("act", e, fn or module path)``, ``("mul", a, b)``, ``("chunk", e, i)``.
+@ w[e].T), ``("act", e, fn or module path)``, ``("mul", a, b)``, ``("chunk", e, i)``, and at the top only
+``("scale", e, path)`` (the per-group loop's output times a parameter of the experts' own, ``out * self.scale``).
 
 One interpreter class, longer than most files here: its statement and call halves share the loop state
 (which loop runs, which names it leaves behind), and splitting them would hide what a spelling needs.
@@ -415,6 +416,12 @@ class _Interpreter:
         if isinstance(node.op, ast.Mult) and isinstance(left, Rows) and isinstance(right, Rows) \
                 and (left.group, left.head) == (right.group, right.head):
             return Rows(("mul", left.expr, right.expr), left.group, head=left.head)
+        if isinstance(node.op, ast.Mult) and {type(left), type(right)} == {Rows, Weight} and not self.in_function:
+            rows, weight = (left, right) if isinstance(left, Rows) else (right, left)
+            if rows.result and not rows.head and not rows.group:
+                # the experts' output times a weight of their own: a dense per-feature scale (proven 1-D of the
+                # output width by grouped_proof), the same for every row and every expert
+                return Rows(("scale", rows.expr, weight.path), result=True)
         self.refuse(f, node, "is arithmetic the proof does not accept (only the product of two row values)")
 
     def matmul(self, f: _Frame, node, rows, weight):

@@ -43,6 +43,9 @@ class GroupedProof:
     # weights applied through the model's own per-group autograd Function (``autoep.detect.autograd_functions``),
     # by path: the recipe calls ``use.cls.apply`` on the local slice, its hand-written backward included
     functions: dict = field(compare=False, default_factory=dict)
+    # a 1-D parameter of the experts' own (not an expert weight: it stays dense, replicated) their forward
+    # multiplies its output by (``out * self.scale``), by path; "" for none
+    scale: str = ""
 
 
 def grouped_experts_facts(experts: nn.Module) -> dict:
@@ -67,16 +70,17 @@ def grouped_proof(experts: nn.Module) -> GroupedProof:
     out, loops, functions = interpret(experts, fn)
     if not (isinstance(out, Rows) and out.result and not out.group and not out.head):
         raise Refusal(f"{fn.__qualname__} does not return the output of its per-expert loop")
-    gate, up, down, t, act = _swiglu(out.expr, fn.__qualname__)
-    num_experts = _check_params(experts, (gate, up, down), t)
+    expr, scale = (out.expr[1], out.expr[2]) if out.expr[0] == "scale" else (out.expr, "")
+    gate, up, down, t, act = _swiglu(expr, fn.__qualname__)
+    num_experts = _check_params(experts, (gate, up, down), t, dense=(scale,) if scale else ())
     for m in experts.modules():
         elementwise.runtime_clean(m, f"experts {cls.__name__} submodule {type(m).__name__}")
     if global_hooks():  # the experts' own submodule calls (fc1, fc2) would run them; the exchange does not
         raise Refusal("global module hooks are registered; the grouped exchange would not run them")
-    facts = swiglu_facts(gate, up, down, t, act)
+    facts = swiglu_facts(gate, up, down, t, act) | {"dense_params": (scale,) if scale else ()}
     tail = "exact" if "split" in loops else "zeros"
     return GroupedProof(names[0], names[1], gate, up, down, not t, act, tail, num_experts, loops=loops, facts=facts,
-                        functions=functions)
+                        functions=functions, scale=scale)
 
 
 def swiglu_facts(gate: str, up: str, down: str, t: bool, act) -> dict:
@@ -121,14 +125,19 @@ def _show(expr) -> str:
     return f"{head}({', '.join(_show(r) for r in rest)})"
 
 
-def _check_params(experts: nn.Module, paths: tuple[str, str, str], t: bool) -> int:
-    """The experts hold exactly the weights the SwiGLU reads, untied, 3-D, of agreeing shapes and no
-    buffers; returns the number of experts."""
+def _check_params(experts: nn.Module, paths: tuple[str, str, str], t: bool, dense: tuple[str, ...] = ()) -> int:
+    """The experts hold exactly the weights the SwiGLU reads, untied, 3-D, of agreeing shapes, and the
+    ``dense`` per-feature parameters of their own (1-D of the hidden size), and no buffers; returns the number
+    of experts."""
     name = type(experts).__name__
     named = list(experts.named_parameters(remove_duplicate=False))
     if len({id(p) for _, p in named}) != len(named):
         raise Refusal(f"experts {name} tie some weights to each other")
-    extra = sorted({n for n, _ in named} - set(paths))
+    for path in dense:
+        if experts.get_parameter(path).dim() != 1:
+            raise Refusal(f"experts {name} multiply their output by {path} {tuple(experts.get_parameter(path).shape)}"
+                          f", not a 1-D per-feature scale of their own")
+    extra = sorted({n for n, _ in named} - set(paths) - set(dense))
     if extra:
         raise Refusal(f"experts {name} hold parameters {extra} the proven forward does not use")
     if list(experts.buffers()):
@@ -143,6 +152,8 @@ def _check_params(experts: nn.Module, paths: tuple[str, str, str], t: bool) -> i
     ok = up.shape[0] == down.shape[0] == E and d == d_up == d_out and f_gate == f_up and f_down == ffn
     if not ok or (gate is up and f_gate % 2):
         raise Refusal(f"experts {name} weight shapes {[tuple(w.shape) for w in (gate, up, down)]} do not agree")
+    if any(experts.get_parameter(path).shape != (d,) for path in dense):
+        raise Refusal(f"experts {name} multiply their output by {list(dense)}, not of their hidden size {d}")
     if len({p.requires_grad for _, p in named}) > 1:
         raise Refusal(f"experts {name}: some expert weights are frozen and some are not")
     return int(E)

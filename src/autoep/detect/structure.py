@@ -80,6 +80,10 @@ class MoeStructure:
     # down projection and before the routing weight (a post-expert norm, proven row-local: ``autoep.detect.row_norm``;
     # its parameters stay dense), "" for none. The recipe calls that module on the rows it computes.
     post_expert_norm: str = ""
+    # grouped experts: parameters registered directly on the experts that are not expert weights, by name (a
+    # per-feature scale of their own their forward multiplies its output by, ``out * self.gamma``): replicated,
+    # never sharded (``apply_plan`` leaves them dense; their gradients are summed over ranks as dense ones are).
+    dense_params: tuple[str, ...] = ()
     # The attribute path of the experts (the ModuleList/ModuleDict the proven region indexes by expert id, or the
     # module holding the 3-D expert parameters) inside the block, found by data flow. Runtime code reaches the
     # experts only through ``autoep.runtime.recipes.experts_of(block, structure)``.
@@ -115,7 +119,7 @@ class MoeStructure:
         if isinstance(self.expert_projs, str):
             raise ValueError(f"expert_projs={self.expert_projs!r} is one comma-joined string, as detector version 2 "
                              f"wrote it; it is a list of names now: regenerate the resolved config with autoep-plan")
-        for name in ("expert_projs", "folded", "idle_experts", "expert_draws"):
+        for name in ("expert_projs", "folded", "idle_experts", "expert_draws", "dense_params"):
             if not isinstance(getattr(self, name), tuple):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
 
@@ -262,8 +266,11 @@ def _own_forward_container(experts) -> bool:
 
 
 _BLOCK_PARAMS = ("experts are 3-D parameters on the block itself ({}); record/replay needs expert modules (a call "
-                 "to move), and autoep's batched proofs read an experts submodule the block calls, not slices of the "
-                 "block's own weights; move the weights into an experts module, or opt out")
+                 "to move), and autoep's batched and grouped proofs read an experts submodule the block calls, not "
+                 "slices of the block's own weights inside its routing loop (no call to move the rows through); move "
+                 "the weights into an experts module (batched: experts(hidden, top_k_index, top_k_weights); grouped: "
+                 "experts(x_sorted, counts), applying them by its own per-group loop or its own per-group autograd "
+                 "Function), or opt out")
 
 
 def block_expert_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -10,7 +10,8 @@ Parameters after ``apply_plan``:
     ModuleList/ModuleDict experts hold no direct parameters: their recipe keeps them as the model's own
     modules, this rank's experts as they are and the others' as ``meta`` stand-ins
     (``autoep.runtime.recipes.local_experts``; ``expert_owners(model)`` says which rank owns which key).
-  - every other parameter stays a plain tensor (replicated; the trainer's FSDP/DDP owns it).
+  - every other parameter stays a plain tensor (replicated; the trainer's FSDP/DDP owns it), and so do the
+    parameters of the experts' own that their proof names dense (``MoeStructure.dense_params``).
 
 Materialising after ``apply_plan`` (the trainer's job): a model built on ``meta`` gets meta DTensor
 shards of the local shape. Allocate with ``model.to_empty(device=...)``, then fill each expert
@@ -82,7 +83,7 @@ def _apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, allowed_targets: 
             block = named[name]
             path = live_state.experts_path_of(fn_cfg)
             held = live_state.before_block(block, name, path)
-            shard_experts(block, mesh, name=name)
+            shard_experts(block, mesh, name=name, dense=live_state.dense_params_of(fn_cfg))
             factory(block, ep_mesh=ep_mesh, **fn_cfg)
             live_state.after_block(block, name, held, path)
             after_apply.keep_hooks_through_moves(block)
@@ -121,16 +122,17 @@ def import_target(target: str, allowed: Iterable[str], *, key: str = "_target_")
         raise PlanError(f"{key}={target!r} cannot be imported: {exc}") from exc
 
 
-def shard_experts(block: nn.Module, mesh, *, name: str = "block") -> None:
-    """Turn every parameter registered directly on ``block.experts`` into a ``Shard(0)`` DTensor over ``ep``."""
+def shard_experts(block: nn.Module, mesh, *, name: str = "block", dense: tuple[str, ...] = ()) -> None:
+    """Turn every parameter registered directly on ``block.experts`` into a ``Shard(0)`` DTensor over ``ep``,
+    except the ``dense`` ones the proof found are the experts' own, not experts' (``MoeStructure.dense_params``)."""
     experts = getattr(block, "experts", None)
     if experts is None:
         return
     if mesh is None:
-        mark_unsharded(experts, [pname for pname, _ in experts.named_parameters(recurse=False)])
+        mark_unsharded(experts, [pname for pname, _ in experts.named_parameters(recurse=False) if pname not in dense])
         return
     for pname, param in list(experts.named_parameters(recurse=False)):
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) or pname in dense:
             continue  # already sharded (apply_plan run twice on shared modules)
         setattr(experts, pname, shard_expert_tensor(param, mesh, name=f"{name}.experts.{pname}"))
         slice_full_on_load(experts)

@@ -42,6 +42,14 @@ def experts_path_of(fn_cfg: Mapping) -> str:
         structure, Mapping) else None) or EXPERTS
 
 
+def dense_params_of(fn_cfg: Mapping) -> tuple[str, ...]:
+    """The proven dense parameters of the experts of a plan entry (``structure.dense_params``), () for none."""
+    structure = fn_cfg.get("structure") or {}
+    names = getattr(structure, "dense_params", None) if not isinstance(structure, Mapping) else \
+        structure.get("dense_params")
+    return tuple(names or ())
+
+
 # ---------------------------------------------------------------------------------------------
 # At apply: the whole model, then each block around its recipe
 # ---------------------------------------------------------------------------------------------

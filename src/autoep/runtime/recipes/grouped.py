@@ -95,7 +95,7 @@ def _ep_forward(self: nn.Module, *args, **kwargs) -> Tensor:
     ones_R1 = torch.ones((routed, 1), dtype=torch.float32, device=x_SD.device)
     y_RD = ep_experts_forward(
         x_SD[:routed], expert_of_row_R1.unsqueeze(1), ones_R1, num_experts=E, ep_group=spec.ep_group,
-        expert_fn=lambda x, tokens_per_local_expert: _local_swiglu(self, proof, x, tokens_per_local_expert),
+        expert_fn=lambda x, tokens_per_local_expert: _local_experts(self, proof, x, tokens_per_local_expert),
         out_dtype="experts",  # as their own forward returns them (the autocast dtype under autocast)
     )
     if routed == x_SD.shape[0]:
@@ -139,6 +139,15 @@ def _how_many(split: bool, loops: frozenset) -> str:
     if "offsets" not in loops:
         return "at most one per expert"
     return "one per expert" if split else "at least one per expert"
+
+
+def _local_experts(experts: nn.Module, proof: GroupedProof, x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:
+    """What the experts' forward computes for this rank's experts, rows grouped by local expert: the proven
+    SwiGLU, times their own dense per-feature scale where their forward multiplies its output by one."""
+    y_SD = _local_swiglu(experts, proof, x_SD, tokens_per_local_expert)
+    # NOTE: the scale is dense (replicated): its gradient here covers the rows this rank computed, for every
+    # rank's tokens; summed over ranks (dense gradients are), it is the model's
+    return y_SD * experts.get_parameter(proof.scale) if proof.scale else y_SD
 
 
 def _local_swiglu(experts: nn.Module, proof: GroupedProof, x_SD: Tensor, tokens_per_local_expert: Tensor) -> Tensor:

@@ -158,3 +158,16 @@ def test_apply_leaves_the_experts_own_scale_dense():
     apply_plan(model, {"plan": [{"match": "mlp", "local_compute_fn": compute_fn_config(structure),
                                  "decision": decision}]}, None)
     assert unsharded_expert_names(model) == {"mlp.experts.w1", "mlp.experts.w2", "mlp.experts.w3"}
+
+
+def test_fewer_counts_than_experts_fail_loudly_as_the_functions_backward_does():
+    """The model's Function stacks a weight gradient per group: with 3 counts for 4 experts autograd refuses its
+    backward; the EP forward refuses the call (a rank's slice has a count per local expert, and would not)."""
+    own = FunctionMoE()
+    x, counts = torch.randn(5, 16, requires_grad=True), torch.tensor([2, 0, 3])
+    with pytest.raises(RuntimeError, match="invalid gradient"):
+        own.experts(x, counts).sum().backward()
+    ep_grouped_experts(own, ep_mesh=None, structure=detect_moe_structure(own))
+    with pytest.raises(ValueError, match=r"3 num_tokens_per_expert for 4 experts; their autograd Function "
+                                         r"\(ParallelLinear\) needs one per expert"):
+        own.experts(x, counts)

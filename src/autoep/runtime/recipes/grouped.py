@@ -123,6 +123,11 @@ def _group_sizes(experts: nn.Module, proof: GroupedProof, x_SD, counts) -> tuple
     if min(given, default=0) < 0 or len(given) > E and split or len(given) < E and "offsets" in loops:
         raise ValueError(f"grouped experts got {len(given)} {proof.counts} (min {min(given, default=0)}) for {E} "
                          f"experts; their forward needs non-negative counts, {_how_many(split, loops)}")
+    if proof.functions and len(given) != E:
+        # the experts' own Function's backward stacks one weight gradient per group: autograd refuses fewer than E
+        raise ValueError(f"grouped experts got {len(given)} {proof.counts} for {E} experts; their autograd Function "
+                         f"({', '.join(sorted({u.cls.__qualname__ for u in proof.functions.values()}))}) needs one "
+                         f"per expert (its backward returns a weight gradient per group)")
     # torch.split raises unless the counts add up to the rows it splits (all, or x[:sum(counts)])
     if "split" in loops and sum(given) != rows or "split_head" in loops and sum(given) > rows:
         raise ValueError(f"grouped experts got {proof.counts} summing to {sum(given)} for {rows} rows")

@@ -133,7 +133,7 @@ def shard_experts(block: nn.Module, mesh, *, name: str = "block", dense: tuple[s
         return
     for pname, param in list(experts.named_parameters(recurse=False)):
         if isinstance(param, DTensor) or pname in dense:
-            continue  # already sharded (apply_plan run twice on shared modules)
+            continue  # already sharded (apply_plan run twice on shared modules), or the experts' own dense one
         setattr(experts, pname, shard_expert_tensor(param, mesh, name=f"{name}.experts.{pname}"))
         slice_full_on_load(experts)
 

@@ -60,7 +60,7 @@ from autoep.detect import elementwise
 from autoep.detect.source import Refusal
 from autoep.errors import LiveStateError, PlanError, UnsupportedModuleStructure
 from autoep.runtime.idle import CALL, Idle
-from autoep.runtime.experts import glu_gate, grouped_swiglu, stacked_parameters
+from autoep.runtime.experts import grouped_split_glu, stacked_parameters
 from autoep.runtime.reinit import allocated
 from autoep.runtime.shared import InstanceMethod, Shared
 from autoep.runtime.stand_in import RemoteExpert, RemoteExpertTensor, stand_in
@@ -654,7 +654,14 @@ def _grouped(spec: LocalExperts, experts: list[nn.Module], x_SD: Tensor, tokens_
     weights = _stacked_weights(spec, experts, stacked, x_SD, idle)
     if weights is None:
         return None
-    return grouped_swiglu(x_SD, tokens_per_local_expert, *weights, apply_gate=glu_gate(_activation(spec, experts)))
+    gate_up_L2FD, down_LDF = weights
+    Fi = gate_up_L2FD.shape[1] // 2
+    # The experts' own gate and up Linears are two GEMMs, each rounded to the rows' dtype, whose input gradients
+    # autograd adds: two grouped GEMMs here too (views of the home, no copy). One fused (2F)-wide GEMM would sum
+    # both halves' products before rounding once, and bf16 input gradients would differ by an ulp here and there.
+    return grouped_split_glu(x_SD, tokens_per_local_expert, gate_up_L2FD[:, :Fi].transpose(-2, -1),
+                             gate_up_L2FD[:, Fi:].transpose(-2, -1), down_LDF.transpose(-2, -1),
+                             act_fn=_activation(spec, experts))
 
 
 def _activation(spec: LocalExperts, experts: list[nn.Module]):

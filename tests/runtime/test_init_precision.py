@@ -454,6 +454,84 @@ INIT_CASES["reset_parameters() on each module after apply, ModuleList experts"] 
     lambda r, w: _init_parity(r, w, _with_dense_after(_module_list), _reset_loop, through_apply=False))
 
 
+# Init loops that do not go through ``model.apply`` (issue 32): each draw on an expert another rank owns, or on a
+# sharded expert parameter, draws what the model's tensor draws.
+def _normal_loop(model: nn.Module) -> None:
+    """``nn.init`` on every parameter, in ``model.parameters()`` order."""
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.02)
+
+
+def _uniform_named(model: nn.Module) -> None:
+    """A tensor method on the parameters a name filter picks (the experts' and the dense layer after them)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "expert" in name or name.startswith("out."):
+                p.uniform_(-0.1, 0.1)
+
+
+def _trunc_normal_loop(model: nn.Module) -> None:
+    """``trunc_normal_``: a draw (``uniform_``) then elementwise ops on the tensor."""
+    for p in model.parameters():
+        nn.init.trunc_normal_(p, std=0.02)
+
+
+def _xavier_loop(model: nn.Module) -> None:
+    """Fan-in/fan-out from the full shape, then a draw."""
+    for p in model.parameters():
+        nn.init.xavier_normal_(p) if p.dim() >= 2 else nn.init.zeros_(p)
+
+
+def _randn_like_loop(model: nn.Module) -> None:
+    """An out-of-place draw like the parameter, copied in."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.02)
+
+
+INIT_LOOPS = {
+    "for p in model.parameters(): nn.init.normal_(p)": _normal_loop,
+    "p.uniform_() on parameters picked from named_parameters()": _uniform_named,
+    "nn.init.trunc_normal_ on every parameter": _trunc_normal_loop,
+    "nn.init.xavier_normal_ on every parameter": _xavier_loop,
+    "p.copy_(torch.randn_like(p)) on every parameter": _randn_like_loop,
+}
+for _kind, _make in (("ModuleList", _module_list), ("batched", _batched), ("plain dict", _plain_dict)):
+    for _spelling, _init in INIT_LOOPS.items():
+        INIT_CASES[f"{_spelling} after apply, {_kind} experts"] = (
+            lambda r, w, make=_make, init=_init: _init_parity(r, w, _with_dense_after(make), init,
+                                                              through_apply=False))
+
+
+def _full_copy_refused(rank: int, world_size: int) -> None:
+    """The harmful twin of the init loops on batched experts: a full tensor drawn by hand and copied into a sharded
+    expert parameter (``p.copy_(torch.randn(p.shape))``) would put experts [0, L) on every rank; torch refuses
+    mixing the plain tensor with the DTensor, before anything is written."""
+    ep = _apply(_batched(), world_size)
+    before = ep.experts.gate_up_proj.to_local().clone()
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"), torch.no_grad():
+        ep.experts.gate_up_proj.copy_(torch.randn(ep.experts.gate_up_proj.shape))
+    assert torch.equal(ep.experts.gate_up_proj.to_local(), before)
+
+
+def _value_draw_refused(rank: int, world_size: int) -> None:
+    """The harmful twin on ModuleList experts: a draw whose count depends on the values (``torch.poisson`` of the
+    weight) cannot be drawn for an expert another rank owns; it raises naming the expert and its owner."""
+    from autoep.runtime.stand_in import RemoteExpertRead
+
+    from autoep.runtime.recipes.local_experts import spec_of
+
+    ep = _apply(_module_list(), world_size)
+    remote = ep.experts[next(e for e in range(4) if not spec_of(ep).is_local(e))].gate_proj.weight
+    with pytest.raises(RemoteExpertRead, match=r"poisson reads expert \d of MixtralStyleSparseMoeBlock, which ep "
+                                               r"rank \d owns"):
+        torch.poisson(remote)
+
+
+INIT_CASES["harmful twin: a full tensor copied into a sharded expert parameter, refused"] = _full_copy_refused
+INIT_CASES["harmful twin: a value-dependent draw on another rank's expert, refused"] = _value_draw_refused
+
+
 def _hf_init_parity(rank: int, world_size: int) -> None:
     """transformers' own init through ``apply`` on a whole tiny Qwen3-MoE LM (every MoE block under EP): the
     README's spelling, ``model.apply(model._init_weights)``, gives the model's weights on every rank."""
@@ -472,9 +550,39 @@ def _hf_init_parity(rank: int, world_size: int) -> None:
 
 INIT_CASES["model.apply(model._init_weights) after apply, transformers Qwen3-MoE LM"] = _hf_init_parity
 
+
+def _hf_init_weights_parity(rank: int, world_size: int) -> None:
+    """transformers' own ``model.init_weights()`` (``smart_apply`` calls ``_init_weights`` on each module
+    directly, never ``model.apply``) on a whole tiny Qwen3-MoE LM under EP: the model's weights on every rank.
+    Every module's ``_is_hf_initialized`` flag is cleared first, as on a model built without init (else
+    transformers itself skips every module)."""
+    from test_parity_hf import moe_block_names
+
+    ref = build_tiny_lm("qwen3_moe")
+    ep = copy.deepcopy(ref)
+    apply_plan(ep, ep_plan(ep, moe_block_names(ep)), init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",)))
+    before = _full_state(ep)
+    for model in (ref, ep):
+        for m in model.modules():
+            m._is_hf_initialized = False
+        torch.manual_seed(1234)
+        model.init_weights()
+    changed = [k for k, v in _full_state(ep).items() if not torch.equal(v, before[k])]
+    assert any("experts" in k for k in changed), "init_weights() drew nothing for the experts: the case tests nothing"
+    expected, got = ref.state_dict(), _full_state(ep)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+
+
+INIT_CASES["model.init_weights() after apply, transformers Qwen3-MoE LM"] = _hf_init_weights_parity
+
 EDP_CASES = {  # 4 ranks: experts Shard(0) over ep, replicated over edp
     f"model.apply(normal) after apply, {kind} experts, (edp, ep) = (2, 2)": (
         lambda r, w, make=make: _init_parity(r, w, _with_dense_after(make), _normal, edp=2))
+    for kind, make in (("ModuleList", _module_list), ("batched", _batched))
+} | {
+    f"for p in model.parameters(): nn.init.normal_(p), {kind} experts, (edp, ep) = (2, 2)": (
+        lambda r, w, make=make: _init_parity(r, w, _with_dense_after(make), _normal_loop, through_apply=False, edp=2))
     for kind, make in (("ModuleList", _module_list), ("batched", _batched))
 }
 

@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autoep.errors import AfterApplyError
 from autoep.runtime.dense import is_expert
+from autoep.runtime.reinit import install_exact_draws
 
 _REPLACED: dict[int, str] = {}  # id -> name of each live parameter object apply_plan replaced
 _APPLIED: weakref.WeakSet = weakref.WeakSet()  # every live model apply_plan made EP-ready (names for messages)
@@ -58,6 +59,7 @@ def _install() -> None:
     if _INSTALLED:
         return
     _INSTALLED.append(register_optimizer_step_pre_hook(_refuse_replaced))
+    install_exact_draws(is_expert)  # random init of a sharded expert parameter draws as on the model
     # NOTE: torch-private names (as in torch 2.13); where a torch lacks them nothing is wrapped, and
     # tests/integrations/test_after_apply.py's clipping cases fail, so an upgrade cannot drop the guard silently.
     original_norm = getattr(clip_grad, "_get_total_norm", None)

@@ -19,9 +19,19 @@ Both run ``nn.Module.apply`` itself, so ``fn`` sees the modules, classes and ful
 exactly what it draws there (fan-in/fan-out included); an ``fn`` that edits values in place (``p.mul_(0.5)``) edits
 this rank's part as on the model.
 
-Not covered, and not exact: init code that does not recurse through ``apply`` (a loop over ``model.parameters()``
-calling ``nn.init`` on each, transformers' ``model.init_weights()``, whose ``smart_apply`` calls ``fn`` directly).
-Spell those ``model.apply(fn)`` (transformers: ``model.apply(model._init_weights)``).
+Init code that does not recurse through ``apply`` (a loop over ``model.parameters()`` calling ``nn.init`` on each,
+``p.uniform_()`` on named parameters, transformers' ``model.init_weights()``, whose ``smart_apply`` calls ``fn``
+directly) is exact per draw instead:
+  - on a remote expert's stand-in, a random op draws on a temporary of the model tensor's shape, dtype and device
+    (``autoep.runtime.stand_in``);
+  - on a sharded expert parameter (a DTensor on a mesh with an ``ep`` dim), DTensor's random ops (``normal_``,
+    ``uniform_``, ``bernoulli_``, ``*_like``, dropout: what every ``nn.init`` draw reaches) are drawn on the full
+    tensor (``_full_with_shard``, for the time of the op) and this rank's slot kept (``install_exact_draws``), where
+    DTensor alone draws the shard's size (CPU) or from an RNG tracker of its own (CUDA). What follows a draw on the
+    parameter (``trunc_normal_``'s ``erfinv_``, ``mul_``, ``clamp_``) is elementwise, exact on the shard.
+Both draw the model's stream, so the tensors drawn after the experts are the model's too. Not exact, and refused by
+torch itself on a sharded parameter: inits that compute on the whole tensor (``orthogonal_``'s QR); spell those
+``model.apply(fn)`` or init before ``apply_plan``.
 """
 from __future__ import annotations
 
@@ -32,6 +42,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from autoep.errors import AfterApplyError
 
 
 def install_sharded_apply(experts: nn.Module) -> None:
@@ -102,3 +114,93 @@ def allocated(module: nn.Module, device: torch.device) -> Iterator[nn.Module]:
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
     yield module
+
+
+# ---------------------------------------------------------------------------------------------
+# Random ops on sharded expert parameters, outside ``model.apply``
+# ---------------------------------------------------------------------------------------------
+
+
+def install_exact_draws(is_expert: Callable[[torch.Tensor], bool]) -> None:
+    """Process-wide, once: a random op on an expert parameter (a DTensor ``is_expert`` holds for: on a mesh with an
+    ``ep`` dim) draws as on the model's full tensor (module docstring). Other DTensors draw as DTensor draws them."""
+    # NOTE: torch-private names (as in torch 2.13). DTensor's own random ops (``_random_ops``) come back to Python
+    # for their local computation (``_dispatch_get_local_results_slow_path``); the draws it takes for pointwise ops
+    # (``exponential_``, ...) are given a handler in ``_custom_op_handlers``, as torch's loss_parallel does. Where a
+    # torch lacks them nothing is wrapped, and tests/runtime/test_init_precision.py's init-loop cases on batched
+    # experts fail, so an upgrade cannot drop this silently.
+    dispatcher = getattr(DTensor, "_op_dispatcher", None)
+    local_results = getattr(dispatcher, "_dispatch_get_local_results_slow_path", None)
+    random_ops = getattr(dispatcher, "_random_ops", None)
+    handlers = getattr(dispatcher, "_custom_op_handlers", None)
+    if local_results is None or random_ops is None or not isinstance(handlers, dict):
+        return
+    if not isinstance(local_results, _ExactDraws):
+        dispatcher._dispatch_get_local_results_slow_path = _ExactDraws(local_results, random_ops, is_expert)
+    for name in _POINTWISE_DRAWS:
+        op = getattr(getattr(torch.ops.aten, name, None), "default", None)
+        if op is not None and op not in random_ops:
+            handlers.setdefault(op, functools.partial(_pointwise_draw, is_expert))
+
+
+# In-place draws DTensor shards as pointwise ops (each rank draws its shard's size from the default generator).
+_POINTWISE_DRAWS = ("exponential_", "cauchy_", "log_normal_", "geometric_")
+
+
+class _ExactDraws:
+    """``OpDispatcher._dispatch_get_local_results_slow_path`` drawing random ops on expert shards whole."""
+
+    def __init__(self, original, random_ops, is_expert: Callable[[torch.Tensor], bool]):
+        self.original, self.random_ops, self.is_expert = original, random_ops, is_expert
+
+    def __call__(self, op_call, args, op_info):
+        first = args[0] if args else None
+        if op_call in self.random_ops and self.is_expert(first) and not op_info.local_args[0].is_meta:
+            return _drawn_whole(op_call, first, op_info.local_args[0], op_info.local_args[1:], op_info.local_kwargs)
+        return self.original(op_call, args, op_info)
+
+
+def _pointwise_draw(is_expert: Callable[[torch.Tensor], bool], op_call, args, kwargs):
+    """A ``_custom_op_handlers`` entry for an in-place draw DTensor takes for pointwise: an expert shard drawn whole,
+    any other DTensor's local tensor drawn as DTensor draws it."""
+    first = args[0]
+    local = first._local_tensor
+    rest = tuple(a._local_tensor if isinstance(a, DTensor) else a for a in args[1:])
+    if is_expert(first) and not local.is_meta:
+        _drawn_whole(op_call, first, local, rest, kwargs)
+    else:
+        op_call(local, *rest, **kwargs)
+    return first
+
+
+def _drawn_whole(op_call, shard: DTensor, local: torch.Tensor, rest: tuple, kwargs: dict):
+    """The local results of the random op ``op_call`` on ``shard`` (``local`` its local tensor): the op run on the
+    full tensor (this rank's shard in its slot, zeros elsewhere; real memory for the time of the op, as
+    ``model.apply`` allocates it), this rank's slot of what it gives."""
+    if any(arg.is_out for arg in op_call._schema.arguments):
+        raise AfterApplyError(f"{op_call} writes its draw into an expert parameter shard through out=; under expert "
+                              f"parallelism autoep draws a sharded expert parameter whole (as the model draws it) "
+                              f"only in place or *_like: initialise it in place (nn.init.*) or before apply_plan")
+    slot = _slot(shard)
+    full = torch.zeros(shard.shape, dtype=local.dtype, device=local.device)
+    full[slot].copy_(local)
+    out = op_call(full, *rest, **kwargs)
+    if op_call._schema.name.endswith("_"):  # in place (normal_, uniform_, ...): this rank's slot, into its shard
+        local.copy_(full[slot])
+        return local
+    if isinstance(out, (tuple, list)):
+        return type(out)(o[slot].clone() for o in out)
+    return out[slot].clone()
+
+
+def _slot(shard: DTensor) -> tuple[slice, ...]:
+    """Where this rank's shard sits in the full tensor: contiguous along each dim ``Shard``/``Replicate`` place it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(type(p) not in (Shard, Replicate) for p in shard.placements):
+        raise AfterApplyError(f"a random draw on an expert parameter placed {shard.placements}: autoep draws a "
+                              f"sharded expert parameter whole (as the model draws it) only for Shard/Replicate "
+                              f"placements; initialise the model before apply_plan, or through model.apply(fn)")
+    shape, offset = compute_local_shape_and_global_offset(shard.shape, shard.device_mesh, shard.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))

@@ -13,8 +13,9 @@ contiguous experts ``[r*L, (r+1)*L)`` (L = E // ep_size), as the exchange sends 
     keep them on ``meta`` (the expert's ``_apply`` is replaced on the instance) while taking the dtype the
     conversion gives, so a gather still receives the owner's dtype. ``model.apply(fn)`` (and a stand-in module's
     ``reset_parameters()``) allocates a remote expert for the call, so an init draws for it as on the model
-    (``autoep.runtime.reinit``). Reading one into a tensor with values
-    raises naming the expert and its owner (``autoep.runtime.stand_in``); ``model.load_state_dict`` keeps
+    (``autoep.runtime.reinit``); a draw on a stand-in outside it (``nn.init.normal_`` over ``model.parameters()``)
+    draws on a temporary of its shape on its home device (``autoep.runtime.stand_in``). Reading one into a tensor
+    with values raises naming the expert and its owner (``autoep.runtime.stand_in``); ``model.load_state_dict`` keeps
     them (a single-process checkpoint's tensors for them are skipped, their keys are never missing).
 
 The ownership query (used by checkpoints, export and trainer integrations)::
@@ -63,7 +64,7 @@ from autoep.runtime.idle import CALL, Idle
 from autoep.runtime.experts import grouped_split_glu, stacked_parameters
 from autoep.runtime.reinit import allocated
 from autoep.runtime.shared import InstanceMethod, Shared
-from autoep.runtime.stand_in import RemoteExpert, RemoteExpertTensor, stand_in
+from autoep.runtime.stand_in import RemoteExpert, RemoteExpertTensor, home_of, stand_in
 
 SPEC = "_autoep_experts"  # the block attribute holding its ``LocalExperts``
 GROUP = "_autoep_ep_group"  # the block attribute holding its ep process group
@@ -250,14 +251,18 @@ def _stand_in_apply(self: nn.Module, fn, recurse: bool = True) -> nn.Module:
     for m in self.modules():
         for name, p in m._parameters.items():
             if p is not None:
-                dtype = _dtype_after(p, fn)
+                dtype, home = _after(p, fn)
                 if not _is_stand_in(p, dtype) or p.requires_grad:
-                    m._parameters[name] = stand_in(p, dtype, remote, parameter=True)
+                    m._parameters[name] = stand_in(p, dtype, remote, parameter=True, home=home)
+                else:
+                    p.home = home
         for name, b in m._buffers.items():
             if b is not None:
-                dtype = _dtype_after(b, fn)
+                dtype, home = _after(b, fn)
                 if not _is_stand_in(b, dtype):
-                    m._buffers[name] = stand_in(b, dtype, remote, parameter=False)
+                    m._buffers[name] = stand_in(b, dtype, remote, parameter=False, home=home)
+                else:
+                    b.home = home
     return self
 
 
@@ -299,11 +304,14 @@ def _unchanged(t: Tensor) -> Tensor:
     return t
 
 
-def _dtype_after(t: Tensor, fn) -> torch.dtype:
+def _after(t: Tensor, fn) -> tuple[torch.dtype, torch.device]:
+    """The dtype and the home (``stand_in.home_of``) the conversion ``fn`` gives ``t``'s tensor on the model."""
+    home = home_of(t)
     try:
-        return fn(torch.empty(0, dtype=t.dtype)).dtype  # the conversion on an empty probe: its dtype only
-    except Exception:  # noqa: BLE001 - a conversion that cannot run on a probe keeps the dtype
-        return t.dtype
+        probe = fn(torch.empty(0, dtype=t.dtype, device=home))  # the conversion on an empty probe: metadata only
+        return probe.dtype, probe.device
+    except Exception:  # noqa: BLE001 - a conversion that cannot run on a probe keeps the dtype and the home
+        return t.dtype, home
 
 
 def _is_stand_in(t: Tensor, dtype: torch.dtype) -> bool:

@@ -349,6 +349,36 @@ def parametrized_batched_case(rank, world):
         loss_fn(model, batch(0, world)[rank])
 
 
+# -- 6. modules with parameters of their own set on experts after apply (issue 32) --------------------------------
+def prelu_on_experts(model, family: str) -> None:
+    """An activation with a learnable parameter (``nn.PReLU``) set after apply: on the batched experts' shared
+    ``act_fn``, or after the down projection of one expert of each rank (ModuleList experts)."""
+    if family == "batched":
+        for layer in model.model.layers:
+            layer.mlp.experts.act_fn = nn.PReLU()
+        return
+    for layer in model.layers:
+        for e in (0, 3):  # 4 experts over 2 ranks: one each
+            expert = layer.moe.experts[e]
+            expert.w2 = nn.Sequential(expert.w2, nn.PReLU())
+
+
+def new_parameters_case(rank, world, family: str):
+    """A module with a parameter of its own set on the experts after apply, then an optimizer over the handle's
+    groups: training equals the model's, step by step, and every real parameter this rank holds is the model's
+    (a copy of another rank's expert's parameter, never computed nor trained here, would not be)."""
+    ref, model, ep, loss_fn = pair(family, world)
+    prelu_on_experts(ref, family)
+    prelu_on_experts(model, family)
+    ep_history = ep_steps(model, ep, loss_fn, sgd(ep.param_groups()), rank, world)
+    ref_history = reference_steps(ref, loss_fn, sgd(ref.parameters()), world)
+    assert_same_steps(ep_history, ref_history)
+    assert any(".weight" in n and ("act_fn" in n or ".w2.1." in n) for n in ref_history[-1])
+    for name, p in model.named_parameters():
+        if not p.is_meta:
+            torch.testing.assert_close(full(p).detach(), ref_history[-1][name], msg=lambda m, n=name: f"{n}: {m}")
+
+
 def after_apply_cases(rank, world, tmp):
     results = {}
     for family in FAMILIES:
@@ -356,6 +386,7 @@ def after_apply_cases(rank, world, tmp):
         guarded(results, f"hooks_after_to_{family}", hooks_after_to_case, rank, world, family)
         guarded(results, f"torch_clip_norm_{family}", torch_clip_norm_case, rank, world, family)
         guarded(results, f"torch_clip_value_{family}", torch_clip_value_case, rank, world, family)
+        guarded(results, f"new_parameters_{family}", new_parameters_case, rank, world, family)
     guarded(results, "requires_grad", requires_grad_case, rank, world)
     guarded(results, "lora", lora_case, rank, world)
     guarded(results, "assign", assign_case, rank, world)
@@ -366,7 +397,7 @@ def after_apply_cases(rank, world, tmp):
 
 _RESULTS: dict = {}
 CASES = [f"{case}_{family}" for family in FAMILIES for case in
-         ("optimizer_before_apply", "hooks_after_to", "torch_clip_norm", "torch_clip_value")]
+         ("optimizer_before_apply", "hooks_after_to", "torch_clip_norm", "torch_clip_value", "new_parameters")]
 
 
 @pytest.mark.parametrize("case", CASES + ["requires_grad", "lora", "assign", "parametrized_batched",

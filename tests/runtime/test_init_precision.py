@@ -153,6 +153,17 @@ def _parity(rank, world_size, make_block, context, *, prepare=None, backward=Tru
         grads = gathered_grads(ep)  # NOTE: collective
         for name, p in ref.named_parameters():
             _close(grads[name], torch.zeros_like(p) if p.grad is None else p.grad, f"grad of {name}", grad_tol)
+    _check_placed(ep)
+
+
+def _check_placed(ep: nn.Module) -> None:
+    """Every tensor of a module expert another rank owns is a ``meta`` stand-in here, those registered after apply
+    included: a real one would be a copy this rank's optimizer, DDP and checkpoints take for its own."""
+    from autoep.runtime.recipes.local_experts import expert_owners
+
+    held = {**dict(ep.named_parameters(remove_duplicate=False)), **dict(ep.named_buffers(remove_duplicate=False))}
+    real = [k for k, place in expert_owners(ep).items() if not place.local and not held[k].is_meta]
+    assert not real, f"tensors of experts another rank owns are real here: {real}"
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor, what: str, tol: float | None) -> None:
@@ -289,6 +300,44 @@ def _swap_act_on_one(block: nn.Module) -> None:
     block.experts[1].act_fn = nn.GELU()
 
 
+def _prelu_on(*experts: int):
+    """An activation with a parameter of its own (``nn.PReLU``, 0.25) set on some experts after apply: on a rank not
+    owning one of them it must be the expert's (a stand-in), never a second, untrained copy."""
+
+    def prepare(block: nn.Module) -> None:
+        for e in experts:
+            block.experts[e].act_fn = nn.PReLU()
+
+    return prepare
+
+
+def _prelu_on_batched(block: nn.Module) -> None:
+    """transformers 5.x batched experts: one ``act_fn`` serves every expert, so its parameter is dense-like (every
+    rank's rows reach it; its gradient is summed over the ranks)."""
+    block.experts.act_fn = nn.PReLU()
+
+
+def _buffer_on_plain(block: nn.Module) -> None:
+    """A buffer and a parameter registered on a one-pass block's expert after apply (its forward reads neither)."""
+    block.expert_3.register_buffer("seen", torch.ones(3))
+    block.expert_3.scale = nn.Parameter(torch.ones(3))
+
+
+def _shared_prelu_refused(rank: int, world_size: int) -> None:
+    """One ``nn.PReLU`` set on every expert after apply (the model shares its parameter among the experts): under
+    EP each expert lives on one rank, so the module cannot be both a local expert's and a remote one's. Raised at
+    the first forward, before any exchange, naming the expert and the holder, on every rank alike."""
+    ep = _apply(_module_list(), world_size)
+    shared = nn.PReLU()
+    for expert in ep.experts:
+        expert.act_fn = shared
+    x, _, bounds = _slices(world_size, D)
+    with pytest.raises(LiveStateError, match=r"experts\.\d\.act_fn was set after apply_plan to a PReLU that "
+                                             r"experts\.\d\.act_fn holds too.*copy\.deepcopy"):
+        ep(x[:, slice(*bounds[rank])])
+    assert shared.weight.device.type == "cpu"  # the local experts' module kept its values
+
+
 class _Halve(nn.Module):
     """A user parametrization (``register_parametrization``): the weight used is half the stored one."""
 
@@ -345,6 +394,15 @@ MODULE_CASES = {
     "model.apply(fn) replacing an expert parameter's shape: refused": _reshaping_init_refused,
     "activation swapped on one expert": lambda r, w: _parity(r, w, _module_list, _no_context,
                                                              prepare=_swap_act_on_one),
+    "nn.PReLU set on one expert after apply, ModuleList experts": lambda r, w: _parity(
+        r, w, _module_list, _no_context, prepare=_prelu_on(3)),
+    "nn.PReLU set on an expert of each rank after apply, ModuleList experts": lambda r, w: _parity(
+        r, w, _module_list, _no_context, prepare=_prelu_on(0, 3)),
+    "nn.PReLU as the batched experts' activation after apply": lambda r, w: _parity(
+        r, w, _batched, _no_context, prepare=_prelu_on_batched),
+    "buffer and parameter registered on a one-pass block's expert after apply": lambda r, w: _parity(
+        r, w, _plain_dict, _no_context, prepare=_buffer_on_plain),
+    "one nn.PReLU shared by every expert after apply: refused": _shared_prelu_refused,
     "experts holding a function as activation": lambda r, w: _parity(r, w, _fn_act, _no_context),
     "weight_norm on expert Linears after apply": lambda r, w: _parity(r, w, _module_list, _no_context,
                                                                       prepare=_weight_norm),

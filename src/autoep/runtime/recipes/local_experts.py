@@ -16,7 +16,9 @@ contiguous experts ``[r*L, (r+1)*L)`` (L = E // ep_size), as the exchange sends 
     (``autoep.runtime.reinit``); a draw on a stand-in outside it (``nn.init.normal_`` over ``model.parameters()``)
     draws on a temporary of its shape on its home device (``autoep.runtime.stand_in``). Reading one into a tensor
     with values raises naming the expert and its owner (``autoep.runtime.stand_in``); ``model.load_state_dict`` keeps
-    them (a single-process checkpoint's tensors for them are skipped, their keys are never missing).
+    them (a single-process checkpoint's tensors for them are skipped, their keys are never missing). What is set
+    on one after apply (``experts[3].act_fn = nn.PReLU()``: a module with a parameter of its own) becomes a stand-in
+    too before the next exchange (``place_new_tensors``): it lives, computes and trains on the owner.
 
 The ownership query (used by checkpoints, export and trainer integrations)::
 
@@ -318,6 +320,56 @@ def _is_stand_in(t: Tensor, dtype: torch.dtype) -> bool:
     return isinstance(t, RemoteExpertTensor) and t.dtype == dtype
 
 
+def place_new_tensors(block: nn.Module, spec: LocalExperts, experts: list[nn.Module]) -> None:
+    """Tensors an expert another ep rank owns got after apply (a module set on it, ``experts[3].act_fn =
+    nn.PReLU()``; a parameter or buffer registered on it; a tensor assigned to one of its parameters) become frozen
+    stand-ins here, as apply made its own: the same user code ran on the owner, which computes the expert with them
+    and trains them in its expert group. Kept here, they would be a copy that never computes nor trains, which
+    ``model.parameters()``, an optimizer, DDP and a state dict would take for this rank's own. Called before each
+    exchange, on every rank (idempotent; a scan of the remote experts' tensors). A module or tensor so added that
+    the block holds elsewhere too (one ``nn.PReLU`` set on every expert: a local expert computes with it) raises
+    ``LiveStateError``: each expert lives on one rank, and the block's other users need its values here."""
+    for e, expert in enumerate(experts[: spec.num_experts]):
+        if spec.is_local(e):
+            continue
+        new = [(name, m) for name, m in expert.named_modules() if any(
+            t is not None and not isinstance(t, RemoteExpertTensor) for t in (*m._parameters.values(),
+                                                                                 *m._buffers.values()))]
+        if not new:
+            continue
+        _check_new_unshared(block, spec, e, new)
+        remote = getattr(expert, "_autoep_remote", None)
+        for _, m in new:
+            m._autoep_remote = remote  # a module set on it after apply: its own conversions make stand-ins too
+            for store, parameter in ((m._parameters, True), (m._buffers, False)):
+                for name, t in store.items():
+                    if t is not None and not isinstance(t, RemoteExpertTensor):
+                        # A plain meta tensor (a pickled stand-in loaded back) is on the block's device on the model.
+                        home = _device_of(block) if t.is_meta else t.device
+                        store[name] = stand_in(t, t.dtype, remote, parameter=parameter, home=home)
+
+
+def _check_new_unshared(block: nn.Module, spec: LocalExperts, e: int, new: list) -> None:
+    root = _join(spec.path, spec.keys[e])
+    held = {}
+    for name, m in block.named_modules(remove_duplicate=False):
+        if name == root or name.startswith(f"{root}."):
+            continue
+        for t in (m, *m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                held.setdefault(id(t), name or "the block")
+    for name, m in new:
+        for what, t in ((name, m), *((_join(name, n), t) for n, t in (*m._parameters.items(), *m._buffers.items())
+                                     if t is not None)):
+            if id(t) in held:
+                where = _join(spec.path, spec.keys[e], what)
+                raise LiveStateError(
+                    f"{type(block).__name__}.{where} was set after apply_plan to a {type(t).__name__} that "
+                    f"{held[id(t)]} holds too; under expert parallelism expert {e} lives on ep rank {spec.owner(e)} "
+                    f"only (a meta stand-in here), so the two cannot share it. Give each expert its own module "
+                    f"(e.g. copy.deepcopy of it per expert)")
+
+
 def release_remote_experts(model: nn.Module) -> None:
     """Make every remote expert a ``meta`` stand-in again (idempotent; e.g. after a tensor was assigned to one)."""
     for block in model.modules():
@@ -547,6 +599,7 @@ def local_expert_fn(block: nn.Module):
     drawn or updated per call that EP cannot keep as the model does (``_check_drawn_state``)."""
     spec = spec_of(block)
     every = placed_experts(block, spec)
+    place_new_tensors(block, spec, every)
     _check_drawn_state(block, spec, every)
     experts = every[spec.first: spec.first + spec.num_local]
     stacked = getattr(block, STACKED, None)

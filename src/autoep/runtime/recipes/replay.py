@@ -93,6 +93,7 @@ from autoep.runtime.recipes.deferred import (
 from autoep.runtime.recipes.local_experts import (
     GROUP,
     place_experts,
+    place_new_tensors,
     placed_experts,
     report_counts,
     spec_of,
@@ -205,6 +206,7 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
     # Raised before the forward (through the exchange's counts, so every peer stops too); experts not looked up.
     changed = _plain_changed(self, replay, "was changed after apply_plan")
     experts = placed_experts(self, spec)[:spec.num_experts] if changed is None else []
+    place_new_tensors(self, spec, experts)
     group = getattr(self, GROUP).value if spec.ep_size > 1 else None
     device = _device(args, kwargs, self)
     tape = Tape(cls.__name__)

@@ -13,7 +13,10 @@ the model or raise ``AfterApplyError`` before they change anything (issue 20).
   ``ep`` that torch's function does not make (and a rank may call it alone, e.g. to log a norm, where a
   collective would hang); ``ep.clip_grad_norm_`` / ``autoep.runtime.grads.clip_grad_norm`` make it.
   ``clip_grad_value_`` is elementwise, so exact on each rank's shards: it only must not hand DTensor and plain
-  gradients to one ``torch._foreach_*`` call (which fails), so such lists take torch's own per-tensor loop.
+  gradients to one ``torch._foreach_*`` call (which fails), so such lists take torch's own per-tensor loop;
+- random draws on sharded expert parameters (``reinit.install_exact_draws``): an init outside ``model.apply``
+  (``nn.init.normal_`` over ``model.parameters()``, transformers' ``init_weights()``) draws each expert parameter
+  whole, as the model does, and keeps this rank's slot (DTensor alone draws the shard's size).
 
 ``keep_hooks_through_moves(block)``: torch's ``Module._apply`` (``.to``, ``.cuda``, ``.half``, ...) swaps a
 tensor-subclass parameter's payload (``torch.utils.swap_tensors``; every DTensor expert shard), and the hooks

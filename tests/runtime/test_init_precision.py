@@ -323,6 +323,18 @@ def _buffer_on_plain(block: nn.Module) -> None:
     block.expert_3.scale = nn.Parameter(torch.ones(3))
 
 
+def _replaced_batched_refused(rank: int, world_size: int) -> None:
+    """A batched expert parameter replaced after apply by a full plain tensor (``experts.gate_up_proj =
+    nn.Parameter(...)``, as on the model): every rank would read it as its own experts. Raised at the first forward,
+    before any exchange, naming the parameter and the fixes."""
+    ep = _apply(_batched(), world_size)
+    ep.experts.gate_up_proj = nn.Parameter(torch.zeros(ep.experts.gate_up_proj.shape))
+    x, _, bounds = _slices(world_size, _width(ep))
+    with pytest.raises(LiveStateError, match=r"Qwen3MoeExperts\.gate_up_proj was replaced after apply_plan by a "
+                                             r"plain tensor of shape \(8, 32, 32\).*load_state_dict"):
+        ep(x[:, slice(*bounds[rank])])
+
+
 def _shared_prelu_refused(rank: int, world_size: int) -> None:
     """One ``nn.PReLU`` set on every expert after apply (the model shares its parameter among the experts): under
     EP each expert lives on one rank, so the module cannot be both a local expert's and a remote one's. Raised at
@@ -403,6 +415,7 @@ MODULE_CASES = {
     "buffer and parameter registered on a one-pass block's expert after apply": lambda r, w: _parity(
         r, w, _plain_dict, _no_context, prepare=_buffer_on_plain),
     "one nn.PReLU shared by every expert after apply: refused": _shared_prelu_refused,
+    "a batched expert parameter replaced by a plain tensor after apply: refused": _replaced_batched_refused,
     "experts holding a function as activation": lambda r, w: _parity(r, w, _fn_act, _no_context),
     "weight_norm on expert Linears after apply": lambda r, w: _parity(r, w, _module_list, _no_context,
                                                                       prepare=_weight_norm),

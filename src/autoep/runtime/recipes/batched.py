@@ -29,12 +29,13 @@ from typing import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from autoep.detect.experts_proof import BatchedRoles, batched_proof, experts_forward
 from autoep.detect.flat_experts import FlatLayout
 from autoep.detect.structure import MoeStructure
 from autoep.detect.training_branch import check_branch, eval_gate
-from autoep.errors import PlanError
+from autoep.errors import LiveStateError, PlanError
 from autoep.runtime.adapters import check_parametrizations, local_weight
 from autoep.runtime.checkpointing import guard_checkpointing
 from autoep.runtime.dispatch import Idle, ep_experts_forward
@@ -67,6 +68,7 @@ class _EpExperts(AppliedSpec):
     plain: bool  # up -> act -> down experts (``up_proj``), no gate half
     fp32: bool  # the experts compute in float32 whatever their weights' dtype
     post_norm: str = ""  # the experts' submodule applied to each expert's output rows before weighting ("" none)
+    sharded: tuple[str, ...] = ()  # the expert parameters apply made Shard(0) DTensors (checked at every call)
 
 
 def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | MoeStructure) -> None:
@@ -83,8 +85,8 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
         shard_flat_experts(experts, roles.flat, ep_mesh, name=type(module).__name__)
         bind_experts_forward(experts, _EpExperts(
             num_experts=roles.flat.num_experts, ep_group=ep_group_of(ep_mesh), transposed=False, bias=False,
-            activation="", signature=inspect.signature(own_forward), roles=roles, plain=False, fp32=False),
-            _ep_forward)
+            activation="", signature=inspect.signature(own_forward), roles=roles, plain=False, fp32=False,
+            sharded=_sharded(experts)), _ep_forward)
         return
     plain = facts.activation == "plain"
     spec = _EpExperts(
@@ -98,8 +100,13 @@ def ep_batched_experts(module: nn.Module, *, ep_mesh=None, structure: dict | Moe
         plain=plain,
         fp32=facts.expert_dtype == "float32",
         post_norm=facts.post_expert_norm,
+        sharded=_sharded(experts),
     )
     bind_experts_forward(experts, spec, _ep_forward)
+
+
+def _sharded(experts: nn.Module) -> tuple[str, ...]:
+    return tuple(n for n, p in experts.named_parameters() if isinstance(p, DTensor))
 
 
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> BatchedRoles:
@@ -160,6 +167,7 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
     # Before any parameter is read: reading one runs a parametrization on this rank's shard (PEFT's LoRA, known,
     # is applied per expert by ``local_weight``).
     check_parametrizations(self)
+    _check_still_sharded(self, spec)
     # Bound exactly as the experts' own forward binds them: unknown keywords fail as they would there.
     bound = spec.signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
@@ -213,6 +221,24 @@ def _ep_forward(self: nn.Module, *args, **kwargs):
     if roles.view_out == "lead":
         return out_TD.view(hidden_states.shape[0], -1, out_TD.shape[-1])
     return out_TD.reshape(hidden_states.shape) if roles.view_out == "shape" else out_TD
+
+
+def _check_still_sharded(experts: nn.Module, spec: _EpExperts) -> None:
+    """Every expert parameter apply sharded is a shard still: one replaced after apply by a plain tensor
+    (``experts.gate_up_proj = nn.Parameter(full)``, a full tensor or any other) would be read as this rank's
+    experts. Raised before the exchange, on every rank alike (each replaced it: the same user code)."""
+    for name in spec.sharded:
+        path, _, attr = name.rpartition(".")
+        # Read where it is registered (a parametrized one, PEFT's LoRA, keeps its shard as ``original``: not run).
+        p = experts.get_submodule(path)._parameters.get(attr)
+        # A plain nn.Parameter is what an assignment puts there; FSDP2 (expert_sharding=fsdp2) holds the experts'
+        # unsharded tensors there during the forward, which are no Parameters.
+        if isinstance(p, nn.Parameter) and not isinstance(p, DTensor):
+            raise LiveStateError(
+                f"{type(experts).__name__}.{name} was replaced after apply_plan by a plain tensor of shape "
+                f"{tuple(p.shape)}; under expert parallelism each rank holds a Shard(0) slice of it (its own experts), "
+                f"which the exchange computes with. Load new values with model.load_state_dict (it cuts a full tensor "
+                f"to this rank's slice) or initialise the parameter in place (nn.init.*, drawn as on the model)")
 
 
 def _routed_weights(self: nn.Module, spec: _EpExperts, top_k_index: Tensor, weights_TE: Tensor) -> Tensor:

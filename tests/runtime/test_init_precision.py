@@ -567,8 +567,23 @@ INIT_LOOPS = {
     "nn.init.xavier_normal_ on every parameter": _xavier_loop,
     "p.copy_(torch.randn_like(p)) on every parameter": _randn_like_loop,
 }
+
+
+def _orthogonal_loop(model: nn.Module) -> None:
+    """``orthogonal_`` (and ``sparse_``, ``trunc_normal_``) return at once on a meta tensor, before any draw."""
+    for p in model.parameters():
+        nn.init.orthogonal_(p) if p.dim() >= 2 else nn.init.zeros_(p)
+
+
+def _sparse_loop(model: nn.Module) -> None:
+    for p in model.parameters():
+        nn.init.sparse_(p, 0.3) if p.dim() == 2 else nn.init.zeros_(p)
+
+
+LOOPS_2D = {"nn.init.orthogonal_ on every parameter": _orthogonal_loop,
+            "nn.init.sparse_ on every parameter": _sparse_loop}  # module experts: 2-D weights
 for _kind, _make in (("ModuleList", _module_list), ("batched", _batched), ("plain dict", _plain_dict)):
-    for _spelling, _init in INIT_LOOPS.items():
+    for _spelling, _init in {**INIT_LOOPS, **(LOOPS_2D if _kind != "batched" else {})}.items():
         INIT_CASES[f"{_spelling} after apply, {_kind} experts"] = (
             lambda r, w, make=_make, init=_init: _init_parity(r, w, _with_dense_after(make), init,
                                                               through_apply=False))

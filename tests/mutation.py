@@ -301,8 +301,10 @@ def replay_targets() -> list[Target]:
     targets replay runs too, from before issue 21): ``tests/detect/test_replay_soundness.py`` samples them,
     ``bench/soundness.py --replay`` runs them all."""
     import replay_blocks
+    import role_blocks
 
-    return [Target(f"replay/{n}", _hand_written_block(n, make), replay=True) for n, make in replay_blocks.BLOCKS.items()]
+    blocks = {**replay_blocks.BLOCKS, **role_blocks.BLOCKS}  # experts by role (issue 31) too
+    return [Target(f"replay/{n}", _hand_written_block(n, make), replay=True) for n, make in blocks.items()]
 
 
 def _training_branch_blocks() -> dict[str, Callable[[], nn.Module]]:

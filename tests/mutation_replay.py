@@ -719,3 +719,114 @@ REPLAY_OPERATORS |= {
     "call_context": op_call_context,
     "autocast_call": op_autocast_call,
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts by role (issue 31): aligned containers misaligned, a shared list reached by routed rows
+# ---------------------------------------------------------------------------------------------
+
+ROLES_PRELUDE = '''
+import torch
+
+
+def _autoep_pick(rows):
+    return torch.where(rows[:, 0] > 0)[0]
+
+
+def _autoep_scatter(rows, pick, out):
+    return out.new_zeros(rows.shape[0], out.shape[-1]).index_add(0, pick, out)
+'''
+
+
+def _indexed_calls(tree: ast.AST) -> dict[str, list[tuple[ast.Call, str]]]:
+    """Calls ``self.<container>[<name>](...)``, by the index name: ``{name: [(call, container), ...]}``."""
+    out: dict[str, list[tuple[ast.Call, str]]] = {}
+    for node in ast.walk(tree):
+        f = node.func if isinstance(node, ast.Call) else None
+        if isinstance(f, ast.Subscript) and isinstance(f.slice, ast.Name) and isinstance(f.value, ast.Attribute) \
+                and isinstance(f.value.value, ast.Name) and f.value.value.id == "self":
+            out.setdefault(f.slice.id, []).append((node, f.value.attr))
+    return out
+
+
+def _aligned_calls(tree: ast.AST) -> list[tuple[ast.Call, str]]:
+    """Each call of a container indexed by a name that indexes another container too: ``(call, container)``."""
+    return [pair for calls in _indexed_calls(tree).values() if len({c for _, c in calls}) > 1 for pair in calls]
+
+
+def _resized(container: str, change: str):
+    def tweak(obj: nn.Module) -> None:
+        entries = getattr(obj, container)
+        if change == "longer":
+            entries.append(copy.deepcopy(entries[-1]))
+        else:
+            del entries[-1]
+
+    return tweak
+
+
+def op_misalign_containers(fn, site):
+    """Containers indexed by one expert id (``lora_A[i]``, ``lora_B[i]``) misaligned: one of them indexed by the
+    next id (``lora_B[(i + 1) % len(self.lora_B)]``), or one entry longer or shorter than the others."""
+    if not _experts_calling(site):
+        return []
+    edits = []
+    for k, (_, container) in enumerate(_aligned_calls(fn)):
+        for variant in ("shift", "longer", "shorter"):
+            tree = copy.deepcopy(fn)
+            call, _ = _aligned_calls(tree)[k]
+            if variant == "shift":
+                index = call.func.slice
+                call.func.slice = expr(f"(__i__ + 1) % len(self.{container})", __i__=index)
+                edits.append(Edit(tree, ROLES_PRELUDE))
+            else:
+                edits.append(Edit(tree, ROLES_PRELUDE, tweak=_resized(container, variant)))
+    return edits
+
+
+def _whole_calls(tree: ast.AST) -> list[tuple[ast.Call, str]]:
+    """Calls ``s(a)`` of a name a loop binds from ``self.<container>`` with no id (``for s in self.shared``):
+    ``(call, container)``."""
+    out = []
+    for node in ast.walk(tree):
+        for g in _generators(node):
+            it = g.iter
+            if isinstance(g.target, ast.Name) and isinstance(it, ast.Attribute) and isinstance(it.value, ast.Name) \
+                    and it.value.id == "self":
+                body = node.body if isinstance(node, ast.For) else [node]
+                out += [(c, it.attr) for part in body for c in ast.walk(part) if isinstance(c, ast.Call)
+                        and isinstance(c.func, ast.Name) and c.func.id == g.target.id and len(c.args) == 1]
+    return sorted(out, key=lambda pair: (pair[0].lineno, pair[0].col_offset))
+
+
+def op_route_shared(fn, site):
+    """A list every row reaches (``for s in self.shared_experts: y = y + s(x)``) reached by routed rows: its first
+    entry added to each routed expert call on that call's rows (refused: not selected by the expert id), or each of
+    its calls made on some rows only (those with a positive first feature, scattered back: still every row's
+    business, exact where it stays where the token is)."""
+    if not _experts_calling(site) or not _whole_calls(fn):
+        return []
+    edits = []
+    for k in range(len(expert_calls(fn))):
+        tree = copy.deepcopy(fn)
+        _, container = _whole_calls(tree)[0]
+        call = expert_calls(tree)[k]
+        if isinstance(call.func, ast.Name) and call.func.id in {c.func.id for c, _ in _whole_calls(tree)}:
+            continue  # a call of the shared list itself
+        _replace(tree, call, expr(f"(__c__ + self.{container}[0](__a__))", __c__=call, __a__=call.args[0]))
+        edits.append(Edit(tree, ROLES_PRELUDE))
+    for k in range(len(_whole_calls(fn))):
+        tree = copy.deepcopy(fn)
+        call, _ = _whole_calls(tree)[k]
+        rows = call.args[0]
+        picked = copy.deepcopy(call)
+        picked.args[0] = expr("__a__[_autoep_pick(__a__)]", __a__=rows)
+        _replace(tree, call, expr("_autoep_scatter(__a__, _autoep_pick(__a__), __c__)", __a__=rows, __c__=picked))
+        edits.append(Edit(tree, ROLES_PRELUDE))
+    return edits
+
+
+REPLAY_OPERATORS |= {
+    "misalign_containers": op_misalign_containers,
+    "route_shared": op_route_shared,
+}

@@ -41,8 +41,8 @@ def experts_attr(block: nn.Module) -> str:
 
     try:
         found = find_experts(block)
-    except Exception:  # noqa: BLE001 - an unreadable mutant: the name the fuzzer always used
-        return "experts"
+    except Exception:  # noqa: BLE001 - the fast paths' reading refuses (several containers): the fallback's
+        found = None
     if found:
         return found
     try:

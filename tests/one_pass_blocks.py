@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import blocks
 import numpy as np
 import one_pass_stats
+import role_blocks
 import torch
 import torch.nn.functional as F
 from replay_blocks import FF, D, E, FeedForward, K, _top_k
@@ -1126,4 +1127,12 @@ CASES: dict[str, Case] = {
     "mixtral_v4": Case(mixtral_v4, splits=EMPTY_RANK),
     "two_layer_net": Case(TwoLayerNet, splits=EMPTY_RANK, match="layers.?"),
     "two_layer_unique_net": Case(lambda: TwoLayerNet(UniqueLoopMoE), splits=EMPTY_RANK, match="layers.?"),
+    # experts by role (issue 31): one expert across aligned containers, a shared list beside the experts, a list the
+    # forward builds beside per-adapter routers; their one-edit twins are refused (tests/detect/test_expert_roles.py)
+    "lora_mixture_3": Case(role_blocks.LoraMixture3MoE, splits=EMPTY_RANK),
+    "shared_list": Case(role_blocks.SharedListMoE, splits=EMPTY_RANK),
+    "forward_built": Case(role_blocks.ForwardBuiltMoE, splits=EMPTY_RANK),
+    "lora_misaligned": _harmful(role_blocks.LoraMisalignedTwin, splits=EMPTY_RANK),
+    "shared_on_routed_rows": _harmful(role_blocks.SharedOnRoutedRowsTwin, splits=EMPTY_RANK),
+    "forward_built_by_method": _harmful(role_blocks.ForwardBuiltByMethodTwin, splits=EMPTY_RANK),
 }

@@ -12,7 +12,7 @@ shared_state``: globals, class attributes, default arguments, the log) is put ba
 Verdicts (``Case.expect``): ``exact``; ``exact_or_raise``: exact, or ``ReplayError``/a detection refusal on every
 rank; ``raise``: ``ReplayError`` on every rank, a message naming the line that reads an expert output on the
 host. A call not back within ``DEADLINE_S`` is a hang. A benign block refused at detection is skipped with the
-refusal (a detection limit), ``lora_mixture`` xfailed. Ranks print one line per case (pytest ``-s`` shows them).
+refusal (a detection limit); ``XFAIL_REFUSED`` ones xfailed. Ranks print one line per case (pytest ``-s`` shows them).
 
     python -m pytest tests/runtime/test_one_pass.py
 """
@@ -48,7 +48,7 @@ GENERAL = "replay"  # the execution the plan forces on every case: the general p
 LR = 0.1
 RAISES = (ReplayError, UnsupportedModuleStructure)  # a refusal at resolve is an UnsupportedPlanEntry, one of these
 DEADLINE_S = {1: 15, 2: 20, 4: 30}
-XFAIL_REFUSED = {"lora_mixture"}  # a chain across two containers: in the issue only "if it is detected"
+XFAIL_REFUSED: set[str] = set()  # benign cases refused at detection that are known limits (none now)
 # ONE_PASS_CASES=a,b narrows every test to those cases (a door under work, on 2 and 4 ranks)
 NAMES = [n for n in os.environ.get("ONE_PASS_CASES", "").split(",") if n] or list(ob.CASES)
 

@@ -165,8 +165,8 @@ def row_local_facts(experts: nn.Module, path: str, members: list | None = None, 
         per_expert_draws.append(proof.draws)
     named = path if folded_path is None else folded_path
     return dict(expert_kind="row_local", expert_projs=(), expert_act="", identity_experts=0,
-                folded=_fold_entries(named, per_expert, expert_keys(experts)),
-                expert_draws=_fold_entries(named, per_expert_draws, expert_keys(experts)))
+                folded=fold_entries(named, per_expert, expert_keys(experts)),
+                expert_draws=fold_entries(named, per_expert_draws, expert_keys(experts)))
 
 
 def expert_keys(experts: nn.Module) -> list[str]:
@@ -174,7 +174,9 @@ def expert_keys(experts: nn.Module) -> list[str]:
     return list(experts.keys()) if isinstance(experts, nn.ModuleDict) else [str(e) for e in range(len(experts))]
 
 
-def _fold_entries(path: str, per_expert: list, keys: list[str]) -> tuple[str, ...]:
+def fold_entries(path: str, per_expert: list, keys: list[str]) -> tuple[str, ...]:
+    """The ``folded`` entries of the experts named ``<path>.<key>`` (``keys``, one per expert), their proofs' folded
+    ``(attr, value)`` pairs in ``per_expert``: ``<path>.*.<attr>=<value>`` where every expert reads the same."""
     values: dict[str, dict[int, str]] = {}
     for e, folded in enumerate(per_expert):
         for attr, value in folded:

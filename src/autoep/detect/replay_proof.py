@@ -9,9 +9,16 @@ raises at run time, naming the line). Proven here, from source and attributes, n
   methods it calls), a ``ModuleList``/``ModuleDict`` (a subclass with a forward of its own too), a child of the
   block or of a child module the block calls (``self.moe`` whose forward reads ``self.experts``), or a plain
   dict/list attribute of the block whose values are its registered children (``autoep.detect.plain_experts``:
-  every entry an expert, none read by its name), found by data flow, not by the name ``experts``; several such
-  containers are ambiguous and refused, and so is one whose modules a loop chains (``x = layer(x)``: a stack
-  of layers a model walks);
+  every entry an expert, none read by its name), found by data flow, not by the name ``experts``; one whose
+  modules a loop chains (``x = layer(x)``: a stack of layers a model walks) is refused;
+- several such containers, or a list the forward builds of the block's modules, told apart by role
+  (``autoep.detect.expert_roles``, issue 31): the containers a routed loop indexes by its expert id are the
+  experts, one expert across them where they are several (``lora_A[i]``, ``lora_B[i]``: aligned, the same entries
+  and loops; those holding no tensor, ``lora_dropout[i]``, stay where the token is), recorded per expert in
+  ``Experts.members`` (``MoeStructure.expert_members``); a container every row reaches (a shared list, per-adapter
+  routers) stays where the token is; a list the forward builds (``[self.base_layer] + list(self.adapters)``) whose
+  entries the routed loop calls is the experts, one module each, rather than the one container the forward reads;
+  a misaligned use, or containers of no known role, is refused;
 - which entries of the container are the experts: its leading entries, up to the first one the forward (or
   a method it calls, or the container's own forward) reads by name (``self.token_dropout``,
   ``self.experts.norm``, ``getattr(self, "norm")``): such a module is the block's own code, run where the
@@ -23,6 +30,7 @@ raises at run time, naming the line). Proven here, from source and attributes, n
 - the block's forward is its class's, undecorated, its ``__call__`` nn.Module's (the runtime calls the class
   forward inside one call of the block).
 
+``find_experts(block)`` returns the ``Experts`` (``find_container(block)`` their path) or raises ``Refusal``;
 ``replay_facts(block, path)`` returns the ``MoeStructure`` facts or raises ``Refusal``; ``num_experts(block,
 path)`` how many of the container's entries are experts; ``expert_labels(block, path)`` how the model names each
 entry (``experts[2]``, ``expert_by_id[3]``) and the entries; ``leading_dims_pinned(block, path)`` which experts
@@ -32,10 +40,11 @@ dict/list attribute.
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 
 import torch.nn as nn
 
-from autoep.detect import module_list_proof, plain_experts, row_local
+from autoep.detect import expert_roles, module_list_proof, plain_experts, row_local
 from autoep.detect.expert_reads import WHOLE_MODULE_READS
 from autoep.detect.loop_context import plain_method, self_reads
 from autoep.detect.source import Refusal, function_tree
@@ -146,7 +155,25 @@ def _chained(fns, attr: str) -> ast.Assign | None:
 
 
 def find_container(block: nn.Module) -> str:
-    """The path of the block's experts container (module docstring), or ``Refusal`` naming what was seen."""
+    """The path of the block's experts (``find_experts(block).path``), or ``Refusal`` naming what was seen."""
+    return find_experts(block).path
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Where a block's experts are: one container at ``path`` (``members`` empty), or, per expert, the paths of its
+    modules (``(("lora_A.0", "lora_B.0"), ...)``: aligned containers; ``(("base_layer",), ("adapters.0",), ...)``:
+    a list the forward builds), ``path`` then the first one's container (``lora_A``, ``base_layer``)."""
+
+    path: str
+    members: tuple[tuple[str, ...], ...] = ()
+
+
+def find_experts(block: nn.Module) -> Experts:
+    """The block's experts (module docstring), or ``Refusal`` naming what was seen. Several containers the forward
+    reads are told apart by role (``autoep.detect.expert_roles``): the routed ones, aligned, are the experts (one
+    expert across them), the ones every row reaches stay where the token is; one container alone keeps its
+    decision, unless the routed calls select from a list the forward builds and that container is not routed."""
     cls = type(block)
     forward_fns = [fn for fn, _, _ in module_list_proof.block_methods(block).values()]
     found = []
@@ -177,13 +204,93 @@ def find_container(block: nn.Module) -> str:
                 raise Refusal(f"{cls.__name__}.forward chains the modules of self.{name} (`{ast.unparse(chained)}`): "
                               "each one's input is the previous one's output, a stack of layers, not experts")
             found.append(name)
-    if not found:
-        raise Refusal(f"{cls.__name__}: no ModuleList/ModuleDict (or plain dict/list) of expert modules that its "
-                      "forward (or a module it calls) reads")
-    if len(found) > 1:
+    plain = [name for name in found if is_plain(block, name)]
+    if len(found) > 1 and (plain or any("." in name for name in found)):
         raise Refusal(f"{cls.__name__}.forward reads several module containers ({found}); which one holds the "
                       "experts is ambiguous")
-    return found[0]
+    if plain:
+        return Experts(found[0])
+    return _by_role(block, forward_fns, found)
+
+
+def _by_role(block: nn.Module, fns: list, found: list[str]) -> Experts:
+    """The experts among the containers ``found`` (direct children, or one of a child) and the lists the forward
+    builds, by role (``expert_roles``)."""
+    cls = type(block).__name__
+    try:
+        roles = expert_roles.roles(block, fns, [name for name in found if "." not in name])
+    except Exception as exc:  # noqa: BLE001 - a Refusal, or a source the roles cannot follow
+        if len(found) == 1:  # one container keeps its decision (no detector outcome changes but refusals lifted)
+            return Experts(found[0])
+        if not found or not isinstance(exc, Refusal):
+            raise Refusal(f"{cls}: no ModuleList/ModuleDict (or plain dict/list) of expert modules that its forward "
+                          "(or a module it calls) reads" if not found else f"{cls}.forward reads several module "
+                          f"containers ({found}) and their roles could not be read ({type(exc).__name__}: {exc})"
+                          ) from None
+        raise
+    lists = [source for source in roles.routed() if source.startswith("list:")]
+    routed = [name for name in found if roles.role.get(name) == expert_roles.ROUTED]
+    if len(found) == 1 and (routed or not lists):
+        return Experts(found[0])
+    if lists:
+        if routed or len(lists) > 1:
+            raise expert_roles.Misplaced(f"{cls}: its routed calls select from {', '.join(_shown(s) for s in [*routed, *lists])} "
+                          f"({', '.join(roles.lines[s] for s in [*routed, *lists])}); autoep places the experts of one "
+                          "source (one list, or containers aligned by the expert id)")
+        return _built(block, roles.lists[lists[0]], lists[0][5:])
+    if not found:
+        raise Refusal(f"{cls}: no ModuleList/ModuleDict (or plain dict/list) of expert modules that its forward (or "
+                      "a module it calls) reads")
+    unknown = [name for name in found if name not in roles.role]
+    if not routed or unknown:
+        raise expert_roles.Misplaced(f"{cls}.forward reads several module containers ({found}); which one holds the experts is "
+                      f"ambiguous (none called on rows a loop's expert id picks{'' if not unknown else ', or '}"
+                      f"{'' if not unknown else f'{unknown} not called in the forward'})")
+    return _aligned(block, routed, roles)
+
+
+def _shown(source: str) -> str:
+    return f"the list {source[5:]}" if source.startswith("list:") else f"self.{source}"
+
+
+def _aligned(block: nn.Module, routed: list[str], roles) -> Experts:
+    """Containers the routed loops index by one expert id: one expert across them (``lora_A[i]``, ``lora_B[i]``),
+    placed together. Of the same length and keys (a ModuleDict's, in order); containers whose entries hold no
+    tensor (``lora_dropout[i]``: a Dropout, an Identity) have nothing to place and stay where the token is."""
+    cls = type(block).__name__
+    keys = {name: tuple(module_list_proof.expert_keys(block._modules[name])) for name in routed}
+    kinds = {name: isinstance(block._modules[name], nn.ModuleDict) for name in routed}
+    first = routed[0]
+    for name in routed[1:]:
+        if roles.loops[name] != roles.loops[first]:
+            raise expert_roles.Misplaced(f"{cls}.forward reads several module containers by expert id in different loops "
+                          f"(self.{first}: {sorted(roles.loops[first])}, self.{name}: {sorted(roles.loops[name])}); "
+                          "which one holds the experts is ambiguous (containers of one expert are called in one loop)")
+        if keys[name] != keys[first] or kinds[name] != kinds[first]:
+            raise expert_roles.Misplaced(f"{cls}: self.{first} and self.{name} are both indexed by the expert id "
+                          f"({roles.lines[first]}, {roles.lines[name]}) but hold different entries "
+                          f"({len(keys[first])}: {list(keys[first])[:4]}, {len(keys[name])}: {list(keys[name])[:4]}); "
+                          "aligned containers hold one entry per expert, in one order")
+    placed = [name for name in routed if any(True for e in members(block._modules[name])
+                                             for _ in (*e.parameters(), *e.buffers()))]
+    if len(placed) <= 1:
+        return Experts(placed[0] if placed else first)
+    return Experts(placed[0], tuple(tuple(f"{name}.{k}" for name in placed) for k in keys[first]))
+
+
+def _built(block: nn.Module, paths: tuple[str, ...], name: str) -> Experts:
+    """A list the forward builds of the block's modules (``[self.base_layer] + list(self.adapters)``), one expert
+    per entry; refused where one module is at two entries (one expert would be placed and answered twice)."""
+    cls = type(block).__name__
+    modules = [block.get_submodule(p) for p in paths]
+    for i, m in enumerate(modules):
+        j = next(j for j, other in enumerate(modules) if other is m)
+        if j != i:
+            raise expert_roles.Misplaced(f"{cls}.forward builds {name} with the module {paths[i]} at entries {j} and {i}; one module "
+                          "is one expert: give each entry its own module")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise expert_roles.Misplaced(f"{cls}.forward builds {name} with the container {paths[i]} as an entry")
+    return Experts(paths[0].split(".")[0], tuple((p,) for p in paths))
 
 
 def replay_facts(block: nn.Module, path: str, draws_on_owner: bool = False) -> dict:
@@ -194,7 +301,8 @@ def replay_facts(block: nn.Module, path: str, draws_on_owner: bool = False) -> d
     plain_method(cls, "forward", block)  # no instance forward, no decorator (the runtime calls the class forward)
     if cls.__call__ is not nn.Module.__call__:
         raise Refusal(f"{cls.__name__} overrides __call__")
-    if find_container(block) != path:
+    found = find_experts(block)
+    if found.path != path:
         raise Refusal(f"{cls.__name__}: its experts are not at {path!r}")
     named = block._modules.get("experts")
     own = [n for n, _ in named.named_parameters(recurse=False)] if isinstance(named, nn.Module) else []
@@ -208,16 +316,69 @@ def replay_facts(block: nn.Module, path: str, draws_on_owner: bool = False) -> d
         _no_whole_module_reads(block, None)
         return module_list_proof.row_local_facts(view, path, members(view)[:n], folded_path="",
                                                  draws_on_owner=draws_on_owner)
+    if found.members:
+        return _member_facts(block, found.members, draws_on_owner)
     container = block.get_submodule(path)
     _no_whole_module_reads(block, container)
     return module_list_proof.row_local_facts(container, path, members(container)[:num_experts(block, path)],
                                              draws_on_owner=draws_on_owner)
 
 
-def leading_dims_pinned(block: nn.Module, path: str, draws_on_owner: bool = False) -> tuple[str, ...]:
+def _member_facts(block: nn.Module, experts: tuple[tuple[str, ...], ...], draws_on_owner: bool = False) -> dict:
+    """``replay_facts`` of experts whose modules are several (``Experts.members``): every module proven row-local
+    on its own (the owner runs each called one on every rank's rows), no tensor in two of them, no entry of an
+    aligned container read by name (it would be the block's own code, not an expert's), ``folded`` entries by
+    each module's path (``expert_draws`` too, under ``draws_on_owner``); ``expert_members`` records them."""
+    cls = type(block).__name__
+    _no_whole_module_reads(block, None)
+    for root in member_roots(experts):
+        container = block.get_submodule(root)
+        if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+            keys = module_list_proof.expert_keys(container)
+            named = _named_entries(block, root, set(keys))
+            if named:
+                raise Refusal(f"{cls}: the forward reads {root}.{sorted(named)[0]} by name; the entries of an "
+                              f"expert container are the experts, called by the expert id only")
+    if module_list_proof.global_hooks():
+        raise Refusal("global module hooks are registered; under EP they would see other batches of rows")
+    slots = [p for expert in experts for p in expert]
+    owner: dict[int, str] = {}
+    per_slot, per_slot_draws = [], []
+    for slot in slots:
+        module = block.get_submodule(slot)
+        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+            if owner.setdefault(id(t), slot) != slot:
+                raise Refusal(f"{cls}.{slot}.{name} is the same tensor as one of {owner[id(t)]}: a tensor in two "
+                              "expert modules would be placed, and get its gradient, on two ranks")
+        proof = row_local.prove_expert(module, member_label(slot), draws_on_owner)
+        per_slot.append(proof.folded)
+        per_slot_draws.append(proof.draws)
+    return dict(expert_kind="row_local", expert_projs=(), expert_act="", identity_experts=0,
+                folded=module_list_proof.fold_entries("", per_slot, slots),
+                expert_draws=module_list_proof.fold_entries("", per_slot_draws, slots), expert_members=experts)
+
+
+def member_roots(experts: tuple[tuple[str, ...], ...]) -> list[str]:
+    """The children of the block that hold the modules of ``experts`` (``lora_A``, ``lora_B``; ``base_layer``,
+    ``adapters``), in order of first appearance."""
+    return list(dict.fromkeys(p.split(".")[0] for expert in experts for p in expert))
+
+
+def member_label(path: str) -> str:
+    """How the model names a module of an expert: ``lora_A[2]``, ``adapters['x']``, ``base_layer``."""
+    root, _, key = path.partition(".")
+    return f"{root}[{key if key.isdigit() else repr(key)}]" if key else root
+
+
+def leading_dims_pinned(block: nn.Module, path: str, draws_on_owner: bool = False,
+                        experts: tuple[tuple[str, ...], ...] = ()) -> tuple[str, ...]:
     """Per expert at ``path`` (the proven ones, ``num_experts``): "" where ``expert(x)`` on ``(..., D)`` is its
     ``(prod(...), D)`` rows' output reshaped (``row_local.ExpertProof.leading_dims_free``), else the construct
-    of its forward that reads a leading dim or the input's rank. ``Refusal`` where an expert is not row-local."""
+    of its forward that reads a leading dim or the input's rank. ``Refusal`` where an expert is not row-local.
+    ``experts``: ``Experts.members`` where the experts are several modules each: per module, in their order."""
+    if experts:
+        return tuple(row_local.prove_expert(block.get_submodule(p), member_label(p), draws_on_owner).pinned_by
+                     for expert in experts for p in expert)
     labels, experts = expert_labels(block, path)
     return tuple(row_local.prove_expert(expert, label, draws_on_owner).pinned_by
                  for label, expert in zip(labels, experts[:num_experts(block, path)]))

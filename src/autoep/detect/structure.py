@@ -16,6 +16,7 @@ from autoep.detect import (
     elementwise,
     equal_groups_proof,
     expert_reads,
+    expert_roles,
     experts_proof,
     genuine,
     grouped_proof,
@@ -32,8 +33,9 @@ from autoep.errors import UnsupportedModuleStructure
 # execution; 6: record/exchange/replay (now the one pass) is the automatic fallback for module experts (blocks refused before may be
 # accepted with execution=replay); 7: no container-loop, selected-loop or masked-sum splice (experts containers with a
 # forward of their own, the 4.57 Switch selected-rows loop and VitPose's masked sum run by record/exchange/replay;
-# idle_experts "selected" is gone)
-DETECTOR_VERSION = "7"
+# idle_experts "selected" is gone); 8: expert_members (experts by role: several aligned containers, or a list the
+# forward builds, one expert's modules together; replay only)
+DETECTOR_VERSION = "8"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")
@@ -112,6 +114,12 @@ class MoeStructure:
     # distribution to the model's, not bit-equal. Empty without the opt-in, and with it where nothing draws
     # (p=0: the same structure, the same results).
     expert_draws: tuple[str, ...] = ()
+    # replay only, where one expert is several modules (issue 31, ``autoep.detect.expert_roles``): per expert, the
+    # paths of its modules in the block, placed together on its owner (``(("lora_A.0", "lora_B.0"), ...)``: containers
+    # the routed loop indexes by one expert id; ``(("base_layer",), ("adapters.0",), ...)``: a list the forward
+    # builds); experts_path is then the first one's container. () where the experts are the entries of
+    # experts_path.
+    expert_members: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self):
         # A resolved config gives the names back as a list (YAML has no tuples): held as a tuple, so two
@@ -122,10 +130,12 @@ class MoeStructure:
         for name in ("expert_projs", "folded", "idle_experts", "expert_draws", "dense_params"):
             if not isinstance(getattr(self, name), tuple):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "expert_members", tuple(tuple(m) for m in self.expert_members))
 
     def as_dict(self) -> dict:
-        """Every field as plain YAML values (the names as a list)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        """Every field as plain YAML values (the names as a list; each expert's members as a list)."""
+        return {k: [list(m) for m in v] if k == "expert_members" else list(v) if isinstance(v, tuple) else v
+                for k, v in asdict(self).items()}
 
 
 def _refuse(module: nn.Module, exc: Refusal) -> UnsupportedModuleStructure:
@@ -309,6 +319,8 @@ def _replay_structure(module: nn.Module, refused: Refusal, draws_on_owner: bool 
         raise refused
     try:
         path = replay_proof.find_container(module)
+    except expert_roles.Misplaced as exc:  # experts found by role, their placement a guess: both reasons
+        raise Refusal(_both(refused, exc)) from None
     except Refusal:  # no module experts to call: the fast paths' reason is the one about this block's experts
         raise refused from None
     try:
@@ -335,10 +347,16 @@ def _live_state(module: nn.Module, structure: MoeStructure) -> None:
     # expert loops (spliced) or calls of the experts (replay) move
     in_methods = structure.expert_storage == "module_list"
     checked = [f for f, _, _ in module_list_proof.block_methods(module).values()] if in_methods else [type(module).forward]
-    expert_reads.experts_read_elsewhere(module, checked, structure.experts_path)
-    tied = sharing.shared_expert_tensors(module, {"": module}, structure.experts_path)
-    if tied:
-        raise Refusal(f"{tied[0]}: {sharing.SHARING_FIX}")
+    for path in expert_paths(structure):
+        expert_reads.experts_read_elsewhere(module, checked, path)
+        tied = sharing.shared_expert_tensors(module, {"": module}, path)
+        if tied:
+            raise Refusal(f"{tied[0]}: {sharing.SHARING_FIX}")
+
+
+def expert_paths(structure: MoeStructure) -> list[str]:
+    """The block's children holding its experts: ``experts_path``, or the ones holding ``expert_members``."""
+    return replay_proof.member_roots(structure.expert_members) if structure.expert_members else [structure.experts_path]
 
 
 def detect_moe_structure(module: nn.Module, *, replay: bool = True, draws_on_owner: bool = False) -> MoeStructure:
@@ -391,6 +409,8 @@ def count_experts(module: nn.Module, structure: MoeStructure | None = None) -> i
     """Number of routed (sharded) experts of an MoE block (from the experts' shapes; reads no data). For
     ModuleList/ModuleDict experts: every entry, less the trailing ``nn.Identity`` experts the SwiGLU fast path
     computes where the token is (``structure.identity_experts``; without a structure, every trailing one)."""
+    if structure is not None and structure.expert_members:
+        return len(structure.expert_members)  # one expert across several modules (``expert_roles``)
     if structure is not None and structure.execution == "replay":
         try:  # the leading entries up to one the forward reads by name: every one travels
             return replay_proof.num_experts(module, structure.experts_path)
@@ -455,5 +475,7 @@ def has_experts(module: nn.Module, *, replay: bool = True) -> bool:
 def _replay_container(module: nn.Module) -> bool:
     try:
         return bool(replay_proof.find_container(module))
+    except expert_roles.Misplaced:  # module experts found by role, their placement a guess: detection names why
+        return True
     except Exception:  # noqa: BLE001 - a Refusal or a source it cannot read: has_experts' own reading decides
         return False

@@ -65,7 +65,7 @@ def _resolve_plan(parallel_cfg, model: nn.Module, world_size: int | None) -> Dic
                                 f"narrow one of the match patterns so each module has one entry")
             owner[name] = i
         plan.append(resolved)
-    check_sharing(model, modules, {n: (entry["decision"].get("structure") or {}).get("experts_path") or "experts"
+    check_sharing(model, modules, {n: _expert_paths(entry["decision"].get("structure") or {})
                                    for entry in plan for n in entry["decision"]["modules"]})
     resolved = OmegaConf.merge(cfg, {"plan": plan})  # merge, not assignment: validates the dicts as PlanEntry
     per_rank = _bytes_per_rank(model, resolved)
@@ -83,12 +83,21 @@ def _bytes_per_rank(model: nn.Module, parallel: DictConfig):
     return lambda d: dense_bytes + expert_bytes // d
 
 
-def check_sharing(model: nn.Module, modules: dict, experts_paths: dict[str, str]) -> None:
-    """Every expert tensor of the matched blocks (``{name: experts path}``) is reached by one name in the whole
-    model (``autoep.detect.sharing``): tied to a shared expert's, shared by two blocks, a block registered twice."""
+def _expert_paths(structure: dict) -> list[str]:
+    """The children of a block holding its experts: ``experts_path``, or those of ``expert_members``."""
+    members = structure.get("expert_members") or ()
+    return list(dict.fromkeys(p.split(".")[0] for expert in members for p in expert)) if members else [
+        structure.get("experts_path") or "experts"]
+
+
+def check_sharing(model: nn.Module, modules: dict, experts_paths: dict[str, str | list[str]]) -> None:
+    """Every expert tensor of the matched blocks (``{name: experts path, or the paths holding them}``) is reached
+    by one name in the whole model (``autoep.detect.sharing``): tied to a shared expert's, shared by two blocks, a
+    block registered twice."""
     paths = sharing.tensor_paths(model)
-    for name, experts_path in experts_paths.items():
-        shared = sharing.shared_expert_tensors(model, {name: modules[name]}, experts_path, paths)
+    for name, held_at in experts_paths.items():
+        shared = [line for experts_path in ([held_at] if isinstance(held_at, str) else held_at)
+                  for line in sharing.shared_expert_tensors(model, {name: modules[name]}, experts_path, paths)]
         if shared:
             cls = type(modules[name]).__name__
             raise UnsupportedPlanEntry(f"parallel.plan matches {name} ({cls}), whose {shared[0]}: "

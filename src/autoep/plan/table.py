@@ -37,12 +37,9 @@ def _plan_rows(model: nn.Module, parallel: DictConfig) -> list[tuple]:
     for entry in parallel.plan:
         decision, n = entry.decision, entry.decision.num_experts
         s = decision.structure
-        path = s.get("experts_path", "experts") if s is not None else "experts"
         execution = s.get("execution", "spliced") if s is not None else "explicit"
         for name in decision.modules:
-            block = model.get_submodule(name)
-            found = plain_experts.resolve(block, path)  # a submodule, or a plain dict/list of registered experts
-            params = list(found[0].parameters()) if found is not None else []
+            params = _expert_params(model.get_submodule(name), s)
             expert_ids |= {id(p) for p in params}
             total = sum(p.numel() * p.element_size() for p in params)
             per_rank = n // parallel.ep_size if n else "?"
@@ -61,14 +58,19 @@ def param_bytes(model: nn.Module, parallel: DictConfig) -> tuple[int, int]:
     A rank holds ``dense + expert // ep_size`` (what ``parallel.ep_size: auto`` weighs against ``memory_gb``)."""
     expert_ids = set()
     for entry in parallel.plan:
-        s = entry.decision.structure
-        path = s.get("experts_path", "experts") if s is not None else "experts"
         for name in entry.decision.modules:
-            block = model.get_submodule(name)
-            found = plain_experts.resolve(block, path)
-            if found is not None:
-                expert_ids |= {id(p) for p in found[0].parameters()}
+            expert_ids |= {id(p) for p in _expert_params(model.get_submodule(name), entry.decision.structure)}
     return _split_bytes(model, expert_ids)
+
+
+def _expert_params(block: nn.Module, s) -> list:
+    """The parameters of a planned block's experts: those under ``experts_path`` (a submodule, or a plain dict/list
+    of registered experts), or of every module ``expert_members`` names."""
+    members = (s.get("expert_members") or ()) if s is not None else ()
+    if members:
+        return [p for expert in members for path in expert for p in block.get_submodule(path).parameters()]
+    found = plain_experts.resolve(block, s.get("experts_path", "experts") if s is not None else "experts")
+    return list(found[0].parameters()) if found is not None else []
 
 
 def _split_bytes(model: nn.Module, expert_ids: set[int]) -> tuple[int, int]:

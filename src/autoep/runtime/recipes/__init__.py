@@ -177,20 +177,28 @@ def watching_experts(block: nn.Module, path: str, keys: tuple[str, ...], names: 
     running a plan proven for other code (a recipe that calls the experts' class forward would drop the
     instance's silently)."""
     container = block.get_submodule(path)
-    kinds = tuple(module_kinds(container._modules[k]) for k in keys)
+    kinds = tuple(module_kinds(_entry(container, k)) for k in keys)
     block._autoep_proven_experts = ProvenExperts(path, tuple(keys), tuple(names), kinds)
 
 
 def _check_experts(block: nn.Module, proven: ProvenExperts) -> None:
     container = block.get_submodule(proven.path)
     for key, name, kinds in zip(proven.keys, proven.names, proven.kinds):
-        expert = container._modules.get(key)
+        expert = _entry(container, key)
         now = module_kinds(expert) if expert is not None else ()
         if now != kinds:
             raise FactChanged(f"{type(block).__name__}: {_kinds_change(name, kinds, now)} after apply_plan; the "
                               "expert-parallel plan was proven for the expert's modules as they were (their classes' "
                               "code, each run by its class forward): set it back, or apply the plan again to a fresh "
                               "model built with the new modules")
+
+
+def _entry(container: nn.Module, key: str) -> nn.Module | None:
+    """The container's entry ``key``, or the module at a dotted path under it (``lora_A.0``); None where gone."""
+    module = container
+    for part in key.split("."):
+        module = module._modules.get(part) if isinstance(module, nn.Module) else None
+    return module
 
 
 def _kinds_change(name: str, then: tuple, now: tuple) -> str:

@@ -91,6 +91,10 @@ class LocalExperts:
     swiglu: tuple[str, str, str] | None = None  # (gate, up, down) where the grouped fast path may run
     act: str = ""  # the SwiGLU's activation: "act_fn" (each expert's own module) or a name in _ACTIVATIONS
     fast_path: bool = True
+    # Modules per expert where one expert is several (``MoeStructure.expert_members``): ``keys`` then name every
+    # module by its path in the block, expert by expert (``lora_A.0``, ``lora_B.0``, ``lora_A.1``, ...), and each
+    # "expert" above is one module: ids [m*e, m*(e+1)) are expert e's, all on its owner (ep_size divides E).
+    members: int = 1
 
     @property
     def num_local(self) -> int:
@@ -145,7 +149,7 @@ def placed_experts(block: nn.Module, spec: LocalExperts) -> list[nn.Module]:
 def _entries(container: nn.Module, spec: LocalExperts) -> list[nn.Module]:
     if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
         return expert_modules(container)
-    return [container._modules[k] for k in spec.keys]
+    return [container.get_submodule(k) for k in spec.keys]  # a child, or a path (``lora_A.0``: ``spec.members``)
 
 
 def container_keys(container: nn.Module) -> tuple[str, ...]:
@@ -159,24 +163,26 @@ def container_keys(container: nn.Module) -> tuple[str, ...]:
 
 def place_experts(block: nn.Module, *, path: str, num_experts: int, identity_experts: int, ep_mesh,
                   swiglu: tuple[str, str, str] | None, act: str, fast_path: bool, name: str,
-                  keys: tuple[str, ...] | None = None) -> LocalExperts:
+                  keys: tuple[str, ...] | None = None, members: int = 1) -> LocalExperts:
     """Record where ``block``'s experts live (``block._autoep_experts``) and release the ones another ep rank owns.
     ``keys``: the block's own children that are its experts, in expert-id order, where ``path`` is "" and the
-    block is no container (experts registered on the block one by one; default: the container's keys).
+    block is no container (experts registered on the block one by one; default: the container's keys), or the
+    paths of its modules where one expert is ``members`` modules (``num_experts`` counts modules then).
 
     ``PlanError`` where ep_size does not divide the computing experts; ``UnsupportedModuleStructure`` where
     an expert's tensor is shared with another expert or with the rest of the block (releasing it would
     drop it there too)."""
     ep_size = 1 if ep_mesh is None else ep_mesh.size()
     ep_rank = 0 if ep_mesh is None else ep_mesh.get_local_rank()
-    if num_experts % ep_size:
-        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise PlanError(f"parallel.ep_size={ep_size} does not divide num_experts={num_experts} of {name}; pick one "
+    experts = num_experts // members
+    if experts % ep_size:
+        divisors = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise PlanError(f"parallel.ep_size={ep_size} does not divide num_experts={experts} of {name}; pick one "
                         f"of {divisors}")
     container = block.get_submodule(path)
     spec = LocalExperts(path=path, keys=container_keys(container) if keys is None else keys, num_experts=num_experts,
                         identity_experts=identity_experts, ep_rank=ep_rank, ep_size=ep_size, swiglu=swiglu, act=act,
-                        fast_path=fast_path)
+                        fast_path=fast_path, members=members)
     _check_unshared(block, spec, name)
     setattr(block, SPEC, spec)
     setattr(block, GROUP, Shared(None if ep_mesh is None else ep_mesh.get_group()))
@@ -274,18 +280,26 @@ def _experts_apply(container: nn.Module, spec: LocalExperts, fn) -> nn.Module:
     draws for every expert, in the model's order."""
     experts = _entries(container, spec)
     remote = {id(experts[e]) for e in range(spec.num_experts) if not spec.is_local(e)}
-    device = _device_of(container)
-    for child in container.children():
-        if id(child) not in remote:
-            child.apply(fn)
-            continue
-        try:
-            with allocated(child, device):
-                child.apply(fn)
-        finally:
-            _stand_in_apply(child, _unchanged)  # NOTE: frees the expert's tensors (meta stand-ins again)
-    fn(container)
+    _apply_around(container, remote, _device_of(container), fn)
     return container
+
+
+def _apply_around(module: nn.Module, remote: set[int], device, fn) -> None:
+    """``module.apply(fn)``, each module in ``remote`` allocated for its own ``apply`` (children first, in order,
+    then ``module``, as ``nn.Module.apply``); into a child holding a remote expert deeper (``lora_A`` of experts
+    named ``lora_A.0``, ...) it goes the same way."""
+    for child in module.children():
+        if id(child) in remote:
+            try:
+                with allocated(child, device):
+                    child.apply(fn)
+            finally:
+                _stand_in_apply(child, _unchanged)  # NOTE: frees the expert's tensors (meta stand-ins again)
+        elif any(id(m) in remote for m in child.modules()):
+            _apply_around(child, remote, device, fn)
+        else:
+            child.apply(fn)
+    fn(module)
 
 
 def _stand_in_reset(module: nn.Module, container: nn.Module) -> None:
@@ -394,7 +408,7 @@ def expert_owners(model: nn.Module) -> dict[str, ExpertOwner]:
         prefix = ".".join(p for p in (block_name, spec.path) if p)
         experts = placed_experts(block, spec)
         for e in range(spec.num_experts):
-            place = ExpertOwner(block_name, e, spec.owner(e), spec.is_local(e))
+            place = ExpertOwner(block_name, e // spec.members, spec.owner(e), spec.is_local(e))
             for key in _state_keys(experts[e]):
                 owners[_join(prefix, spec.keys[e], key)] = place
     return owners
@@ -588,8 +602,12 @@ def register_counts_hook(block: nn.Module, hook) -> RemovableHandle:
 
 def report_counts(block: nn.Module, tokens_per_local_expert: Tensor) -> None:
     """Call the block's ``register_counts_hook`` hooks with the rows its local experts got in this call."""
-    for hook in list(block.__dict__.get(COUNT_HOOKS, {}).values()):
-        hook(spec_of(block).first, tokens_per_local_expert)
+    hooks = list(block.__dict__.get(COUNT_HOOKS, {}).values())
+    spec = spec_of(block)
+    if hooks and spec.members > 1:  # one expert is several modules: its rows are the sum of theirs
+        tokens_per_local_expert = tokens_per_local_expert.view(-1, spec.members).sum(dim=1)
+    for hook in hooks:
+        hook(spec.first // spec.members, tokens_per_local_expert)
 
 
 def local_expert_fn(block: nn.Module):

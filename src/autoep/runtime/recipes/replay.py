@@ -141,6 +141,18 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
     facts = as_structure(structure)
     with watching_facts(module):
         validate(module, structure=facts)
+    if facts.expert_members:
+        _place_members(module, facts, ep_mesh)
+    else:
+        _place_container(module, facts, ep_mesh)
+    join_backward_exchanges(module, ep_mesh)
+    watching_folded(module, facts.folded)  # e.g. an expert's dropout proven idle in eval
+    # An instance attribute shadows the class forward; nn.Module.__call__ (and the block's hooks) still run.
+    module.forward = InstanceMethod(module, _replayed_forward)  # pickled by reference (``runtime.shared``)
+
+
+def _place_container(module: nn.Module, facts: MoeStructure, ep_mesh) -> None:
+    """The experts are the entries of one container (or of a plain dict/list attribute of the block)."""
     # The container's leading entries are the experts; entries its forward reads by name (NLLB's token dropout)
     # stay where the token is, as the rest of the block (``replay_proof.num_experts``, checked by validate).
     num_experts = replay_proof.num_experts(module, facts.experts_path)
@@ -161,10 +173,21 @@ def ep_replay_block(module: nn.Module, *, ep_mesh, structure: dict | MoeStructur
     # The proofs hold for these modules: one of another class, or a forward set on one (replay calls the class
     # forward and would drop it), raises before each call (``check_proven``), naming the expert.
     watching_experts(module, "" if plain else facts.experts_path, spec_of(module).keys[:num_experts], names)
-    join_backward_exchanges(module, ep_mesh)
-    watching_folded(module, facts.folded)  # e.g. an expert's dropout proven idle in eval
-    # An instance attribute shadows the class forward; nn.Module.__call__ (and the block's hooks) still run.
-    module.forward = InstanceMethod(module, _replayed_forward)  # pickled by reference (``runtime.shared``)
+
+
+def _place_members(module: nn.Module, facts: MoeStructure, ep_mesh) -> None:
+    """One expert is several modules (``MoeStructure.expert_members``: aligned containers, or a list the forward
+    builds): each module is placed as one "expert" of the exchange, expert e's modules consecutive, so all of them
+    lie on e's owner (``LocalExperts.members``) and a chained call (``lora_B[e](lora_A[e](x))``) runs there in the
+    next exchange stage. Their names stay the model's (``lora_A.0.weight``)."""
+    members = facts.expert_members
+    slots = tuple(path for expert in members for path in expert)
+    pinned = replay_proof.leading_dims_pinned(module, facts.experts_path, bool(facts.expert_draws), members)
+    names = tuple(replay_proof.member_label(path) for path in slots)
+    place_experts(module, path="", num_experts=len(slots), identity_experts=0, ep_mesh=ep_mesh, swiglu=None, act="",
+                  fast_path=False, name=type(module).__name__, keys=slots, members=len(members[0]))
+    setattr(module, REPLAY, _Replay(_forward_code(type(module)), names, pinned, None))
+    watching_experts(module, "", slots, names)
 
 
 def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> None:
@@ -179,7 +202,7 @@ def validate(module: nn.Module, *, structure: dict | MoeStructure, **_) -> None:
         proven = replay_proof.replay_facts(module, facts.experts_path, bool(facts.expert_draws))
     except Refusal as exc:
         raise UnsupportedModuleStructure(name, str(exc)) from None
-    for key, value in proven.items():
+    for key, value in {"expert_members": (), **proven}.items():  # members recorded only where proven
         given = getattr(facts, key)
         if given != value:
             raise UnsupportedModuleStructure(name, f"structure.{key}={given!r}, but the experts are proven "

@@ -1,0 +1,164 @@
+"""MoE blocks whose experts are found by role (issue 31, ``autoep.detect.expert_roles``), each with a one-edit
+harmful twin that must be refused:
+
+- ``LoraMixture3MoE``: a mixture of LoRA experts on a base layer (MoLoRA/MixLoRA, PEFT's names), one expert across
+  three containers aligned by index and called in a chain, ``lora_B[i](lora_A[i](lora_dropout[i](x[tok])))``;
+  the dropout container holds no tensor and stays where the token is (its draws as in the model), ``lora_A[i]`` and
+  ``lora_B[i]`` lie together on expert i's owner. Twin: ``lora_B[(i + 1) % E]`` (misaligned).
+- ``SharedListMoE``: routed ``experts`` beside a ``shared_experts`` ModuleList run on every token, with capacity
+  dropping and in-place router jitter; the shared list stays where the token is. Twin: a shared expert called on
+  the routed rows inside the expert loop (a "shared" list routed on some rows).
+- ``ForwardBuiltMoE``: experts in a list the forward builds (``[self.base_layer] + list(self.adapters)``), a router
+  per adapter called on every row (``self.routers``: never sharded). Twin: the list built by a method, which the
+  detector does not read (the routers and the adapters are then two containers of unknown role).
+
+Every block takes ``(batch, seq, hidden)`` and returns the same shape. ``BLOCKS`` and ``TWINS`` map a name to a
+builder; ``ADAPTERS`` is ``ForwardBuiltMoE``'s default adapter count (E = 1 + ADAPTERS).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from replay_blocks import FF, D, E, FeedForward, K, _top_k
+
+ADAPTERS = E - 1  # ForwardBuiltMoE: the base layer and E - 1 adapters are its E experts
+RANK = 4  # LoRA rank
+
+
+class LoraMixture3MoE(nn.Module):
+    """``result = base(x) + sum_i w_i * B[i](A[i](dropout[i](x))) * scaling`` over the top-k LoRA experts."""
+
+    def __init__(self, dropout: float = 0.1):
+        super().__init__()
+        self.base_layer = nn.Linear(D, D)
+        self.router = nn.Linear(D, E, bias=False)
+        self.lora_dropout = nn.ModuleList([nn.Dropout(dropout) for _ in range(E)])
+        self.lora_A = nn.ModuleList([nn.Linear(D, RANK, bias=False) for _ in range(E)])
+        self.lora_B = nn.ModuleList([nn.Linear(RANK, D, bias=False) for _ in range(E)])
+        self.scaling = 2.0
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        result = self.base_layer(x)
+        weights, selected = _top_k(self.router, x, K)
+        for i in range(len(self.lora_A)):
+            tok, slot = torch.where(selected == i)
+            delta = self.lora_B[i](self.lora_A[i](self.lora_dropout[i](x[tok]))) * self.scaling
+            result = result.index_add(0, tok, delta * weights[tok, slot, None])
+        return result.reshape(hidden_states.shape)
+
+
+class LoraMisalignedTwin(LoraMixture3MoE):
+    """Edit: ``lora_B[(i + 1) % E]``: the up projection of another expert."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        result = self.base_layer(x)
+        weights, selected = _top_k(self.router, x, K)
+        for i in range(len(self.lora_A)):
+            tok, slot = torch.where(selected == i)
+            delta = self.lora_B[(i + 1) % E](self.lora_A[i](self.lora_dropout[i](x[tok]))) * self.scaling
+            result = result.index_add(0, tok, delta * weights[tok, slot, None])
+        return result.reshape(hidden_states.shape)
+
+
+class SharedListMoE(nn.Module):
+    """Routed experts with capacity dropping (each keeps its first ``capacity`` tokens) and router jitter applied
+    in place while training, plus a list of shared experts every token goes through."""
+
+    def __init__(self, shared: int = 2, capacity: int = 5):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList([FeedForward() for _ in range(E)])
+        self.shared_experts = nn.ModuleList([FeedForward(D, FF // 2) for _ in range(shared)])
+        self.capacity = capacity
+        self.jitter_eps = 0.1
+
+    def route(self, x):
+        logits_in = x.clone()
+        if self.training:
+            logits_in.mul_(torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps))
+        return _top_k(self.gate, logits_in, K)
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        weights, selected = self.route(x)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            tok, slot = torch.where(selected == i)
+            tok, slot = tok[: self.capacity], slot[: self.capacity]
+            y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+        for shared in self.shared_experts:
+            y = y + shared(x)
+        return y.reshape(hidden_states.shape)
+
+
+class SharedOnRoutedRowsTwin(SharedListMoE):
+    """Edit: the first shared expert is called on each expert's routed rows, inside the expert loop."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        weights, selected = self.route(x)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            tok, slot = torch.where(selected == i)
+            tok, slot = tok[: self.capacity], slot[: self.capacity]
+            y.index_add_(0, tok, (expert(x[tok]) + self.shared_experts[0](x[tok])) * weights[tok, slot, None])
+        for shared in self.shared_experts:
+            y = y + shared(x)
+        return y.reshape(hidden_states.shape)
+
+
+class ForwardBuiltMoE(nn.Module):
+    """A base layer and adapters as experts, listed in the forward; the base layer's score from a gate of its own,
+    each adapter's from its router (one ``Linear(D, 1)`` per adapter, called on every row)."""
+
+    def __init__(self, adapters: int = ADAPTERS):
+        super().__init__()
+        self.base_layer = FeedForward()
+        self.base_gate = nn.Linear(D, 1, bias=False)
+        self.adapters = nn.ModuleList([FeedForward(D, FF // 2) for _ in range(adapters)])
+        self.routers = nn.ModuleList([nn.Linear(D, 1, bias=False) for _ in range(adapters)])
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        experts = [self.base_layer] + list(self.adapters)
+        logits = torch.cat([self.base_gate(x)] + [router(x) for router in self.routers], dim=-1)
+        weights, selected = torch.topk(logits.softmax(dim=-1), min(K, len(experts)), dim=-1)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(experts):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+class ForwardBuiltByMethodTwin(ForwardBuiltMoE):
+    """Edit: the list comes from a method (``self.active()``), which the detector does not read."""
+
+    def active(self):
+        return [self.base_layer] + list(self.adapters)
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        experts = self.active()
+        logits = torch.cat([self.base_gate(x)] + [router(x) for router in self.routers], dim=-1)
+        weights, selected = torch.topk(logits.softmax(dim=-1), min(K, len(experts)), dim=-1)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(experts):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+BLOCKS = {
+    "lora_mixture_3": LoraMixture3MoE,
+    "shared_list": SharedListMoE,
+    "forward_built": ForwardBuiltMoE,
+}
+
+# name -> (builder, what the refusal names)
+TWINS = {
+    "lora_misaligned": (LoraMisalignedTwin, "not selected by that id"),
+    "shared_on_routed_rows": (SharedOnRoutedRowsTwin, "not selected by that id"),
+    "forward_built_by_method": (ForwardBuiltByMethodTwin, "ambiguous"),
+}

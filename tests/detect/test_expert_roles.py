@@ -145,3 +145,17 @@ def test_role_operators_are_not_vacuous(role_outcomes):
     routed = by_operator["route_shared"]
     assert any(o.verdict == "refused" and "not selected by that id" in o.detail for o in routed), routed
     assert any(o.verdict == "accepted_exact" for o in routed), routed
+
+
+class _FakeQuant(nn.Parameter):
+    """A tensor-subclass weight (fake-quant style): no recipe applies it."""
+
+
+def test_apply_checks_every_container_holding_an_experts_modules():
+    """``apply_plan``'s run-time checks cover each child holding the experts' modules, not only ``experts_path``:
+    a tensor-subclass weight in ``lora_B`` is refused naming it."""
+    model = nn.ModuleDict({"mlp": rb.LoraMixture3MoE()})
+    resolved = resolve_plan({"ep_size": 1, "plan": [{"match": "mlp"}]}, model)
+    model["mlp"].lora_B[1].weight = _FakeQuant(model["mlp"].lora_B[1].weight.detach().clone())
+    with pytest.raises(UnsupportedModuleStructure, match=r"mlp\.lora_B\.1\.weight is a _FakeQuant"):
+        apply_plan(model, resolved, None)

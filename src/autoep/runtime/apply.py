@@ -81,11 +81,12 @@ def _apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, allowed_targets: 
             if name not in named:
                 raise PlanError(f"parallel.plan.{i}.decision.modules names {name!r}, which the model does not have")
             block = named[name]
-            path = live_state.experts_path_of(fn_cfg)
-            held = live_state.before_block(block, name, path)
+            paths = live_state.expert_paths_of(fn_cfg)  # one, or each child holding experts' modules
+            held = [live_state.before_block(block, name, path) for path in paths]
             shard_experts(block, mesh, name=name, dense=live_state.dense_params_of(fn_cfg))
             factory(block, ep_mesh=ep_mesh, **fn_cfg)
-            live_state.after_block(block, name, held, path)
+            for path, kept in zip(paths, held):
+                live_state.after_block(block, name, kept, path)
             after_apply.keep_hooks_through_moves(block)
     # The parameter objects the recipes replaced (sharded, released): an optimizer still holding one is refused.
     kept = {id(p) for _, p in model.named_parameters(remove_duplicate=False)}
@@ -94,7 +95,7 @@ def _apply_plan(model: nn.Module, resolved_parallel_cfg, mesh, allowed_targets: 
 
 def _check_live_state(model: nn.Module, cfg: dict, named: dict) -> None:
     """Run-time state of the whole model before anything is replaced (``autoep.runtime.live_state``)."""
-    paths = {n: live_state.experts_path_of(entry.get("local_compute_fn") or {}) for entry in cfg.get("plan") or []
+    paths = {n: live_state.expert_paths_of(entry.get("local_compute_fn") or {}) for entry in cfg.get("plan") or []
              for n in (entry.get("decision") or {}).get("modules") or [] if n in named}
     live_state.check_model(model, {n: named[n] for n in paths}, paths)
 

@@ -55,10 +55,21 @@ def dense_params_of(fn_cfg: Mapping) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
-def check_model(model: nn.Module, blocks: Mapping[str, nn.Module], experts_paths: Mapping[str, str] | None = None
-                ) -> None:
+def expert_paths_of(fn_cfg: Mapping) -> list[str]:
+    """Where a plan entry's experts are: its experts path, or the block's children holding each expert's modules
+    where one expert is several (``structure.expert_members``: ``lora_A``, ``lora_B``)."""
+    structure = fn_cfg.get("structure") or {}
+    members = getattr(structure, "expert_members", None) if not isinstance(structure, Mapping) else \
+        structure.get("expert_members")
+    if members:
+        return list(dict.fromkeys(path.split(".")[0] for expert in members for path in expert))
+    return [experts_path_of(fn_cfg)]
+
+
+def check_model(model: nn.Module, blocks: Mapping[str, nn.Module],
+                experts_paths: Mapping[str, str | list[str]] | None = None) -> None:
     """Before anything is replaced: process-wide patches, and expert tensors shared by two names
-    (``experts_paths``: each block's experts path, default ``experts``)."""
+    (``experts_paths``: each block's experts path, or the paths holding its experts, default ``experts``)."""
     patched = genuine.patched_torch_objects(elementwise.activation_classes())
     if patched:
         first = next(iter(blocks.values()), model)
@@ -66,8 +77,10 @@ def check_model(model: nn.Module, blocks: Mapping[str, nn.Module], experts_paths
                                          f"process-wide); the model's experts would run the patch and autoep's "
                                          f"grouped GEMM would not. Remove the patch before apply_plan")
     paths, experts_paths = sharing.tensor_paths(model), experts_paths or {}
-    shared = [line for name, block in blocks.items() for line in sharing.shared_expert_tensors(
-        model, {name: block}, experts_paths.get(name, EXPERTS), paths)]
+    held_at = {name: experts_paths.get(name, EXPERTS) for name in blocks}
+    shared = [line for name, block in blocks.items()
+              for path in ([held_at[name]] if isinstance(held_at[name], str) else held_at[name])
+              for line in sharing.shared_expert_tensors(model, {name: block}, path, paths)]
     if shared:
         first = next(iter(blocks.values()))
         raise UnsupportedModuleStructure(type(first).__name__, f"{shared[0]}: {sharing.SHARING_FIX}")

@@ -242,7 +242,7 @@ def _release(block: nn.Module, spec: LocalExperts) -> None:
     container = container_of(block, spec)
     for e, expert in enumerate(_entries(container, spec)[: spec.num_experts]):
         if not spec.is_local(e):
-            remote = RemoteExpert(type(block).__name__, e, spec.owner(e), spec.ep_rank)
+            remote = RemoteExpert(type(block).__name__, e // spec.members, spec.owner(e), spec.ep_rank)
             for m in expert.modules():  # every module of it: a submodule's own conversion makes stand-ins too
                 m._autoep_remote = remote
             _stand_in_apply(expert, _unchanged)

@@ -112,3 +112,24 @@ def test_each_experts_modules_lie_together_and_keep_the_models_names():
     failed = {case: errors for case, errors in _results().items() if errors}
     assert len(_results()) == len(BLOCKS) * len(CHECKS)
     assert not failed, "\n".join(f"{case}: {errors[0]}" for case, errors in failed.items())
+
+
+def test_the_load_instrument_counts_each_token_once_per_expert():
+    """``register_counts_hook`` (``autoep.train.load.ExpertLoad``) hears tokens per expert, not per module: a chain
+    ``lora_B[e](lora_A[e](x))`` moves the same rows twice, counted once."""
+    from replay_blocks import K, _top_k
+
+    from autoep.runtime.recipes.local_experts import register_counts_hook
+
+    model = _model("lora_mixture_3")
+    apply_plan(model, resolve_plan({"ep_size": 1, "plan": [{"match": "mlp"}]}, model), None)
+    counts = torch.zeros(rb.E, dtype=torch.long)
+
+    def hook(first, tokens):
+        counts[first:first + len(tokens)] += tokens
+
+    register_counts_hook(model["mlp"], hook)
+    x = torch.randn(2, 3, rb.D)
+    model["mlp"](x)
+    _, selected = _top_k(model["mlp"].router, x.reshape(-1, rb.D), K)
+    assert torch.equal(counts, torch.bincount(selected.flatten(), minlength=rb.E))

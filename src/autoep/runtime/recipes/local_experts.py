@@ -604,8 +604,9 @@ def report_counts(block: nn.Module, tokens_per_local_expert: Tensor) -> None:
     """Call the block's ``register_counts_hook`` hooks with the rows its local experts got in this call."""
     hooks = list(block.__dict__.get(COUNT_HOOKS, {}).values())
     spec = spec_of(block)
-    if hooks and spec.members > 1:  # one expert is several modules: its rows are the sum of theirs
-        tokens_per_local_expert = tokens_per_local_expert.view(-1, spec.members).sum(dim=1)
+    if hooks and spec.members > 1:  # one expert is several modules: its tokens are the rows its first one got
+        # (a chain ``lora_B[e](lora_A[e](x))`` sends the same rows again in the next exchange: counted once)
+        tokens_per_local_expert = tokens_per_local_expert.view(-1, spec.members)[:, 0]
     for hook in hooks:
         hook(spec.first // spec.members, tokens_per_local_expert)
 

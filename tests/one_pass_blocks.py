@@ -1130,6 +1130,7 @@ CASES: dict[str, Case] = {
     # experts by role (issue 31): one expert across aligned containers, a shared list beside the experts, a list the
     # forward builds beside per-adapter routers; their one-edit twins are refused (tests/detect/test_expert_roles.py)
     "lora_mixture_3": Case(role_blocks.LoraMixture3MoE, splits=EMPTY_RANK),
+    "lora_dict": Case(role_blocks.LoraDictMoE, splits=EMPTY_RANK),
     "shared_list": Case(role_blocks.SharedListMoE, splits=EMPTY_RANK),
     "forward_built": Case(role_blocks.ForwardBuiltMoE, splits=EMPTY_RANK),
     "lora_misaligned": _harmful(role_blocks.LoraMisalignedTwin, splits=EMPTY_RANK),

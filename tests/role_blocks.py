@@ -4,7 +4,8 @@ harmful twin that must be refused:
 - ``LoraMixture3MoE``: a mixture of LoRA experts on a base layer (MoLoRA/MixLoRA, PEFT's names), one expert across
   three containers aligned by index and called in a chain, ``lora_B[i](lora_A[i](lora_dropout[i](x[tok])))``;
   the dropout container holds no tensor and stays where the token is (its draws as in the model), ``lora_A[i]`` and
-  ``lora_B[i]`` lie together on expert i's owner. Twin: ``lora_B[(i + 1) % E]`` (misaligned).
+  ``lora_B[i]`` lie together on expert i's owner. Twin: ``lora_B[(i + 1) % E]`` (misaligned). ``LoraDictMoE``: the
+  same in ModuleDicts keyed by expert name, the loop over their keys.
 - ``SharedListMoE``: routed ``experts`` beside a ``shared_experts`` ModuleList run on every token, with capacity
   dropping and in-place router jitter; the shared list stays where the token is. Twin: a shared expert called on
   the routed rows inside the expert loop (a "shared" list routed on some rows).
@@ -59,6 +60,25 @@ class LoraMisalignedTwin(LoraMixture3MoE):
             tok, slot = torch.where(selected == i)
             delta = self.lora_B[(i + 1) % E](self.lora_A[i](self.lora_dropout[i](x[tok]))) * self.scaling
             result = result.index_add(0, tok, delta * weights[tok, slot, None])
+        return result.reshape(hidden_states.shape)
+
+
+class LoraDictMoE(nn.Module):
+    """LoRA experts in ModuleDicts keyed by expert name (``lora_A["e2"]``), the loop over the keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.lora_A = nn.ModuleDict({f"e{i}": nn.Linear(D, RANK, bias=False) for i in range(E)})
+        self.lora_B = nn.ModuleDict({f"e{i}": nn.Linear(RANK, D, bias=False) for i in range(E)})
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        weights, selected = _top_k(self.router, x, K)
+        result = x.clone()
+        for i, key in enumerate(self.lora_A):
+            tok, slot = torch.where(selected == i)
+            result[tok] += self.lora_B[key](self.lora_A[key](x[tok])) * weights[tok, slot, None]
         return result.reshape(hidden_states.shape)
 
 
@@ -152,6 +172,7 @@ class ForwardBuiltByMethodTwin(ForwardBuiltMoE):
 
 BLOCKS = {
     "lora_mixture_3": LoraMixture3MoE,
+    "lora_dict": LoraDictMoE,
     "shared_list": SharedListMoE,
     "forward_built": ForwardBuiltMoE,
 }

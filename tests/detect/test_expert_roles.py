@@ -34,6 +34,7 @@ def _lora_members(containers=("lora_A", "lora_B")) -> tuple:
 @pytest.mark.parametrize("make, path, members", [
     (rb.LoraMixture3MoE, "lora_A", _lora_members()),  # lora_dropout[i] holds no tensor: it stays where the token is
     (ob.LoraMixtureMoE, "lora_A", _lora_members()),  # one dropout module, two containers
+    (rb.LoraDictMoE, "lora_A", tuple((f"lora_A.e{i}", f"lora_B.e{i}") for i in range(E))),  # iterated: its keys
     (rb.SharedListMoE, "experts", ()),  # the shared list every row reaches stays: one container of experts
     (rb.ForwardBuiltMoE, "base_layer", (("base_layer",),) + tuple((f"adapters.{i}",) for i in range(E - 1))),
 ])

@@ -66,6 +66,7 @@ class _Loop:
     body: list[ast.AST] = field(default_factory=list)
     lists: dict[str, str] = field(default_factory=dict)  # local name -> the source it holds
     containers: set[str] = field(default_factory=set)  # the container children that are sources
+    dicts: set[str] = field(default_factory=set)  # those that are ModuleDicts (iterated, they give their keys)
 
 
 def roles(block: nn.Module, fns: list, candidates: list[str]) -> Roles:
@@ -80,7 +81,9 @@ def roles(block: nn.Module, fns: list, candidates: list[str]) -> Roles:
         # A name holding every entry of a container, in order (``experts = self.experts``), is that container.
         names = {n: _alias(block, paths, candidates) or f"list:{n}" for n, paths in lists.items()}
         found.lists.update({names[n]: paths for n, paths in lists.items() if names[n].startswith("list:")})
-        loops = _loops(tree, set(candidates), names)
+        # Iterating a ModuleDict itself gives its keys (expert ids), its ``.values()`` the entries.
+        dicts = {c for c in candidates if isinstance(block._modules[c], nn.ModuleDict)}
+        loops = _loops(tree, set(candidates), names, dicts)
         for call, enclosing in _calls(tree, loops):
             use = _use(call, enclosing, set(candidates), names, f"{where} line {call.lineno}")
             if use is None:
@@ -157,6 +160,8 @@ def _module_paths(block: nn.Module, expr: ast.AST, lists: dict) -> list[str] | N
         return None
     container = _container_attr(expr)
     child = block._modules.get(container) if container else None
+    if isinstance(child, nn.ModuleDict) and _self_attr(expr):
+        return None  # ``list(self.<ModuleDict>)`` lists its keys
     if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
         keys = list(child.keys()) if isinstance(child, nn.ModuleDict) else [str(i) for i in range(len(child))]
         return [f"{container}.{k}" for k in keys]
@@ -193,17 +198,17 @@ def _container_attr(expr: ast.AST) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _loops(tree: ast.FunctionDef, containers: set[str], lists: dict[str, str]) -> list[_Loop]:
+def _loops(tree: ast.FunctionDef, containers: set[str], lists: dict[str, str], dicts: set[str]) -> list[_Loop]:
     loops = []
     for node in ast.walk(tree):
         if isinstance(node, ast.For):
             loop = _Loop(node, set(), {}, body=list(node.body), lists=lists,
-                         containers=containers)
+                         containers=containers, dicts=dicts)
             _bind(node.target, node.iter, loop, containers, lists)
             loops.append(loop)
         elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
             loop = _Loop(node, set(), {}, body=[node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt],
-                         lists=lists, containers=containers)
+                         lists=lists, containers=containers, dicts=dicts)
             for gen in node.generators:
                 _bind(gen.target, gen.iter, loop, containers, lists)
                 loop.body += gen.ifs
@@ -247,6 +252,8 @@ def _bind(target: ast.AST, it: ast.AST, loop: _Loop, containers: set[str], lists
                 loop.members[target.elts[1].id] = container
             return
     source = _source(it, containers, lists)
+    if source in loop.dicts and _self_attr(it.args[0] if isinstance(it, ast.Call) and it.args else it):
+        source = None  # ``for key in self.<ModuleDict>``: expert ids
     if source is not None and isinstance(target, ast.Name):
         loop.members[target.id] = source
         return

@@ -1132,6 +1132,7 @@ CASES: dict[str, Case] = {
     "lora_mixture_3": Case(role_blocks.LoraMixture3MoE, splits=EMPTY_RANK),
     "lora_dict": Case(role_blocks.LoraDictMoE, splits=EMPTY_RANK),
     "shared_list": Case(role_blocks.SharedListMoE, splits=EMPTY_RANK),
+    "dropout_list": Case(role_blocks.DropoutListMoE, splits=EMPTY_RANK),
     "forward_built": Case(role_blocks.ForwardBuiltMoE, splits=EMPTY_RANK),
     "lora_misaligned": _harmful(role_blocks.LoraMisalignedTwin, splits=EMPTY_RANK),
     "shared_on_routed_rows": _harmful(role_blocks.SharedOnRoutedRowsTwin, splits=EMPTY_RANK),

@@ -8,7 +8,8 @@ harmful twin that must be refused:
   same in ModuleDicts keyed by expert name, the loop over their keys.
 - ``SharedListMoE``: routed ``experts`` beside a ``shared_experts`` ModuleList run on every token, with capacity
   dropping and in-place router jitter; the shared list stays where the token is. Twin: a shared expert called on
-  the routed rows inside the expert loop (a "shared" list routed on some rows).
+  the routed rows inside the expert loop (a "shared" list routed on some rows). ``DropoutListMoE``: the same with a
+  per-expert dropout list indexed by the expert id (no tensor: it stays where the token is, its draws the model's).
 - ``ForwardBuiltMoE``: experts in a list the forward builds (``[self.base_layer] + list(self.adapters)``), a router
   per adapter called on every row (``self.routers``: never sharded). Twin: the list built by a method, which the
   detector does not read (the routers and the adapters are then two containers of unknown role).
@@ -113,6 +114,25 @@ class SharedListMoE(nn.Module):
         return y.reshape(hidden_states.shape)
 
 
+class DropoutListMoE(SharedListMoE):
+    """Routed experts with a per-expert dropout list beside them (``expert_dropout[i](x[tok])``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.expert_dropout = nn.ModuleList([nn.Dropout(0.1) for _ in range(E)])
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        weights, selected = self.route(x)
+        y = torch.zeros_like(x)
+        for i in range(len(self.experts)):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, self.experts[i](self.expert_dropout[i](x[tok])) * weights[tok, slot, None])
+        for shared in self.shared_experts:
+            y = y + shared(x)
+        return y.reshape(hidden_states.shape)
+
+
 class SharedOnRoutedRowsTwin(SharedListMoE):
     """Edit: the first shared expert is called on each expert's routed rows, inside the expert loop."""
 
@@ -174,6 +194,7 @@ BLOCKS = {
     "lora_mixture_3": LoraMixture3MoE,
     "lora_dict": LoraDictMoE,
     "shared_list": SharedListMoE,
+    "dropout_list": DropoutListMoE,
     "forward_built": ForwardBuiltMoE,
 }
 

@@ -32,6 +32,7 @@ def _lora_members(containers=("lora_A", "lora_B")) -> tuple:
 
 
 @pytest.mark.parametrize("make, path, members", [
+    (rb.DropoutListMoE, "experts", ()),  # the dropout list holds no tensor: the experts are one container again
     (rb.LoraMixture3MoE, "lora_A", _lora_members()),  # lora_dropout[i] holds no tensor: it stays where the token is
     (ob.LoraMixtureMoE, "lora_A", _lora_members()),  # one dropout module, two containers
     (rb.LoraDictMoE, "lora_A", tuple((f"lora_A.e{i}", f"lora_B.e{i}") for i in range(E))),  # iterated: its keys

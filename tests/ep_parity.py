@@ -61,8 +61,12 @@ def run(block: nn.Module, x: torch.Tensor, grad_out: torch.Tensor, seed: int = 0
 def grads(model: nn.Module, world_size: int) -> tuple[dict, dict]:
     """``(dense grads summed over ranks, {expert param: (value, grad)} gathered from the owners)``, by the model's
     own names under ``mlp.``. Collectives, in the same order on every rank."""
-    block = model["mlp"]
-    experts = {k[len("mlp."):] for k in expert_owners(model)}
+    return gathered_grads(model["mlp"], {k[len("mlp."):] for k in expert_owners(model)}, world_size)
+
+
+def gathered_grads(block: nn.Module, experts: set[str], world_size: int) -> tuple[dict, dict]:
+    """``grads`` of ``block`` whose expert parameters are named ``experts``: the dense grads summed over ranks
+    (zeros where ``None``), each expert parameter's ``(value, grad)`` gathered from its owner."""
     dense = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
              for n, p in block.named_parameters() if n not in experts}
     mine = {n: (p.detach().clone(), None if p.grad is None else p.grad.clone())

@@ -20,6 +20,7 @@ import replay_blocks as rb
 import torch
 import torch.distributed as dist
 from distributed import guarded, run_cases
+from ep_parity import gathered_grads
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -96,16 +97,7 @@ def _check_block(name: str, rank: int, world_size: int, builders=rb.BLOCKS) -> N
     experts = set(expert_owners(block))
     assert experts and experts <= {".".join(p for p in (prefix, n) if p) for n in view.state_dict()}, sorted(experts)
     # Collectives first, in the same order on every rank; compare after.
-    dense = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-             for n, p in block.named_parameters() if n not in experts}
-    mine = {n: (p.detach().clone(), None if p.grad is None else p.grad.clone())
-            for n, p in block.named_parameters() if n in experts and p.device.type != "meta"}
-    held = [mine]
-    if world_size > 1:
-        for g in dense.values():
-            dist.all_reduce(g)  # NOTE: collective; replicated router grads sum over ranks
-        held = [None] * world_size
-        dist.all_gather_object(held, mine)  # NOTE: collective; each expert lives on its owner rank
+    dense, gathered = gathered_grads(block, experts, world_size)
 
     ref_out, ref_x_grad, ref_rng = ref_results[rank]
     torch.testing.assert_close(out, ref_out)
@@ -115,7 +107,6 @@ def _check_block(name: str, rank: int, world_size: int, builders=rb.BLOCKS) -> N
     for n, g in dense.items():
         want = ref_params[n].grad if ref_params[n].grad is not None else torch.zeros_like(g)
         torch.testing.assert_close(g, want, msg=lambda m: f"{n}: {m}")
-    gathered = {k: v for part in held for k, v in part.items()}
     assert gathered.keys() == experts, sorted(experts - gathered.keys())
     for n, (value, grad) in gathered.items():
         torch.testing.assert_close(value, ref_params[n].detach(), msg=lambda m: f"{n}: {m}")

@@ -25,6 +25,7 @@ import blocks
 import numpy as np
 import one_pass_stats
 import role_blocks
+import role_blocks_attrs
 import torch
 import torch.nn.functional as F
 from replay_blocks import FF, D, E, FeedForward, K, _top_k
@@ -1137,4 +1138,8 @@ CASES: dict[str, Case] = {
     "lora_misaligned": _harmful(role_blocks.LoraMisalignedTwin, splits=EMPTY_RANK),
     "shared_on_routed_rows": _harmful(role_blocks.SharedOnRoutedRowsTwin, splits=EMPTY_RANK),
     "forward_built_by_method": _harmful(role_blocks.ForwardBuiltByMethodTwin, splits=EMPTY_RANK),
+    # experts not in one registered container (issue 31): numbered attributes, lists built with extend, slices and
+    # concatenation, multi-task lists; their one-edit twins are refused (tests/detect/test_expert_roles_attrs.py)
+    **{name: Case(make, splits=EMPTY_RANK) for name, make in role_blocks_attrs.BLOCKS.items()},
+    **{name: _harmful(make, splits=EMPTY_RANK) for name, (make, _) in role_blocks_attrs.TWINS.items()},
 }

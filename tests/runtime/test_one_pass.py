@@ -88,6 +88,9 @@ def _call(model: nn.Module, x, grad_out, seed: int, mode: str):
     x = x.clone().requires_grad_(mode != "inference")
     with torch.inference_mode(mode == "inference"):
         out = _block(model)(x * 1)  # a non-leaf input, as a layer gets it
+    if isinstance(out, tuple) and all(isinstance(o, torch.Tensor) and o.shape == x.shape for o in out):
+        # one output per task (multi-task blocks): each compared, each task's loss weighted apart
+        out, grad_out = torch.stack(out), grad_out * torch.arange(1.0, len(out) + 1).view(-1, *[1] * x.dim())
     out = out[0] if isinstance(out, tuple) else out  # v4 blocks' router_logits: dropped, as a layer drops them
     if out.requires_grad:
         (out * grad_out).sum().backward()

@@ -29,10 +29,13 @@ on one owner), never a value; misaligned uses are refused so that placement is n
 from __future__ import annotations
 
 import ast
+import builtins
+import re
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from autoep.detect import built_lists
 from autoep.detect.source import Refusal, function_tree
 
 ROUTED, WHOLE = "routed", "whole"
@@ -45,13 +48,16 @@ class Misplaced(Refusal):
 
 @dataclass(frozen=True)
 class Roles:
-    """Each source's role: ``routed`` (``{source: role}``, a source a container's name or ``list:<local>``), the
-    module paths of each forward-built list (``{"list:<local>": (paths, ...)}``), and the lines of routed uses."""
+    """Each source's role (``{source: role}``, a source a container's name, ``attr:<prefix>`` for numbered
+    attributes or ``list:<local>``), the module paths of each forward-built list per value of the loop counters it
+    reads (``{"list:<local>": ((paths, ...), ...)}``: its variants), and the lines of routed uses."""
 
     role: dict = field(default_factory=dict)
     lists: dict = field(default_factory=dict)
     lines: dict = field(default_factory=dict)  # source -> "Class.method line N" of its first routed use
     loops: dict = field(default_factory=dict)  # source -> the loops routing its uses ("Class.method line N", ...)
+    families: dict = field(default_factory=dict)  # "attr:<prefix>" -> the numbered children (expert_0, ...)
+    unread: dict = field(default_factory=dict)  # local name -> why a list of modules it holds is not read
 
     def routed(self) -> list[str]:
         return [s for s, r in self.role.items() if r == ROUTED]
@@ -67,25 +73,30 @@ class _Loop:
     lists: dict[str, str] = field(default_factory=dict)  # local name -> the source it holds
     containers: set[str] = field(default_factory=set)  # the container children that are sources
     dicts: set[str] = field(default_factory=set)  # those that are ModuleDicts (iterated, they give their keys)
+    families: set[str] = field(default_factory=set)  # prefixes of numbered attributes (``getattr(self, f"p{i}")``)
 
 
 def roles(block: nn.Module, fns: list, candidates: list[str]) -> Roles:
-    """The role of each of ``candidates`` (the block's container children the forward reads) and of each list the
-    forward builds of the block's modules and calls entries of, from every use in ``fns`` (the block's forward and
-    the methods it calls). ``Refusal`` naming the line of a misaligned use."""
+    """The role of each of ``candidates`` (the block's container children the forward reads), of each family of
+    numbered attributes the forward reaches by ``getattr`` and of each list the forward builds of the block's
+    modules, from every use in ``fns`` (the block's forward and the methods it calls). ``Refusal`` naming the line of
+    a misaligned use, a family with a gap or a member read by its name."""
     found = Roles()
+    families = _families(block, fns)
+    found.families.update({f"attr:{prefix}": names for prefix, names in families.items()})
     for fn in fns:
         tree = function_tree(fn)
         where = getattr(fn, "__qualname__", getattr(fn, "__name__", "forward"))
-        lists = _local_lists(block, tree)
+        lists, unread = built_lists.lists(block, tree, where)
+        found.unread.update(unread)
         # A name holding every entry of a container, in order (``experts = self.experts``), is that container.
-        names = {n: _alias(block, paths, candidates) or f"list:{n}" for n, paths in lists.items()}
-        found.lists.update({names[n]: paths for n, paths in lists.items() if names[n].startswith("list:")})
+        names = {n: _alias(block, variants, candidates) or f"list:{n}" for n, variants in lists.items()}
+        found.lists.update({names[n]: variants for n, variants in lists.items() if names[n].startswith("list:")})
         # Iterating a ModuleDict itself gives its keys (expert ids), its ``.values()`` the entries.
         dicts = {c for c in candidates if isinstance(block._modules[c], nn.ModuleDict)}
-        loops = _loops(tree, set(candidates), names, dicts)
+        loops = _loops(tree, set(candidates), names, dicts, set(families))
         for call, enclosing in _calls(tree, loops):
-            use = _use(call, enclosing, set(candidates), names, f"{where} line {call.lineno}")
+            use = _use(call, enclosing, set(candidates), names, set(families), f"{where} line {call.lineno}")
             if use is None:
                 continue
             source, kind, loop = use
@@ -97,88 +108,78 @@ def roles(block: nn.Module, fns: list, candidates: list[str]) -> Roles:
     return found
 
 
-# ---------------------------------------------------------------------------------------------
-# Lists the forward builds of the block's modules
-# ---------------------------------------------------------------------------------------------
-
-
-def _local_lists(block: nn.Module, tree: ast.FunctionDef) -> dict[str, tuple[str, ...]]:
-    """``{name: module paths}`` for each name the function assigns once, from a list of the block's modules it
-    builds (module docstring); names assigned more than once, or from anything else, are left out."""
-    assigned: dict[str, list[ast.AST]] = {}
-    for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.comprehension, ast.NamedExpr)) else []
-        for t in targets:
-            for n in ast.walk(t):
-                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-                    assigned.setdefault(n.id, []).append(node)
-    lists: dict[str, tuple[str, ...]] = {}
-    for name, nodes in assigned.items():
-        node = nodes[0]
-        if len(nodes) != 1 or not isinstance(node, ast.Assign) or len(node.targets) != 1 \
-                or not isinstance(node.targets[0], ast.Name):
-            continue
-        paths = _module_paths(block, node.value, lists)
-        if paths:
-            lists[name] = tuple(paths)
-    return lists
-
-
-def _alias(block: nn.Module, paths: tuple[str, ...], candidates: list[str]) -> str | None:
+def _alias(block: nn.Module, variants: tuple[tuple[str, ...], ...], candidates: list[str]) -> str | None:
     for name in candidates:
         child = block._modules[name]
         keys = list(child.keys()) if isinstance(child, nn.ModuleDict) else [str(i) for i in range(len(child))]
-        if paths == tuple(f"{name}.{k}" for k in keys):
+        if variants == (tuple(f"{name}.{k}" for k in keys),):
             return name
     return None
 
 
-def _module_paths(block: nn.Module, expr: ast.AST, lists: dict) -> list[str] | None:
-    """The paths of the modules ``expr`` lists, in order, or None where it is not such a list."""
-    if isinstance(expr, (ast.List, ast.Tuple)):
-        out: list[str] = []
-        for elt in expr.elts:
-            part = _module_paths(block, elt.value, lists) if isinstance(elt, ast.Starred) else _one_module(block, elt)
-            if part is None:
-                return None
-            out += part
-        return out
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
-        left, right = _module_paths(block, expr.left, lists), _module_paths(block, expr.right, lists)
-        return None if left is None or right is None else left + right
-    if isinstance(expr, ast.Name):
-        return list(lists[expr.id]) if expr.id in lists else None
-    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "list" \
-            and len(expr.args) == 1 and not expr.keywords:
-        return _module_paths(block, expr.args[0], lists)
-    if isinstance(expr, ast.ListComp) and len(expr.generators) == 1:
-        gen = expr.generators[0]
-        if not gen.ifs and not gen.is_async and isinstance(gen.target, ast.Name) and isinstance(expr.elt, ast.Name) \
-                and expr.elt.id == gen.target.id:
-            return _module_paths(block, gen.iter, lists)
+# ---------------------------------------------------------------------------------------------
+# Numbered attributes: ``getattr(self, f"expert_{i}")``
+# ---------------------------------------------------------------------------------------------
+
+
+def family_ref(expr: ast.AST) -> tuple[str, ast.AST] | None:
+    """``getattr(self, f"<prefix>{<index>}")``: ``(prefix, index)``; the index is the formatted value itself
+    (``FormattedValue``, no Name) where it has a conversion or a format spec."""
+    if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "getattr"
+            and len(expr.args) == 2 and not expr.keywords and isinstance(expr.args[0], ast.Name)
+            and expr.args[0].id == "self" and isinstance(expr.args[1], ast.JoinedStr)):
         return None
-    container = _container_attr(expr)
-    child = block._modules.get(container) if container else None
-    if isinstance(child, nn.ModuleDict) and _self_attr(expr):
-        return None  # ``list(self.<ModuleDict>)`` lists its keys
-    if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-        keys = list(child.keys()) if isinstance(child, nn.ModuleDict) else [str(i) for i in range(len(child))]
-        return [f"{container}.{k}" for k in keys]
-    return None
+    parts = expr.args[1].values
+    if len(parts) != 2 or not isinstance(parts[0], ast.Constant) or not isinstance(parts[1], ast.FormattedValue):
+        return None
+    value = parts[1]
+    return parts[0].value, value.value if value.conversion == -1 and value.format_spec is None else value
 
 
-def _one_module(block: nn.Module, expr: ast.AST) -> list[str] | None:
-    """``self.<child>`` or ``self.<container>[<constant>]``: that module's path."""
-    if _self_attr(expr) and isinstance(block._modules.get(expr.attr), nn.Module):
-        return [expr.attr]
-    if isinstance(expr, ast.Subscript) and _self_attr(expr.value) and isinstance(expr.slice, ast.Constant):
-        child, key = block._modules.get(expr.value.attr), expr.slice.value
-        if isinstance(child, nn.ModuleList) and type(key) is int and -len(child) <= key < len(child):
-            return [f"{expr.value.attr}.{key % len(child)}"]
-        if isinstance(child, nn.ModuleDict) and isinstance(key, str) and key in child:
-            return [f"{expr.value.attr}.{key}"]
-    return None
+def _families(block: nn.Module, fns: list) -> dict[str, tuple[str, ...]]:
+    """``{prefix: (f"{prefix}0", ..., f"{prefix}{n-1}")}`` for each prefix the forward formats an expert id into
+    (``getattr(self, f"expert_{i}")``) that names children of the block. ``Misplaced`` where one of those names is
+    no module, the numbers have a gap, or the forward reads a member by its name (``self.expert_0``,
+    ``getattr(self, "expert_0")``, the string anywhere): which modules the id reaches would be a guess."""
+    cls = type(block).__name__
+    refs = [(fn, node) for fn in fns if _builtin_getattr(fn) for node in ast.walk(function_tree(fn))
+            if family_ref(node) is not None]
+    out: dict[str, tuple[str, ...]] = {}
+    for prefix in dict.fromkeys(family_ref(node)[0] for _, node in refs):
+        pattern = re.compile(re.escape(prefix) + r"(0|[1-9][0-9]*)")
+        names = [n for n in dict.fromkeys([*block._modules, *block._parameters, *block._buffers, *vars(block)])
+                 if pattern.fullmatch(n)]
+        if not names:
+            continue
+        shown = f'getattr(self, f"{prefix}{{...}}")'
+        other = [n for n in names if not isinstance(block._modules.get(n), nn.Module)]
+        if other:
+            raise Misplaced(f"{cls}: the forward reaches self.{prefix}<id> by {shown}, and self.{other[0]} is a "
+                            f"{type(getattr(block, other[0], None)).__name__}, not a module; keep only the experts "
+                            f"under the names {prefix}0..{prefix}<E-1>")
+        numbers = sorted(int(pattern.fullmatch(n).group(1)) for n in names)
+        if numbers != list(range(len(numbers))):
+            gap = next(k for k in range(len(numbers) + 1) if k not in numbers)
+            raise Misplaced(f"{cls}: the forward reaches self.{prefix}<id> by {shown}, but the block's children "
+                            f"{prefix}{numbers[0]}..{prefix}{numbers[-1]} have a gap at {prefix}{gap}; which modules "
+                            f"the expert id reaches would be a guess; number the experts {prefix}0..{prefix}<E-1>")
+        out[prefix] = tuple(f"{prefix}{k}" for k in range(len(numbers)))
+    members = {name for names in out.values() for name in names}
+    for fn in fns:
+        for node in ast.walk(function_tree(fn)):
+            name = node.attr if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "self" else node.value if isinstance(node, ast.Constant) else None
+            if isinstance(name, str) and name in members:
+                where = getattr(fn, "__qualname__", "forward")
+                raise Misplaced(f"{where} line {node.lineno} reads self.{name} by its name, besides reaching it by "
+                                "the expert id; an expert is called by the id only (keep a module used by name, a "
+                                "shared expert, under another name)")
+    return out
+
+
+def _builtin_getattr(fn) -> bool:
+    """``getattr`` in ``fn`` is the builtin (not shadowed by a global of its module)."""
+    return getattr(fn, "__globals__", {}).get("getattr", builtins.getattr) is builtins.getattr
 
 
 def _self_attr(expr: ast.AST) -> bool:
@@ -198,17 +199,18 @@ def _container_attr(expr: ast.AST) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _loops(tree: ast.FunctionDef, containers: set[str], lists: dict[str, str], dicts: set[str]) -> list[_Loop]:
+def _loops(tree: ast.FunctionDef, containers: set[str], lists: dict[str, str], dicts: set[str],
+           families: set[str]) -> list[_Loop]:
     loops = []
     for node in ast.walk(tree):
         if isinstance(node, ast.For):
             loop = _Loop(node, set(), {}, body=list(node.body), lists=lists,
-                         containers=containers, dicts=dicts)
+                         containers=containers, dicts=dicts, families=families)
             _bind(node.target, node.iter, loop, containers, lists)
             loops.append(loop)
         elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
             loop = _Loop(node, set(), {}, body=[node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt],
-                         lists=lists, containers=containers, dicts=dicts)
+                         lists=lists, containers=containers, dicts=dicts, families=families)
             for gen in node.generators:
                 _bind(gen.target, gen.iter, loop, containers, lists)
                 loop.body += gen.ifs
@@ -288,15 +290,19 @@ def _taint(loop: _Loop) -> None:
                     changed = True
     # An entry of the source is no row: ``expert`` of ``enumerate(self.experts)`` carries no routed rows itself.
     loop.tainted -= set(loop.members) - loop.ids
-    # ``expert = self.experts[i]`` in the body: an entry selected by the id.
+    # ``expert = self.experts[i]``, ``expert = getattr(self, f"expert_{i}")`` in the body: an entry selected by the id.
     for targets, value in assigns:
-        if len(targets) == 1 and isinstance(targets[0], ast.Name) and isinstance(value, ast.Subscript) \
-                and isinstance(value.slice, ast.Name) and value.slice.id in loop.ids:
+        if len(targets) != 1 or not isinstance(targets[0], ast.Name):
+            continue
+        ref, source = family_ref(value), None
+        if ref is not None and ref[0] in loop.families and isinstance(ref[1], ast.Name) and ref[1].id in loop.ids:
+            source = f"attr:{ref[0]}"
+        elif isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Name) and value.slice.id in loop.ids:
             source = _container_attr(value.value) if _container_attr(value.value) in loop.containers else (
                 loop.lists.get(value.value.id) if isinstance(value.value, ast.Name) else None)
-            if source is not None:
-                loop.members.setdefault(targets[0].id, source)
-                loop.tainted.discard(targets[0].id)
+        if source is not None:
+            loop.members.setdefault(targets[0].id, source)
+            loop.tainted.discard(targets[0].id)
 
 
 def _reads(expr: ast.AST) -> set[str]:
@@ -319,7 +325,7 @@ def _reads(expr: ast.AST) -> set[str]:
 
 def _entry_callee(func: ast.AST) -> bool:
     return isinstance(func, ast.Name) or isinstance(func, ast.Subscript) and (
-        _self_attr(func.value) or isinstance(func.value, ast.Name))
+        _self_attr(func.value) or isinstance(func.value, ast.Name)) or family_ref(func) is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,17 +347,20 @@ def _calls(tree: ast.FunctionDef, loops: list[_Loop]):
             yield node, sorted(inside.get(id(node), []), key=lambda loop: depth[id(loop.node)])
 
 
-def _use(call: ast.Call, loops: list[_Loop], containers: set[str], lists: dict[str, str], where: str
-         ) -> tuple[str, str, _Loop | None] | None:
+def _use(call: ast.Call, loops: list[_Loop], containers: set[str], lists: dict[str, str], families: set[str],
+         where: str) -> tuple[str, str, _Loop | None] | None:
     """``(source, routed | whole, the routing loop or None)`` for a call of an entry of a source; None for any other
     call. ``Refusal`` for a misaligned one (module docstring)."""
-    func, selected = call.func, None
-    if isinstance(func, ast.Subscript):
-        source = func.value.attr if _self_attr(func.value) and func.value.attr in containers else (
-            lists.get(func.value.id) if isinstance(func.value, ast.Name) else None)
+    func, selected, ref = call.func, None, family_ref(call.func)
+    if isinstance(func, ast.Subscript) or ref is not None and ref[0] in families:
+        if ref is not None:
+            source, index = f"attr:{ref[0]}", ref[1]
+        else:
+            source = func.value.attr if _self_attr(func.value) and func.value.attr in containers else (
+                lists.get(func.value.id) if isinstance(func.value, ast.Name) else None)
+            index = func.slice
         if source is None:
             return None
-        index = func.slice
         selected = next((loop for loop in reversed(loops) if isinstance(index, ast.Name) and index.id in loop.ids),
                         None)
     elif isinstance(func, ast.Name):
@@ -366,8 +375,12 @@ def _use(call: ast.Call, loops: list[_Loop], containers: set[str], lists: dict[s
     picking = [loop for loop in loops if rows & loop.tainted and loop.ids]
     if not picking:
         return source, WHOLE, None
-    if selected is not None and selected in picking and all(loop is selected or not loop.ids - set(loop.members)
-                                                            for loop in picking):
+    # Other loops may pick the rows too where they enclose the selecting one (a task loop around each task's routed
+    # loop: ``for t``, then ``for i`` over task t's experts on rows ``selected_t == i``): the entry is still the one
+    # the id of the innermost routing selects.
+    if selected is not None and selected in picking and all(
+            loop is selected or not loop.ids - set(loop.members) or loops.index(loop) < loops.index(selected)
+            for loop in picking):
         return source, ROUTED, selected
     shown = ast.unparse(call)
     raise Misplaced(f"{where}: `{shown[:80]}` calls an entry of {_named(source)} on rows a loop's expert id picks, but "
@@ -376,4 +389,6 @@ def _use(call: ast.Call, loops: list[_Loop], containers: set[str], lists: dict[s
 
 
 def _named(source: str) -> str:
+    if source.startswith("attr:"):
+        return f"the numbered attributes self.{source[5:]}<id>"
     return f"the list {source[5:]} built in the forward" if source.startswith("list:") else f"self.{source}"

@@ -214,14 +214,17 @@ def find_experts(block: nn.Module) -> Experts:
 
 
 def _by_role(block: nn.Module, fns: list, found: list[str]) -> Experts:
-    """The experts among the containers ``found`` (direct children, or one of a child) and the lists the forward
-    builds, by role (``expert_roles``)."""
+    """The experts among the containers ``found`` (direct children, or one of a child), the numbered attributes the
+    forward reaches by ``getattr`` and the lists the forward builds, by role (``expert_roles``)."""
     cls = type(block).__name__
     try:
         roles = expert_roles.roles(block, fns, [name for name in found if "." not in name])
     except Exception as exc:  # noqa: BLE001 - a Refusal, or a source the roles cannot follow
-        if len(found) == 1:  # one container keeps its decision (no detector outcome changes but refusals lifted)
+        numbered = any(expert_roles.family_ref(n) for fn in fns for n in ast.walk(function_tree(fn)))
+        if len(found) == 1 and not numbered:  # one container keeps its decision (no outcome changes but refusals lifted)
             return Experts(found[0])
+        if isinstance(exc, expert_roles.Misplaced):
+            raise
         if not found or not isinstance(exc, Refusal):
             raise Refusal(f"{cls}: no ModuleList/ModuleDict (or plain dict/list) of expert modules that its forward "
                           "(or a module it calls) reads" if not found else f"{cls}.forward reads several module "
@@ -229,67 +232,98 @@ def _by_role(block: nn.Module, fns: list, found: list[str]) -> Experts:
                           ) from None
         raise
     lists = [source for source in roles.routed() if source.startswith("list:")]
+    families = [source for source in roles.routed() if source.startswith("attr:")]
     routed = [name for name in found if roles.role.get(name) == expert_roles.ROUTED]
-    if len(found) == 1 and (routed or not lists):
+    if len(found) == 1 and not families and (routed or not lists):
         return Experts(found[0])
     if lists:
-        if routed or len(lists) > 1:
-            raise expert_roles.Misplaced(f"{cls}: its routed calls select from {', '.join(_shown(s) for s in [*routed, *lists])} "
-                          f"({', '.join(roles.lines[s] for s in [*routed, *lists])}); autoep places the experts of one "
-                          "source (one list, or containers aligned by the expert id)")
-        return _built(block, roles.lists[lists[0]], lists[0][5:])
-    if not found:
+        if routed or families:
+            raise expert_roles.Misplaced(f"{cls}: its routed calls select from "
+                          f"{', '.join(_shown(s) for s in [*routed, *families, *lists])} "
+                          f"({', '.join(roles.lines[s] for s in [*routed, *families, *lists])}); autoep places the "
+                          "experts of lists the forward builds, or of containers aligned by the expert id, not both")
+        return _built(block, {s[5:]: roles.lists[s] for s in lists})
+    if not found and not families:
         raise Refusal(f"{cls}: no ModuleList/ModuleDict (or plain dict/list) of expert modules that its forward (or "
                       "a module it calls) reads")
     unknown = [name for name in found if name not in roles.role]
-    if not routed or unknown:
+    if not (routed or families) or unknown and not families:
+        unread = "".join(f"; {why}" for why in roles.unread.values())
         raise expert_roles.Misplaced(f"{cls}.forward reads several module containers ({found}); which one holds the experts is "
                       f"ambiguous (none called on rows a loop's expert id picks{'' if not unknown else ', or '}"
-                      f"{'' if not unknown else f'{unknown} not called in the forward'})")
-    return _aligned(block, routed, roles)
+                      f"{'' if not unknown else f'{unknown} not called in the forward'}{unread})")
+    order = {name: i for i, name in enumerate(block._modules)}  # one expert's modules in the block's order
+    first = {name: roles.families[name][0] if name in roles.families else name for name in [*routed, *families]}
+    return _aligned(block, sorted([*routed, *families], key=lambda name: order[first[name]]), roles)
 
 
 def _shown(source: str) -> str:
+    if source.startswith("attr:"):
+        return f"self.{source[5:]}<id>"
     return f"the list {source[5:]}" if source.startswith("list:") else f"self.{source}"
 
 
+def _entries(block: nn.Module, source: str, roles) -> tuple[tuple[str, ...], list[str], list[nn.Module]]:
+    """A routed source's keys (a ModuleDict's, or the indices), its entries' paths and modules: a container child's,
+    or a family of numbered attributes' (``attr:expert_``: ``expert_0``, ``expert_1``, ...)."""
+    if source.startswith("attr:"):
+        names = roles.families[source]
+        return tuple(str(k) for k in range(len(names))), list(names), [block._modules[n] for n in names]
+    keys = tuple(module_list_proof.expert_keys(block._modules[source]))
+    return keys, [f"{source}.{k}" for k in keys], members(block._modules[source])
+
+
 def _aligned(block: nn.Module, routed: list[str], roles) -> Experts:
-    """Containers the routed loops index by one expert id: one expert across them (``lora_A[i]``, ``lora_B[i]``),
-    placed together. Of the same length and keys (a ModuleDict's, in order); containers whose entries hold no
-    tensor (``lora_dropout[i]``: a Dropout, an Identity) have nothing to place and stay where the token is."""
+    """Sources the routed loops index by one expert id: one expert across them (``lora_A[i]``, ``lora_B[i]``;
+    ``getattr(self, f"lora_A{i}")``, ...), placed together. Of the same length and keys (a ModuleDict's, in order);
+    sources whose entries hold no tensor (``lora_dropout[i]``: a Dropout, an Identity) have nothing to place and stay
+    where the token is."""
     cls = type(block).__name__
-    keys = {name: tuple(module_list_proof.expert_keys(block._modules[name])) for name in routed}
-    kinds = {name: isinstance(block._modules[name], nn.ModuleDict) for name in routed}
+    entries = {name: _entries(block, name, roles) for name in routed}
+    kinds = {name: isinstance(block._modules.get(name), nn.ModuleDict) for name in routed}
     first = routed[0]
     for name in routed[1:]:
         if roles.loops[name] != roles.loops[first]:
             raise expert_roles.Misplaced(f"{cls}.forward reads several module containers by expert id in different loops "
-                          f"(self.{first}: {sorted(roles.loops[first])}, self.{name}: {sorted(roles.loops[name])}); "
+                          f"({_shown(first)}: {sorted(roles.loops[first])}, {_shown(name)}: {sorted(roles.loops[name])}); "
                           "which one holds the experts is ambiguous (containers of one expert are called in one loop)")
-        if keys[name] != keys[first] or kinds[name] != kinds[first]:
-            raise expert_roles.Misplaced(f"{cls}: self.{first} and self.{name} are both indexed by the expert id "
+        keys, first_keys = entries[name][0], entries[first][0]
+        if keys != first_keys or kinds[name] != kinds[first]:
+            raise expert_roles.Misplaced(f"{cls}: {_shown(first)} and {_shown(name)} are both indexed by the expert id "
                           f"({roles.lines[first]}, {roles.lines[name]}) but hold different entries "
-                          f"({len(keys[first])}: {list(keys[first])[:4]}, {len(keys[name])}: {list(keys[name])[:4]}); "
+                          f"({len(first_keys)}: {list(first_keys)[:4]}, {len(keys)}: {list(keys)[:4]}); "
                           "aligned containers hold one entry per expert, in one order")
-    placed = [name for name in routed if any(True for e in members(block._modules[name])
-                                             for _ in (*e.parameters(), *e.buffers()))]
-    if len(placed) <= 1:
+    placed = [name for name in routed if any(True for e in entries[name][2] for _ in (*e.parameters(), *e.buffers()))]
+    if len(placed) <= 1 and not any(name.startswith("attr:") for name in placed):
         return Experts(placed[0] if placed else first)
-    return Experts(placed[0], tuple(tuple(f"{name}.{k}" for name in placed) for k in keys[first]))
+    if not placed:
+        raise expert_roles.Misplaced(f"{cls}: the experts the forward reaches by id ({_shown(first)}) hold no tensor")
+    paths = {name: entries[name][1] for name in placed}
+    return Experts(paths[placed[0]][0], tuple(tuple(paths[name][k] for name in placed)
+                                              for k in range(len(entries[first][0]))))
 
 
-def _built(block: nn.Module, paths: tuple[str, ...], name: str) -> Experts:
-    """A list the forward builds of the block's modules (``[self.base_layer] + list(self.adapters)``), one expert
-    per entry; refused where one module is at two entries (one expert would be placed and answered twice)."""
+def _built(block: nn.Module, lists: dict[str, tuple[tuple[str, ...], ...]]) -> Experts:
+    """Lists the forward builds of the block's modules (``[self.base_layer] + list(self.adapters)``; per task,
+    ``task_experts[t]`` and the shared ones), one expert per module: every module an entry of some list in some
+    variant, once, in order of first appearance (a shared expert that each task's loop reaches under another id is
+    one expert on one owner: the one-pass execution moves each call of it there, whichever loop makes it). Refused
+    where one module is at two entries of one list (two ids of one routing would select it), or an entry is a
+    container."""
     cls = type(block).__name__
-    modules = [block.get_submodule(p) for p in paths]
-    for i, m in enumerate(modules):
-        j = next(j for j, other in enumerate(modules) if other is m)
-        if j != i:
-            raise expert_roles.Misplaced(f"{cls}.forward builds {name} with the module {paths[i]} at entries {j} and {i}; one module "
-                          "is one expert: give each entry its own module")
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-            raise expert_roles.Misplaced(f"{cls}.forward builds {name} with the container {paths[i]} as an entry")
+    union: dict[int, str] = {}
+    for name, variants in lists.items():
+        for paths in variants:
+            modules = [block.get_submodule(p) for p in paths]
+            for i, m in enumerate(modules):
+                j = next(j for j, other in enumerate(modules) if other is m)
+                if j != i:
+                    raise expert_roles.Misplaced(f"{cls}.forward builds {name} with the module {paths[i]} at entries {j} "
+                                                 f"and {i}; one module is one expert: give each entry its own module")
+                if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+                    raise expert_roles.Misplaced(f"{cls}.forward builds {name} with the container {paths[i]} as an entry")
+                union.setdefault(id(m), paths[i])
+    paths = list(union.values())
     return Experts(paths[0].split(".")[0], tuple((p,) for p in paths))
 
 

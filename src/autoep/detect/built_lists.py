@@ -1,0 +1,285 @@
+"""Lists of the block's modules its forward builds (issue 31, read by ``autoep.detect.expert_roles``), evaluated from
+the source to the modules' paths, never run.
+
+A local name is such a list where the function assigns it once (``experts = ...``) from
+
+- list literals of modules (``[self.base_layer, self.adapters[0]]``, ``*`` unpacking), ``+``, ``list(...)``,
+  ``[m for m in ...]``, another such list;
+- a ``ModuleList``/``ModuleDict`` (its ``.values()``) of the block, an entry of one that is itself a container
+  (``self.task_experts[t]``), or a slice of a ModuleList (``self.experts[: self.num_active]``),
+
+with indices and slice bounds that are int constants, int attributes of the block (folded: the fingerprint holds the
+forward's source), ``len(self.<container>)`` or the counter of an enclosing loop of known range (``for t in
+range(self.num_tasks)``, ``for t, gate in enumerate(self.gates)``). Where the list reads such a counter it is
+evaluated once per value (its *variants*: each task's experts). After the assignment it may change only by
+``<name>.extend(...)``, ``<name>.append(<module>)`` or ``<name> += ...`` statements in the same block of statements;
+every other read of the name iterates or copies it (``for``, ``enumerate``, ``zip``, ``len``, ``list``, ``tuple``,
+``name[i]``, ``name + ...``, ``*name``). A name read any other way (``.insert``, ``.pop``, handed to a function,
+aliased, changed in a branch or another loop) is left out, with the statement that stops it (``unread``): which
+module an id selects would be a guess.
+
+Flow-insensitive on purpose: an ``extend`` after a use of the list counts for that use too. That can only place one
+more module, never a module wrongly: the one-pass execution moves every call of a placed module to its owner,
+wherever the call is (``autoep.runtime.recipes.replay``).
+
+``lists(block, tree, where)`` returns ``({name: variants}, {name: why it is not read})``; a variant is the tuple of
+the modules' paths in list order.
+"""
+from __future__ import annotations
+
+import ast
+import itertools
+
+import torch.nn as nn
+
+_MAX_VARIANTS = 64  # products of enclosing loops' ranges beyond this are not evaluated (left out)
+_READ_BY = frozenset({"enumerate", "zip", "len", "list", "tuple"})
+
+
+def lists(block: nn.Module, tree: ast.FunctionDef, where: str) -> tuple[dict, dict]:
+    """``({name: variants}, {name: why not})`` for the lists of the block's modules ``tree`` builds (module
+    docstring)."""
+    parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    stores: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.comprehension, ast.NamedExpr)) else []
+        for t in targets:
+            for n in ast.walk(t):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                    stores.setdefault(n.id, []).append(node)
+    found: dict[str, tuple[tuple[str, ...], ...]] = {}
+    unread: dict[str, str] = {}
+    for name, nodes in sorted(stores.items(), key=lambda item: min(n.lineno for n in item[1])):  # a list built of an earlier one
+        assigns = [n for n in nodes if isinstance(n, ast.Assign)]
+        if len(assigns) != 1 or len(assigns[0].targets) != 1 or not isinstance(assigns[0].targets[0], ast.Name):
+            continue
+        assign = assigns[0]
+        body = _body_of(assign, parents)
+        changes = [n for n in nodes if n is not assign]
+        if any(not (isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add) and _after(n, assign, body, parents))
+               for n in changes):
+            if any(_variants(block, assign.value, [], found, _domains(block, assign, parents)) or [()]):
+                unread[name] = (f"{where}: `{ast.unparse(changes[0])[:80]}` (line {changes[0].lineno}) changes {name} "
+                                "away from the statements of its assignment")
+            continue
+        mutations, stop = _mutations(tree, name, assign, body, parents)
+        mutations += [(n.lineno, "extend", n.value) for n in changes]
+        mutations.sort(key=lambda m: m[0])
+        variants = _variants(block, assign.value, mutations, found, _domains(block, assign, parents))
+        if variants is None or not any(variants):  # no list of modules (``outputs = []`` and its appends)
+            continue
+        if stop is not None:
+            unread[name] = f"{where}: `{ast.unparse(stop)[:80]}` (line {stop.lineno}) reads {name} in a way autoep does not follow"
+            continue
+        found[name] = variants
+    return found, unread
+
+
+def _body_of(stmt: ast.AST, parents: dict) -> list | None:
+    """The statement list holding ``stmt``."""
+    parent = parents.get(id(stmt))
+    for field in ("body", "orelse", "finalbody", "handlers"):
+        part = getattr(parent, field, None)
+        if isinstance(part, list) and any(s is stmt for s in part):
+            return part
+    return None
+
+
+def _statement(node: ast.AST, parents: dict) -> ast.AST:
+    while not isinstance(node, ast.stmt) and id(node) in parents:
+        node = parents[id(node)]
+    return node
+
+
+def _after(stmt: ast.AST, assign: ast.Assign, body: list | None, parents: dict) -> bool:
+    """``stmt`` is a statement of ``body`` (the assignment's) after the assignment."""
+    if body is None or not any(s is stmt for s in body):
+        return False
+    index = {id(s): i for i, s in enumerate(body)}
+    return index[id(stmt)] > index[id(assign)]
+
+
+def _mutations(tree, name: str, assign: ast.Assign, body, parents) -> tuple[list, ast.AST | None]:
+    """The ``extend``/``append`` statements of ``name`` (``(line, kind, argument)``) and the first read of it that is
+    neither one nor a read that iterates or copies it (None where there is none)."""
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load)):
+            continue
+        parent = parents.get(id(node))
+        call = parents.get(id(parent))
+        if isinstance(parent, ast.Attribute) and parent.attr in ("extend", "append") and isinstance(call, ast.Call) \
+                and call.func is parent and len(call.args) == 1 and not call.keywords \
+                and isinstance(parents.get(id(call)), ast.Expr) and _after(parents[id(call)], assign, body, parents):
+            out.append((call.lineno, parent.attr, call.args[0]))
+        elif not _copied_or_iterated(node, parent, parents):
+            return out, _statement(node, parents)
+    return out, None
+
+
+def _copied_or_iterated(node: ast.Name, parent: ast.AST, parents: dict) -> bool:
+    if isinstance(parent, (ast.For, ast.comprehension)):
+        return parent.iter is node
+    if isinstance(parent, ast.Call):
+        return isinstance(parent.func, ast.Name) and parent.func.id in _READ_BY and any(a is node for a in parent.args)
+    if isinstance(parent, ast.Subscript):
+        return parent.value is node and isinstance(parent.ctx, ast.Load)
+    if isinstance(parent, ast.BinOp):
+        return isinstance(parent.op, ast.Add)
+    if isinstance(parent, ast.Starred):
+        return isinstance(parents.get(id(parent)), (ast.List, ast.Tuple))
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Enclosing loops' counters
+# ---------------------------------------------------------------------------------------------
+
+
+def _domains(block: nn.Module, stmt: ast.AST, parents: dict) -> dict[str, range]:
+    """The counters of the loops around ``stmt`` whose range is known: ``{name: range}``."""
+    out: dict[str, range] = {}
+    node = stmt
+    while id(node) in parents:
+        parent = parents[id(node)]
+        if isinstance(parent, ast.For) and any(s is node for s in parent.body):
+            target, it = parent.target, parent.iter
+            if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "enumerate" \
+                    and len(it.args) == 1 and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+                child = _resolve(block, it.args[0], {})
+                if isinstance(target.elts[0], ast.Name) and child is not None and isinstance(
+                        child[1], (nn.ModuleList, nn.ModuleDict)):
+                    out.setdefault(target.elts[0].id, range(len(child[1])))
+            elif isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" \
+                    and 1 <= len(it.args) <= 2 and not it.keywords and isinstance(target, ast.Name):
+                bounds = [_int(block, a, {}) for a in it.args]
+                if None not in bounds:
+                    out.setdefault(target.id, range(*bounds))
+        node = parent
+    return out
+
+
+def _variants(block, value, mutations, found, domains) -> tuple[tuple[str, ...], ...] | None:
+    """The list's paths for each value of the enclosing counters it reads (one variant where it reads none); None
+    where any of them is not a list of the block's modules."""
+    parts = [value, *(arg for _, _, arg in mutations)]
+    names = sorted({n.id for part in parts for n in ast.walk(part) if isinstance(n, ast.Name)} & set(domains))
+    ranges = [domains[n] for n in names]
+    if len(list(itertools.islice(itertools.product(*ranges), _MAX_VARIANTS + 1))) > _MAX_VARIANTS:
+        return None
+    out = []
+    for values in itertools.product(*ranges):
+        env = dict(zip(names, values))
+        paths = _paths(block, value, found, env)
+        for _, kind, arg in mutations:
+            if paths is None:
+                break
+            more = _paths(block, arg, found, env) if kind == "extend" else _module(block, arg, env)
+            paths = None if more is None else paths + more
+        if paths is None:
+            return None
+        out.append(tuple(paths))
+    return tuple(dict.fromkeys(out)) or None
+
+
+# ---------------------------------------------------------------------------------------------
+# Expressions
+# ---------------------------------------------------------------------------------------------
+
+
+def _paths(block: nn.Module, expr: ast.AST, found: dict, env: dict) -> list[str] | None:
+    """The paths of the modules ``expr`` lists, in order, or None where it is not such a list."""
+    if isinstance(expr, (ast.List, ast.Tuple)):
+        out: list[str] = []
+        for elt in expr.elts:
+            part = _paths(block, elt.value, found, env) if isinstance(elt, ast.Starred) else _module(block, elt, env)
+            if part is None:
+                return None
+            out += part
+        return out
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
+        left, right = _paths(block, expr.left, found, env), _paths(block, expr.right, found, env)
+        return None if left is None or right is None else left + right
+    if isinstance(expr, ast.Name):
+        variants = found.get(expr.id, ())
+        return list(variants[0]) if len(variants) == 1 else None
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ("list", "tuple") \
+            and len(expr.args) == 1 and not expr.keywords:
+        return _paths(block, expr.args[0], found, env)
+    if isinstance(expr, ast.ListComp) and len(expr.generators) == 1:
+        gen = expr.generators[0]
+        if not gen.ifs and not gen.is_async and isinstance(gen.target, ast.Name) and isinstance(expr.elt, ast.Name) \
+                and expr.elt.id == gen.target.id:
+            return _paths(block, gen.iter, found, env)
+        return None
+    if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Slice):
+        held = _resolve(block, expr.value, env)
+        bounds = [None if b is None else _int(block, b, env) for b in (expr.slice.lower, expr.slice.upper,
+                                                                           expr.slice.step)]
+        if held is None or not isinstance(held[1], nn.ModuleList) or any(
+                b is None and part is not None for b, part in zip(bounds, (expr.slice.lower, expr.slice.upper,
+                                                                           expr.slice.step))):
+            return None
+        return [f"{held[0]}.{k}" for k in range(len(held[1]))[slice(*bounds)]]
+    values = isinstance(expr, ast.Call) and not expr.args and not expr.keywords and isinstance(
+        expr.func, ast.Attribute) and expr.func.attr == "values"
+    held = _resolve(block, expr.func.value if values else expr, env)
+    if held is None:
+        return None
+    path, child = held
+    if isinstance(child, nn.ModuleDict) and not values:
+        return None  # ``list(self.<ModuleDict>)`` lists its keys
+    if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+        keys = list(child.keys()) if isinstance(child, nn.ModuleDict) else [str(i) for i in range(len(child))]
+        return [f"{path}.{k}" for k in keys]
+    return None
+
+
+def _module(block: nn.Module, expr: ast.AST, env: dict) -> list[str] | None:
+    """``self.<child>``, ``self.<container>[<index>]`` (nested too): that module's path."""
+    held = _resolve(block, expr, env)
+    return None if held is None else [held[0]]
+
+
+def _resolve(block: nn.Module, expr: ast.AST, env: dict) -> tuple[str, nn.Module] | None:
+    """The path and module ``expr`` denotes: ``self.<child>``, or an entry of a ModuleList (an int index) or a
+    ModuleDict (a str constant) it denotes; None otherwise."""
+    if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == "self":
+        child = block._modules.get(expr.attr)
+        return (expr.attr, child) if isinstance(child, nn.Module) else None
+    if not isinstance(expr, ast.Subscript) or isinstance(expr.slice, ast.Slice):
+        return None
+    held = _resolve(block, expr.value, env)
+    if held is None:
+        return None
+    path, container = held
+    if isinstance(container, nn.ModuleList):
+        key = _int(block, expr.slice, env)
+        if key is None or not -len(container) <= key < len(container):
+            return None
+        key %= len(container)
+        return f"{path}.{key}", container[key]
+    if isinstance(container, nn.ModuleDict) and isinstance(expr.slice, ast.Constant) \
+            and isinstance(expr.slice.value, str) and expr.slice.value in container:
+        return f"{path}.{expr.slice.value}", container[expr.slice.value]
+    return None
+
+
+def _int(block: nn.Module, expr: ast.AST, env: dict) -> int | None:
+    """An int constant, an int attribute of the block, ``len(self.<container>)``, a known counter (``env``)."""
+    if isinstance(expr, ast.Constant) and type(expr.value) is int:
+        return expr.value
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub):
+        inner = _int(block, expr.operand, env)
+        return None if inner is None else -inner
+    if isinstance(expr, ast.Name):
+        return env.get(expr.id)
+    if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == "self":
+        value = vars(block).get(expr.attr)
+        return value if type(value) is int else None
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "len" \
+            and len(expr.args) == 1 and not expr.keywords:
+        held = _resolve(block, expr.args[0], env)
+        return len(held[1]) if held is not None and isinstance(held[1], (nn.ModuleList, nn.ModuleDict)) else None
+    return None

@@ -302,8 +302,10 @@ def replay_targets() -> list[Target]:
     ``bench/soundness.py --replay`` runs them all."""
     import replay_blocks
     import role_blocks
+    import role_blocks_attrs
 
-    blocks = {**replay_blocks.BLOCKS, **role_blocks.BLOCKS}  # experts by role (issue 31) too
+    # experts by role (issue 31) too: several containers, numbered attributes, lists built in the forward
+    blocks = {**replay_blocks.BLOCKS, **role_blocks.BLOCKS, **role_blocks_attrs.BLOCKS}
     return [Target(f"replay/{n}", _hand_written_block(n, make), replay=True) for n, make in blocks.items()]
 
 

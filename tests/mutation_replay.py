@@ -65,6 +65,8 @@ import torch
 from mutation_source import Edit, expr, slots, stmt
 from torch import nn
 
+from autoep.detect.expert_roles import family_ref
+
 SEEN = "_autoep_seen"  # the function's list of expert outputs, in call order
 PRELUDE = '''
 import collections, random, types
@@ -739,13 +741,17 @@ def _autoep_scatter(rows, pick, out):
 
 
 def _indexed_calls(tree: ast.AST) -> dict[str, list[tuple[ast.Call, str]]]:
-    """Calls ``self.<container>[<name>](...)``, by the index name: ``{name: [(call, container), ...]}``."""
+    """Calls ``self.<container>[<name>](...)`` and reads ``getattr(self, f"<prefix>{<name>}")`` of numbered
+    attributes, by the index name: ``{name: [(call or read, container or prefix), ...]}``."""
     out: dict[str, list[tuple[ast.Call, str]]] = {}
     for node in ast.walk(tree):
         f = node.func if isinstance(node, ast.Call) else None
         if isinstance(f, ast.Subscript) and isinstance(f.slice, ast.Name) and isinstance(f.value, ast.Attribute) \
                 and isinstance(f.value.value, ast.Name) and f.value.value.id == "self":
             out.setdefault(f.slice.id, []).append((node, f.value.attr))
+        ref = family_ref(node)
+        if ref is not None and isinstance(ref[1], ast.Name):
+            out.setdefault(ref[1].id, []).append((node, ref[0]))
     return out
 
 
@@ -765,6 +771,19 @@ def _resized(container: str, change: str):
     return tweak
 
 
+def _renumbered(prefix: str, change: str):
+    """Numbered attributes ``<prefix>0..<prefix>{n-1}`` one longer (a copy of the last, ``<prefix>{n}``) or shorter."""
+
+    def tweak(obj: nn.Module) -> None:
+        n = sum(1 for name in obj._modules if name[len(prefix):].isdigit() and name.startswith(prefix))
+        if change == "longer":
+            obj.add_module(f"{prefix}{n}", copy.deepcopy(obj._modules[f"{prefix}{n - 1}"]))
+        else:
+            del obj._modules[f"{prefix}{n - 1}"]
+
+    return tweak
+
+
 def op_misalign_containers(fn, site):
     """Containers indexed by one expert id (``lora_A[i]``, ``lora_B[i]``) misaligned: one of them indexed by the
     next id (``lora_B[(i + 1) % len(self.lora_B)]``), or one entry longer or shorter than the others."""
@@ -772,13 +791,21 @@ def op_misalign_containers(fn, site):
         return []
     edits = []
     for k, (_, container) in enumerate(_aligned_calls(fn)):
+        numbered = family_ref(_aligned_calls(fn)[k][0]) is not None
         for variant in ("shift", "longer", "shorter"):
             tree = copy.deepcopy(fn)
             call, _ = _aligned_calls(tree)[k]
-            if variant == "shift":
+            if variant == "shift" and numbered:  # getattr(self, f"lora_B{(i + 1) % <how many lora_B*>}")
+                formatted = call.args[1].values[1]
+                formatted.value = expr(f"(__i__ + 1) % sum(1 for n in self._modules if n.startswith({container!r}))",
+                                       __i__=formatted.value)
+                edits.append(Edit(tree, ROLES_PRELUDE))
+            elif variant == "shift":
                 index = call.func.slice
                 call.func.slice = expr(f"(__i__ + 1) % len(self.{container})", __i__=index)
                 edits.append(Edit(tree, ROLES_PRELUDE))
+            elif numbered:
+                edits.append(Edit(tree, ROLES_PRELUDE, tweak=_renumbered(container, variant)))
             else:
                 edits.append(Edit(tree, ROLES_PRELUDE, tweak=_resized(container, variant)))
     return edits

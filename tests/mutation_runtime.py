@@ -53,10 +53,19 @@ def experts_attr(block: nn.Module) -> str:
 
 def experts_of(block: nn.Module) -> nn.Module | None:
     """The experts container (experts held in a plain dict/list attribute: a ModuleDict view of them, by the names
-    the block registers them under)."""
-    from autoep.detect import plain_experts
+    the block registers them under; experts found by role that are not one container's entries, numbered attributes
+    or lists the forward builds: a ModuleDict view of each expert's first module, by its id)."""
+    from autoep.detect import plain_experts, replay_proof
 
+    try:
+        members = replay_proof.find_experts(block).members
+    except Exception:  # noqa: BLE001 - none found by role: the container the detector finds, if any
+        members = ()
     found = plain_experts.resolve(block, experts_attr(block))
+    container = found is not None and isinstance(found[0], (nn.ModuleList, nn.ModuleDict))
+    if members and (not container or [m[0] for m in members] != [f"{found[1]}.{k}" for k in (
+            found[0].keys() if isinstance(found[0], nn.ModuleDict) else range(len(found[0])))]):
+        return nn.ModuleDict({str(e): block.get_submodule(m[0]) for e, m in enumerate(members)})
     return found[0] if found is not None else getattr(block, "experts", None)
 
 

@@ -50,7 +50,7 @@ def lists(block: nn.Module, tree: ast.FunctionDef, where: str) -> tuple[dict, di
                     stores.setdefault(n.id, []).append(node)
     found: dict[str, tuple[tuple[str, ...], ...]] = {}
     unread: dict[str, str] = {}
-    for name, nodes in sorted(stores.items(), key=lambda item: min(n.lineno for n in item[1])):  # a list built of an earlier one
+    for name, nodes in sorted(stores.items(), key=lambda item: min(_line(n) for n in item[1])):  # a list built of an earlier one
         assigns = [n for n in nodes if isinstance(n, ast.Assign)]
         if len(assigns) != 1 or len(assigns[0].targets) != 1 or not isinstance(assigns[0].targets[0], ast.Name):
             continue
@@ -74,6 +74,10 @@ def lists(block: nn.Module, tree: ast.FunctionDef, where: str) -> tuple[dict, di
             continue
         found[name] = variants
     return found, unread
+
+
+def _line(node: ast.AST) -> int:
+    return node.lineno if hasattr(node, "lineno") else node.target.lineno  # a comprehension: its target's
 
 
 def _body_of(stmt: ast.AST, parents: dict) -> list | None:

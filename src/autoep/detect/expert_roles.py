@@ -74,6 +74,7 @@ class _Loop:
     containers: set[str] = field(default_factory=set)  # the container children that are sources
     dicts: set[str] = field(default_factory=set)  # those that are ModuleDicts (iterated, they give their keys)
     families: set[str] = field(default_factory=set)  # prefixes of numbered attributes (``getattr(self, f"p{i}")``)
+    shifted: set[str] = field(default_factory=set)  # members bound to an entry another index than the id selects
 
 
 def roles(block: nn.Module, fns: list, candidates: list[str]) -> Roles:
@@ -294,15 +295,18 @@ def _taint(loop: _Loop) -> None:
     for targets, value in assigns:
         if len(targets) != 1 or not isinstance(targets[0], ast.Name):
             continue
-        ref, source = family_ref(value), None
-        if ref is not None and ref[0] in loop.families and isinstance(ref[1], ast.Name) and ref[1].id in loop.ids:
-            source = f"attr:{ref[0]}"
-        elif isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Name) and value.slice.id in loop.ids:
+        ref, source, index = family_ref(value), None, None
+        if ref is not None and ref[0] in loop.families:
+            source, index = f"attr:{ref[0]}", ref[1]
+        elif isinstance(value, ast.Subscript) and not isinstance(value.slice, ast.Slice):
             source = _container_attr(value.value) if _container_attr(value.value) in loop.containers else (
                 loop.lists.get(value.value.id) if isinstance(value.value, ast.Name) else None)
+            index = value.slice
         if source is not None:
             loop.members.setdefault(targets[0].id, source)
             loop.tainted.discard(targets[0].id)
+            if not (isinstance(index, ast.Name) and index.id in loop.ids):  # ``lora_a = getattr(self, f"lora_A{i + 1}")``
+                loop.shifted.add(targets[0].id)
 
 
 def _reads(expr: ast.AST) -> set[str]:
@@ -368,7 +372,7 @@ def _use(call: ast.Call, loops: list[_Loop], containers: set[str], lists: dict[s
         if binding is None:
             return None
         source = binding.members[func.id]
-        selected = binding if binding.ids else None
+        selected = binding if binding.ids and func.id not in binding.shifted else None
     else:
         return None
     rows = _reads(ast.Tuple([*call.args, *(k.value for k in call.keywords)], ast.Load()))

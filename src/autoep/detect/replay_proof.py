@@ -299,7 +299,8 @@ def _aligned(block: nn.Module, routed: list[str], roles) -> Experts:
     if not placed:
         raise expert_roles.Misplaced(f"{cls}: the experts the forward reaches by id ({_shown(first)}) hold no tensor")
     paths = {name: entries[name][1] for name in placed}
-    return Experts(paths[placed[0]][0], tuple(tuple(paths[name][k] for name in placed)
+    path = paths[placed[0]][0] if placed[0].startswith("attr:") else placed[0]  # numbered: no container to name
+    return Experts(path, tuple(tuple(paths[name][k] for name in placed)
                                               for k in range(len(entries[first][0]))))
 
 

@@ -34,8 +34,9 @@ from autoep.errors import UnsupportedModuleStructure
 # accepted with execution=replay); 7: no container-loop, selected-loop or masked-sum splice (experts containers with a
 # forward of their own, the 4.57 Switch selected-rows loop and VitPose's masked sum run by record/exchange/replay;
 # idle_experts "selected" is gone); 8: expert_members (experts by role: several aligned containers, or a list the
-# forward builds, one expert's modules together; replay only)
-DETECTOR_VERSION = "8"
+# forward builds, one expert's modules together; replay only); 9: experts not in one container (numbered attributes,
+# lists built with extend/slices, per-task lists: expert_members), a slice of a container lists only its experts
+DETECTOR_VERSION = "9"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")

@@ -1,5 +1,6 @@
 """Experts of several modules each (``MoeStructure.expert_members``, issue 31) after ``apply_plan`` on 2 gloo ranks:
-each expert's modules lie together on its owner (``lora_A.i`` and ``lora_B.i``; ``base_layer`` or ``adapters.i``),
+each expert's modules lie together on its owner (``lora_A.i`` and ``lora_B.i``, ``lora_A{i}`` and ``lora_B{i}``;
+``base_layer`` or ``adapters.i``; a multi-task block's shared experts once),
 the rest of the block (routers, a dropout list) stays on every rank; the model's tools see the model's own names:
 the full state dict gathered from the owners, ``model.apply(init)`` drawing for every expert as the model draws, a
 full checkpoint loaded into the owners. Parity of the forward and backward: ``tests/runtime/test_one_pass.py``.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import role_blocks as rb
+import role_blocks_attrs as ra
 import torch
 from distributed import guarded, run_cases
 from torch import nn
@@ -24,6 +26,10 @@ from autoep.runtime.recipes.local_experts import expert_owners, full_state_dict_
 BLOCKS = {
     "lora_mixture_3": (rb.LoraMixture3MoE, [(f"mlp.lora_A.{i}.", f"mlp.lora_B.{i}.") for i in range(rb.E)]),
     "forward_built": (rb.ForwardBuiltMoE, [("mlp.base_layer.",)] + [(f"mlp.adapters.{i}.",) for i in range(rb.E - 1)]),
+    # numbered attributes (lora_A0, lora_B0 on one owner) and per-task lists (a shared expert once, on one owner)
+    "numbered_lora": (ra.NumberedLoraMoE, [(f"mlp.lora_A{i}.", f"mlp.lora_B{i}.") for i in range(rb.E)]),
+    "multi_task": (ra.MultiTaskMoE, [("mlp.task_experts.0.0.",), ("mlp.shared_experts.0.",), ("mlp.shared_experts.1.",),
+                                     ("mlp.task_experts.1.0.",)]),
 }
 
 

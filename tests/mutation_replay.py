@@ -65,7 +65,7 @@ import torch
 from mutation_source import Edit, expr, slots, stmt
 from torch import nn
 
-from autoep.detect.expert_roles import family_ref
+from autoep.detect.built_lists import family_ref
 
 SEEN = "_autoep_seen"  # the function's list of expert outputs, in call order
 PRELUDE = '''

@@ -4,7 +4,8 @@ accepted spelling with a one-edit harmful twin that must be refused:
 - ``NumberedExpertsMoE``: experts as numbered block children ``self.expert_0 ... self.expert_{E-1}`` (set with
   ``setattr`` in ``__init__``), reached in the routed loop with ``getattr(self, f"expert_{i}")``. Twins: the next
   expert's attribute (``f"expert_{(i + 1) % E}"``, misaligned), a family with a gap (a stray ``expert_{E+1}``), a
-  member also read by its literal name on every row (``self.expert_0(x)``).
+  member also read by its literal name on every row (``self.expert_0(x)``). ``NumberedListMoE``: the same experts
+  listed first, ``[getattr(self, f"expert_{i}") for i in range(self.num_experts)]``.
 - ``NumberedLoraMoE``: a LoRA mixture in that style (``add_module(f"lora_A{i}", ...)``), one expert over two
   numbered families chained, ``getattr(self, f"lora_B{i}")(getattr(self, f"lora_A{i}")(x[tok]))``: ``lora_A{i}`` and
   ``lora_B{i}`` lie together on expert i's owner. Twin: ``f"lora_B{i + 1}"``.
@@ -87,6 +88,20 @@ class NumberedLiteralTwin(NumberedExpertsMoE):
         for i in range(self.num_experts):
             tok, slot = torch.where(selected == i)
             y.index_add_(0, tok, getattr(self, f"expert_{i}")(x[tok]) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+class NumberedListMoE(NumberedExpertsMoE):
+    """The numbered experts listed first, ``[getattr(self, f"expert_{i}") for i in range(self.num_experts)]``."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        experts = [getattr(self, f"expert_{i}") for i in range(self.num_experts)]
+        weights, selected = _top_k(self.gate, x, K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(experts):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
         return y.reshape(hidden_states.shape)
 
 
@@ -309,6 +324,7 @@ class MultiTaskAccumulatedTwin(MultiTaskMoE):
 
 BLOCKS = {
     "numbered_experts": NumberedExpertsMoE,
+    "numbered_list": NumberedListMoE,
     "numbered_lora": NumberedLoraMoE,
     "init_extend": InitExtendMoE,
     "init_concat": InitConcatMoE,

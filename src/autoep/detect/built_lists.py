@@ -155,11 +155,8 @@ def _domains(block: nn.Module, stmt: ast.AST, parents: dict) -> dict[str, range]
                 if isinstance(target.elts[0], ast.Name) and child is not None and isinstance(
                         child[1], (nn.ModuleList, nn.ModuleDict)):
                     out.setdefault(target.elts[0].id, range(len(child[1])))
-            elif isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" \
-                    and 1 <= len(it.args) <= 2 and not it.keywords and isinstance(target, ast.Name):
-                bounds = [_int(block, a, {}) for a in it.args]
-                if None not in bounds:
-                    out.setdefault(target.id, range(*bounds))
+            elif isinstance(target, ast.Name) and _range(block, it, {}) is not None:
+                out.setdefault(target.id, _range(block, it, {}))
         node = parent
     return out
 
@@ -213,10 +210,15 @@ def _paths(block: nn.Module, expr: ast.AST, found: dict, env: dict) -> list[str]
         return _paths(block, expr.args[0], found, env)
     if isinstance(expr, ast.ListComp) and len(expr.generators) == 1:
         gen = expr.generators[0]
-        if not gen.ifs and not gen.is_async and isinstance(gen.target, ast.Name) and isinstance(expr.elt, ast.Name) \
-                and expr.elt.id == gen.target.id:
+        if gen.ifs or gen.is_async or not isinstance(gen.target, ast.Name):
+            return None
+        if isinstance(expr.elt, ast.Name) and expr.elt.id == gen.target.id:
             return _paths(block, gen.iter, found, env)
-        return None
+        counter = _range(block, gen.iter, env)  # ``[getattr(self, f"expert_{i}") for i in range(self.num_experts)]``
+        if counter is None:
+            return None
+        out = [_module(block, expr.elt, {**env, gen.target.id: k}) for k in counter]
+        return None if None in out else [p for part in out for p in part]
     if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Slice):
         held = _resolve(block, expr.value, env)
         bounds = [None if b is None else _int(block, b, env) for b in (expr.slice.lower, expr.slice.upper,
@@ -252,6 +254,11 @@ def _resolve(block: nn.Module, expr: ast.AST, env: dict) -> tuple[str, nn.Module
     if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == "self":
         child = block._modules.get(expr.attr)
         return (expr.attr, child) if isinstance(child, nn.Module) else None
+    ref = family_ref(expr)
+    if ref is not None:  # ``getattr(self, f"expert_{i}")`` with a known ``i``
+        key = _int(block, ref[1], env)
+        child = block._modules.get(f"{ref[0]}{key}") if key is not None and key >= 0 else None
+        return (f"{ref[0]}{key}", child) if isinstance(child, nn.Module) else None
     if not isinstance(expr, ast.Subscript) or isinstance(expr.slice, ast.Slice):
         return None
     held = _resolve(block, expr.value, env)
@@ -268,6 +275,29 @@ def _resolve(block: nn.Module, expr: ast.AST, env: dict) -> tuple[str, nn.Module
             and isinstance(expr.slice.value, str) and expr.slice.value in container:
         return f"{path}.{expr.slice.value}", container[expr.slice.value]
     return None
+
+
+def family_ref(expr: ast.AST) -> tuple[str, ast.AST] | None:
+    """``getattr(self, f"<prefix>{<index>}")``: ``(prefix, index)``; the index is the formatted value itself
+    (``FormattedValue``, no Name) where it has a conversion or a format spec."""
+    if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "getattr"
+            and len(expr.args) == 2 and not expr.keywords and isinstance(expr.args[0], ast.Name)
+            and expr.args[0].id == "self" and isinstance(expr.args[1], ast.JoinedStr)):
+        return None
+    parts = expr.args[1].values
+    if len(parts) != 2 or not isinstance(parts[0], ast.Constant) or not isinstance(parts[1], ast.FormattedValue):
+        return None
+    value = parts[1]
+    return parts[0].value, value.value if value.conversion == -1 and value.format_spec is None else value
+
+
+def _range(block: nn.Module, expr: ast.AST, env: dict) -> range | None:
+    """``range(a)``, ``range(a, b)`` with known bounds (``_int``)."""
+    if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "range"
+            and 1 <= len(expr.args) <= 2 and not expr.keywords):
+        return None
+    bounds = [_int(block, a, env) for a in expr.args]
+    return None if None in bounds else range(*bounds)
 
 
 def _int(block: nn.Module, expr: ast.AST, env: dict) -> int | None:

@@ -16,11 +16,31 @@ of ``enumerate(self.experts)``, the pair of ``enumerate(zip(self.lora_A, self.lo
   list iterated inside the routed loop, ``self.shared[0](x[tok])``): which expert the entry belongs to would be a
   guess.
 
-The sources a use selects from: a ``ModuleList``/``ModuleDict`` child of the block (``self.<name>``, its
-``.values()``/``.items()``), and a list the forward builds of the block's modules (``experts = [self.base_layer] +
-list(self.adapters)``; literals, ``+``, ``*`` unpacking, ``list(...)``, ``[m for m in ...]``, one assignment of its
-name), evaluated here from the source to the modules' paths. ``roles(block, fns, candidates)`` returns each
-source's role (``Roles``) or raises ``Refusal``; it never runs anything.
+Rows may also be picked by loops around the selecting one (a task loop around each task's routed loop: ``for t``,
+then ``for i`` over task t's experts on rows ``selected_t == i``): the entry is still the one the innermost routing's
+id selects. An entry bound to a local by another index than the id (``lora_a = getattr(self, f"lora_A{i + 1}")``) and
+called on routed rows is misaligned, as the direct call is.
+
+The sources a use selects from:
+
+- a ``ModuleList``/``ModuleDict`` child of the block (``self.<name>``, its ``.values()``/``.items()``);
+- numbered attributes (``attr:<prefix>``): ``getattr(self, f"<prefix>{i}")``, the f-string's one value the loop's id
+  itself (``f"expert_{i + 1}"`` is misaligned), its entries the block's children ``<prefix>0 .. <prefix>{n-1}``,
+  resolved from the block's children: refused (``Misplaced``) where a name of that form is no module, the numbers
+  have a gap, or the forward reads a member by its name (``self.expert_0``, ``getattr(self, "expert_0")``, the string
+  anywhere: a module used by name is the block's own code, not only an expert). Several families indexed by one id
+  are aligned as containers are (a LoRA mixture's ``lora_A{i}``, ``lora_B{i}``: one expert across both);
+- a list the forward builds of the block's modules (``experts = [self.base_layer] + list(self.adapters)``,
+  ``list(self.shared_experts)`` then ``.extend(self.task_experts[t])``, ``self.experts[:k]``), evaluated from the
+  source to the modules' paths, per value of the enclosing loop counters it reads (``autoep.detect.built_lists``).
+
+Multi-task lists: a module that loops with different id numberings reach (a shared expert that task t's list holds
+at ``len(task_experts[t]) + j``) is one expert with one owner, not one per numbering: ``replay_proof`` places every
+module some list routes, once. That is consistent because the one-pass execution moves each *call* of a placed
+module to its owner, whichever loop and id make it; the ids only ever pick rows, never an owner.
+
+``roles(block, fns, candidates)`` returns each source's role (``Roles``) or raises ``Refusal``; it never runs
+anything.
 
 Why this is enough for exactness: the one-pass execution moves every call of a placed module to its owner and
 runs every other call where the token is, so a role decides only placement (what is sharded, what lies together
@@ -36,6 +56,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from autoep.detect import built_lists
+from autoep.detect.built_lists import family_ref
 from autoep.detect.source import Refusal, function_tree
 
 ROUTED, WHOLE = "routed", "whole"
@@ -121,20 +142,6 @@ def _alias(block: nn.Module, variants: tuple[tuple[str, ...], ...], candidates: 
 # ---------------------------------------------------------------------------------------------
 # Numbered attributes: ``getattr(self, f"expert_{i}")``
 # ---------------------------------------------------------------------------------------------
-
-
-def family_ref(expr: ast.AST) -> tuple[str, ast.AST] | None:
-    """``getattr(self, f"<prefix>{<index>}")``: ``(prefix, index)``; the index is the formatted value itself
-    (``FormattedValue``, no Name) where it has a conversion or a format spec."""
-    if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "getattr"
-            and len(expr.args) == 2 and not expr.keywords and isinstance(expr.args[0], ast.Name)
-            and expr.args[0].id == "self" and isinstance(expr.args[1], ast.JoinedStr)):
-        return None
-    parts = expr.args[1].values
-    if len(parts) != 2 or not isinstance(parts[0], ast.Constant) or not isinstance(parts[1], ast.FormattedValue):
-        return None
-    value = parts[1]
-    return parts[0].value, value.value if value.conversion == -1 and value.format_spec is None else value
 
 
 def _families(block: nn.Module, fns: list) -> dict[str, tuple[str, ...]]:

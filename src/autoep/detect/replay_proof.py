@@ -17,8 +17,10 @@ raises at run time, naming the line). Proven here, from source and attributes, n
   and loops; those holding no tensor, ``lora_dropout[i]``, stay where the token is), recorded per expert in
   ``Experts.members`` (``MoeStructure.expert_members``); a container every row reaches (a shared list, per-adapter
   routers) stays where the token is; a list the forward builds (``[self.base_layer] + list(self.adapters)``) whose
-  entries the routed loop calls is the experts, one module each, rather than the one container the forward reads;
-  a misaligned use, or containers of no known role, is refused;
+  entries the routed loop calls is the experts, one module each, rather than the one container the forward reads
+  (lists of several loops or values of a task counter: every module once, a shared expert each task routes one
+  expert); numbered attributes reached by ``getattr(self, f"expert_{i}")`` are sources as containers are (their
+  first member's path is ``path``); a misaligned use, or containers of no known role, is refused;
 - which entries of the container are the experts: its leading entries, up to the first one the forward (or
   a method it calls, or the container's own forward) reads by name (``self.token_dropout``,
   ``self.experts.norm``, ``getattr(self, "norm")``): such a module is the block's own code, run where the
@@ -400,9 +402,10 @@ def member_roots(experts: tuple[tuple[str, ...], ...]) -> list[str]:
 
 
 def member_label(path: str) -> str:
-    """How the model names a module of an expert: ``lora_A[2]``, ``adapters['x']``, ``base_layer``."""
-    root, _, key = path.partition(".")
-    return f"{root}[{key if key.isdigit() else repr(key)}]" if key else root
+    """How the model names a module of an expert: ``lora_A[2]``, ``adapters['x']``, ``base_layer``, ``expert_3``,
+    ``task_experts[1][0]``."""
+    root, *keys = path.split(".")
+    return root + "".join(f"[{key if key.isdigit() else repr(key)}]" for key in keys)
 
 
 def leading_dims_pinned(block: nn.Module, path: str, draws_on_owner: bool = False,

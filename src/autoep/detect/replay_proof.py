@@ -296,14 +296,15 @@ def _aligned(block: nn.Module, routed: list[str], roles) -> Experts:
                           f"({len(first_keys)}: {list(first_keys)[:4]}, {len(keys)}: {list(keys)[:4]}); "
                           "aligned containers hold one entry per expert, in one order")
     placed = [name for name in routed if any(True for e in entries[name][2] for _ in (*e.parameters(), *e.buffers()))]
-    if len(placed) <= 1 and not any(name.startswith("attr:") for name in placed):
+    numbered = [name for name in routed if name.startswith("attr:")]
+    if numbered and not placed:
+        raise expert_roles.Misplaced(f"{cls}: the experts the forward reaches by id ({_shown(numbered[0])}) hold no "
+                                     "tensor")
+    if len(placed) <= 1 and not set(placed) & set(numbered):
         return Experts(placed[0] if placed else first)
-    if not placed:
-        raise expert_roles.Misplaced(f"{cls}: the experts the forward reaches by id ({_shown(first)}) hold no tensor")
     paths = {name: entries[name][1] for name in placed}
-    path = paths[placed[0]][0] if placed[0].startswith("attr:") else placed[0]  # numbered: no container to name
-    return Experts(path, tuple(tuple(paths[name][k] for name in placed)
-                                              for k in range(len(entries[first][0]))))
+    path = paths[placed[0]][0] if placed[0] in numbered else placed[0]  # numbered: no container to name
+    return Experts(path, tuple(tuple(paths[name][k] for name in placed) for k in range(len(entries[first][0]))))
 
 
 def _built(block: nn.Module, lists: dict[str, tuple[tuple[str, ...], ...]]) -> Experts:

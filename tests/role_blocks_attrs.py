@@ -65,7 +65,8 @@ class NumberedShiftedTwin(NumberedExpertsMoE):
         y = torch.zeros_like(x)
         for i in range(self.num_experts):
             tok, slot = torch.where(selected == i)
-            y.index_add_(0, tok, getattr(self, f"expert_{(i + 1) % self.num_experts}")(x[tok]) * weights[tok, slot, None])
+            shifted = getattr(self, f"expert_{(i + 1) % self.num_experts}")(x[tok])
+            y.index_add_(0, tok, shifted * weights[tok, slot, None])
         return y.reshape(hidden_states.shape)
 
 
@@ -341,8 +342,10 @@ TWINS = {
     "numbered_literal": (NumberedLiteralTwin, "by its name"),
     "numbered_lora_shifted": (NumberedLoraShiftedTwin, "not selected by that id"),
     "doubly_registered": (DoublyRegisteredMoE, r"experts\.0\.fc1\.weight is also shared\.0\.fc1\.weight"),
-    "forward_insert": (ForwardInsertTwin, r"`experts.insert\(0, self.shared_experts\[0\]\)` \(line 4\) reads experts in a "
-                                          "way autoep does not follow"),
-    "multi_task_accumulated": (MultiTaskAccumulatedTwin, r"`experts \+= self.task_experts\[t\]` \(line 6\) changes experts "
-                                                         "away from the statements of its assignment"),
+    "forward_insert": (ForwardInsertTwin,
+                       (r"`experts.insert\(0, self.shared_experts\[0\]\)` \(line 4\) reads experts in a way autoep "
+                        "does not follow")),
+    "multi_task_accumulated": (MultiTaskAccumulatedTwin,
+                               (r"`experts \+= self.task_experts\[t\]` \(line 6\) changes experts away from the "
+                                "statements of its assignment")),
 }

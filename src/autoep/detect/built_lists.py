@@ -50,18 +50,20 @@ def lists(block: nn.Module, tree: ast.FunctionDef, where: str) -> tuple[dict, di
                     stores.setdefault(n.id, []).append(node)
     found: dict[str, tuple[tuple[str, ...], ...]] = {}
     unread: dict[str, str] = {}
-    for name, nodes in sorted(stores.items(), key=lambda item: min(_line(n) for n in item[1])):  # a list built of an earlier one
+    # in source order: a list built of an earlier one (``experts = shared + routed``) reads it
+    for name, nodes in sorted(stores.items(), key=lambda item: min(_line(n) for n in item[1])):
         assigns = [n for n in nodes if isinstance(n, ast.Assign)]
         if len(assigns) != 1 or len(assigns[0].targets) != 1 or not isinstance(assigns[0].targets[0], ast.Name):
             continue
         assign = assigns[0]
         body = _body_of(assign, parents)
         changes = [n for n in nodes if n is not assign]
-        if any(not (isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add) and _after(n, assign, body, parents))
-               for n in changes):
+        other = next((n for n in changes if not (isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
+                                                 and _after(n, assign, body, parents))), None)
+        if other is not None:
             if any(_variants(block, assign.value, [], found, _domains(block, assign, parents)) or [()]):
-                unread[name] = (f"{where}: `{ast.unparse(changes[0])[:80]}` (line {changes[0].lineno}) changes {name} "
-                                "away from the statements of its assignment")
+                unread[name] = (f"{where}: `{ast.unparse(other)[:80]}` (line {_line(other)}) changes {name} away "
+                                "from the statements of its assignment")
             continue
         mutations, stop = _mutations(tree, name, assign, body, parents)
         mutations += [(n.lineno, "extend", n.value) for n in changes]
@@ -70,7 +72,8 @@ def lists(block: nn.Module, tree: ast.FunctionDef, where: str) -> tuple[dict, di
         if variants is None or not any(variants):  # no list of modules (``outputs = []`` and its appends)
             continue
         if stop is not None:
-            unread[name] = f"{where}: `{ast.unparse(stop)[:80]}` (line {stop.lineno}) reads {name} in a way autoep does not follow"
+            unread[name] = (f"{where}: `{ast.unparse(stop)[:80]}` (line {stop.lineno}) reads {name} in a way autoep "
+                            "does not follow")
             continue
         found[name] = variants
     return found, unread

@@ -312,7 +312,7 @@ def _taint(loop: _Loop) -> None:
         if source is not None:
             loop.members.setdefault(targets[0].id, source)
             loop.tainted.discard(targets[0].id)
-            if not (isinstance(index, ast.Name) and index.id in loop.ids):  # ``lora_a = getattr(self, f"lora_A{i + 1}")``
+            if not (isinstance(index, ast.Name) and index.id in loop.ids):  # ``a = getattr(self, f"lora_A{i + 1}")``
                 loop.shifted.add(targets[0].id)
 
 

@@ -223,7 +223,7 @@ def _by_role(block: nn.Module, fns: list, found: list[str]) -> Experts:
         roles = expert_roles.roles(block, fns, [name for name in found if "." not in name])
     except Exception as exc:  # noqa: BLE001 - a Refusal, or a source the roles cannot follow
         numbered = any(expert_roles.family_ref(n) for fn in fns for n in ast.walk(function_tree(fn)))
-        if len(found) == 1 and not numbered:  # one container keeps its decision (no outcome changes but refusals lifted)
+        if len(found) == 1 and not numbered:  # one container keeps its decision (only refusals lifted)
             return Experts(found[0])
         if isinstance(exc, expert_roles.Misplaced):
             raise
@@ -287,7 +287,8 @@ def _aligned(block: nn.Module, routed: list[str], roles) -> Experts:
     for name in routed[1:]:
         if roles.loops[name] != roles.loops[first]:
             raise expert_roles.Misplaced(f"{cls}.forward reads several module containers by expert id in different loops "
-                          f"({_shown(first)}: {sorted(roles.loops[first])}, {_shown(name)}: {sorted(roles.loops[name])}); "
+                          f"({_shown(first)}: {sorted(roles.loops[first])}, "
+                          f"{_shown(name)}: {sorted(roles.loops[name])}); "
                           "which one holds the experts is ambiguous (containers of one expert are called in one loop)")
         keys, first_keys = entries[name][0], entries[first][0]
         if keys != first_keys or kinds[name] != kinds[first]:
@@ -322,10 +323,11 @@ def _built(block: nn.Module, lists: dict[str, tuple[tuple[str, ...], ...]]) -> E
             for i, m in enumerate(modules):
                 j = next(j for j, other in enumerate(modules) if other is m)
                 if j != i:
-                    raise expert_roles.Misplaced(f"{cls}.forward builds {name} with the module {paths[i]} at entries {j} "
-                                                 f"and {i}; one module is one expert: give each entry its own module")
+                    raise expert_roles.Misplaced(f"{cls}.forward builds {name} with the module {paths[i]} at entries "
+                                                 f"{j} and {i}; one module is one expert: give each entry its own module")
                 if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-                    raise expert_roles.Misplaced(f"{cls}.forward builds {name} with the container {paths[i]} as an entry")
+                    raise expert_roles.Misplaced(f"{cls}.forward builds {name} with the container {paths[i]} as an "
+                                                 "entry")
                 union.setdefault(id(m), paths[i])
     paths = list(union.values())
     return Experts(paths[0].split(".")[0], tuple((p,) for p in paths))

@@ -288,6 +288,7 @@ class MultiTaskMoE(nn.Module):
         self.shared_experts = nn.ModuleList([FeedForward(D, FF // 2) for _ in range(E - tasks)])
         self.task_experts = nn.ModuleList([nn.ModuleList([FeedForward()]) for _ in range(tasks)])
         self.gates = nn.ModuleList([nn.Linear(D, 1 + E - tasks, bias=False) for _ in range(tasks)])
+        self.task_load: list[list[int]] = []  # per call and task: tokens per expert id (Python-visible state)
 
     def forward(self, hidden_states):
         x = hidden_states.reshape(-1, D)
@@ -296,12 +297,16 @@ class MultiTaskMoE(nn.Module):
             experts = list(self.task_experts[t])
             experts.extend(self.shared_experts)
             weights, selected = _top_k(self.gates[t], x, K)
+            self.task_load.append(torch.bincount(selected.flatten(), minlength=len(experts)).tolist())
             y = torch.zeros_like(x)
             for i, expert in enumerate(experts):
                 tok, slot = torch.where(selected == i)
                 y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
             outputs.append(y.reshape(hidden_states.shape))
         return tuple(outputs)
+
+    def visible_state(self) -> dict:
+        return {"task_load": [list(load) for load in self.task_load]}  # a copy: the next call appends
 
 
 class MultiTaskAccumulatedTwin(MultiTaskMoE):

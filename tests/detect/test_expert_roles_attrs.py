@@ -83,6 +83,27 @@ def test_a_numbered_member_named_as_a_string_is_refused():
         detect_moe_structure(Logged())
 
 
+def test_a_numbered_family_no_routed_loop_reaches_is_the_blocks_own_code():
+    """1-based numbered norms applied to every row after the experts (a gap at ``norm0``): not experts, so neither
+    their gap nor a read by name refuses the block; the experts stay the ModuleList."""
+
+    class Normed(ra.InitExtendMoE):
+        def __init__(self):
+            super().__init__()
+            for k in (1, 2):
+                setattr(self, f"norm{k}", nn.LayerNorm(ra.D))
+
+        def forward(self, hidden_states):
+            x = hidden_states.reshape(-1, ra.D)
+            y = self.route(x, self.experts)
+            for k in (1, 2):
+                y = getattr(self, f"norm{k}")(y)
+            return (y + self.norm1(x)).reshape(hidden_states.shape)
+
+    found = detect_moe_structure(Normed())
+    assert (found.experts_path, found.expert_members) == ("experts", ())
+
+
 def test_numbered_attributes_in_the_plan_keep_the_models_names():
     """``resolved.yaml`` names each expert's modules (``lora_A0``, ``lora_B0``); after apply the state-dict keys are the
     model's and expert i's two modules lie on one owner."""

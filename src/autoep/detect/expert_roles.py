@@ -104,7 +104,7 @@ def roles(block: nn.Module, fns: list, candidates: list[str]) -> Roles:
     modules, from every use in ``fns`` (the block's forward and the methods it calls). ``Refusal`` naming the line of
     a misaligned use, a family with a gap or a member read by its name."""
     found = Roles()
-    families = _families(block, fns)
+    families, problems = _families(block, fns)
     found.families.update({f"attr:{prefix}": names for prefix, names in families.items()})
     for fn in fns:
         tree = function_tree(fn)
@@ -127,6 +127,9 @@ def roles(block: nn.Module, fns: list, candidates: list[str]) -> Roles:
                 found.lines.setdefault(source, f"{where} line {call.lineno}")
                 found.loops.setdefault(source, set()).add(f"{where} line {loop.node.lineno}")
             found.role[source] = ROUTED if ROUTED in (before, kind) else WHOLE
+    for prefix, problem in problems.items():  # a numbered family no routed loop reaches runs where the token is
+        if found.role.get(f"attr:{prefix}") == ROUTED:
+            raise Misplaced(problem)
     return found
 
 
@@ -144,15 +147,17 @@ def _alias(block: nn.Module, variants: tuple[tuple[str, ...], ...], candidates: 
 # ---------------------------------------------------------------------------------------------
 
 
-def _families(block: nn.Module, fns: list) -> dict[str, tuple[str, ...]]:
-    """``{prefix: (f"{prefix}0", ..., f"{prefix}{n-1}")}`` for each prefix the forward formats an expert id into
-    (``getattr(self, f"expert_{i}")``) that names children of the block. ``Misplaced`` where one of those names is
-    no module, the numbers have a gap, or the forward reads a member by its name (``self.expert_0``,
-    ``getattr(self, "expert_0")``, the string anywhere): which modules the id reaches would be a guess."""
+def _families(block: nn.Module, fns: list) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """``({prefix: (f"{prefix}0", ..., f"{prefix}{n-1}")}, {prefix: problem})`` for each prefix the forward formats
+    an index into (``getattr(self, f"expert_{i}")``) that names children of the block. A problem (the family holds a
+    name that is no module, its numbers have a gap, or the forward reads a member by its name: ``self.expert_0``,
+    ``getattr(self, "expert_0")``, the string anywhere) refuses the block only where the family is routed
+    (``roles``): which modules the id reaches would be a guess."""
     cls = type(block).__name__
     refs = [(fn, node) for fn in fns if _builtin_getattr(fn) for node in ast.walk(function_tree(fn))
             if family_ref(node) is not None]
     out: dict[str, tuple[str, ...]] = {}
+    problems: dict[str, str] = {}
     for prefix in dict.fromkeys(family_ref(node)[0] for _, node in refs):
         pattern = re.compile(re.escape(prefix) + r"(0|[1-9][0-9]*)")
         names = [n for n in dict.fromkeys([*block._modules, *block._parameters, *block._buffers, *vars(block)])
@@ -160,29 +165,30 @@ def _families(block: nn.Module, fns: list) -> dict[str, tuple[str, ...]]:
         if not names:
             continue
         shown = f'getattr(self, f"{prefix}{{...}}")'
+        numbers = sorted(int(pattern.fullmatch(n).group(1)) for n in names)
+        out[prefix] = tuple(f"{prefix}{k}" for k in numbers)
         other = [n for n in names if not isinstance(block._modules.get(n), nn.Module)]
         if other:
-            raise Misplaced(f"{cls}: the forward reaches self.{prefix}<id> by {shown}, and self.{other[0]} is a "
-                            f"{type(getattr(block, other[0], None)).__name__}, not a module; keep only the experts "
-                            f"under the names {prefix}0..{prefix}<E-1>")
-        numbers = sorted(int(pattern.fullmatch(n).group(1)) for n in names)
-        if numbers != list(range(len(numbers))):
+            problems[prefix] = (f"{cls}: the forward reaches self.{prefix}<id> by {shown}, and self.{other[0]} is a "
+                                f"{type(getattr(block, other[0], None)).__name__}, not a module; keep only the experts "
+                                f"under the names {prefix}0..{prefix}<E-1>")
+        elif numbers != list(range(len(numbers))):
             gap = next(k for k in range(len(numbers) + 1) if k not in numbers)
-            raise Misplaced(f"{cls}: the forward reaches self.{prefix}<id> by {shown}, but the block's children "
-                            f"{prefix}{numbers[0]}..{prefix}{numbers[-1]} have a gap at {prefix}{gap}; which modules "
-                            f"the expert id reaches would be a guess; number the experts {prefix}0..{prefix}<E-1>")
-        out[prefix] = tuple(f"{prefix}{k}" for k in range(len(numbers)))
-    members = {name for names in out.values() for name in names}
+            problems[prefix] = (f"{cls}: the forward reaches self.{prefix}<id> by {shown}, but the block's children "
+                                f"{prefix}{numbers[0]}..{prefix}{numbers[-1]} have a gap at {prefix}{gap}; which "
+                                f"modules the expert id reaches would be a guess; number the experts "
+                                f"{prefix}0..{prefix}<E-1>")
+    member_of = {name: prefix for prefix, names in out.items() for name in names}
     for fn in fns:
         for node in ast.walk(function_tree(fn)):
             name = node.attr if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
                 and node.value.id == "self" else node.value if isinstance(node, ast.Constant) else None
-            if isinstance(name, str) and name in members:
+            if isinstance(name, str) and name in member_of:
                 where = getattr(fn, "__qualname__", "forward")
-                raise Misplaced(f"{where} line {node.lineno} reads self.{name} by its name, besides reaching it by "
-                                "the expert id; an expert is called by the id only (keep a module used by name, a "
-                                "shared expert, under another name)")
-    return out
+                problems.setdefault(member_of[name], f"{where} line {node.lineno} reads self.{name} by its name, "
+                                    "besides reaching it by the expert id; an expert is called by the id only (keep a "
+                                    "module used by name, a shared expert, under another name)")
+    return out, problems
 
 
 def _builtin_getattr(fn) -> bool:

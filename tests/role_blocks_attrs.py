@@ -19,7 +19,9 @@ accepted spelling with a one-edit harmful twin that must be refused:
 - ``MultiTaskMoE``: a multi-gate multi-task block (PLE/MMoE written with top-k routing per token): shared experts,
   a ModuleList of per-task ModuleLists, one gate per task; for each task the forward builds that task's experts
   (``task_experts[t]`` + shared, by ``.extend``) and runs a top-k routed loop over them, returning one output per
-  task. A shared expert is reached by every task's loop under another id: one expert, one owner. Twin: the task's
+  task. A shared expert is reached by every task's loop under another id: one expert, one owner.
+  ``MultiTaskInlineMoE``: the list built where the loop iterates it (``enumerate(list(self.task_experts[t]) +
+  list(self.shared_experts))``). Twin: the task's
   list built by ``experts += self.task_experts[t]`` inside a loop over ``t`` (one list across tasks, mutated in
   another loop than its assignment: not read).
 
@@ -309,6 +311,22 @@ class MultiTaskMoE(nn.Module):
         return {"task_load": [list(load) for load in self.task_load]}  # a copy: the next call appends
 
 
+class MultiTaskInlineMoE(MultiTaskMoE):
+    """The same, each task's experts listed where its loop iterates them, one gate per task from ``enumerate``."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        outputs = []
+        for t, gate in enumerate(self.gates):
+            weights, selected = _top_k(gate, x, K)
+            y = torch.zeros_like(x)
+            for i, expert in enumerate(list(self.task_experts[t]) + list(self.shared_experts)):
+                tok, slot = torch.where(selected == i)
+                y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+            outputs.append(y.reshape(hidden_states.shape))
+        return tuple(outputs)
+
+
 class MultiTaskAccumulatedTwin(MultiTaskMoE):
     """Edit: one list for every task, grown with ``+=`` in the task loop (task t routes over every earlier task's
     experts too: a list mutated in another loop than its assignment is not read)."""
@@ -338,6 +356,7 @@ BLOCKS = {
     "forward_slice": ForwardSliceMoE,
     "forward_concat": ForwardConcatMoE,
     "multi_task": MultiTaskMoE,
+    "multi_task_inline": MultiTaskInlineMoE,
 }
 
 # name -> (builder, what the refusal names)

@@ -40,6 +40,8 @@ def _each(*paths: str) -> tuple:
     # task 0's list, then task 1's new entry: a shared expert reached by both tasks' loops is one expert
     (ra.MultiTaskMoE, "task_experts", _each("task_experts.0.0", "shared_experts.0", "shared_experts.1",
                                             "task_experts.1.0")),
+    (ra.MultiTaskInlineMoE, "task_experts", _each("task_experts.0.0", "shared_experts.0", "shared_experts.1",
+                                                  "task_experts.1.0")),
 ])
 def test_experts_are_found_by_role(make, path, members):
     with torch.device("meta"):
@@ -102,6 +104,29 @@ def test_a_numbered_family_no_routed_loop_reaches_is_the_blocks_own_code():
 
     found = detect_moe_structure(Normed())
     assert (found.experts_path, found.expert_members) == ("experts", ())
+
+
+def test_per_task_experts_with_shared_ones_on_every_row():
+    """Each task's own experts routed (``enumerate(self.task_experts[t])``), the shared ones run on every row: the
+    task experts are the experts, the shared ones stay where the token is."""
+
+    class TaskRouted(ra.MultiTaskMoE):
+        def forward(self, hidden_states):
+            x = hidden_states.reshape(-1, ra.D)
+            outputs = []
+            for t in range(len(self.task_experts)):
+                weights, selected = ra._top_k(self.gates[t], x, 1)
+                y = torch.zeros_like(x)
+                for i, expert in enumerate(self.task_experts[t]):
+                    tok, slot = torch.where(selected == i)
+                    y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+                for shared in self.shared_experts:
+                    y = y + shared(x)
+                outputs.append(y.reshape(hidden_states.shape))
+            return tuple(outputs)
+
+    found = detect_moe_structure(TaskRouted())
+    assert found.expert_members == _each("task_experts.0.0", "task_experts.1.0")
 
 
 def test_numbered_attributes_in_the_plan_keep_the_models_names():

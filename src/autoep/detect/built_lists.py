@@ -22,8 +22,9 @@ Flow-insensitive on purpose: an ``extend`` after a use of the list counts for th
 more module, never a module wrongly: the one-pass execution moves every call of a placed module to its owner,
 wherever the call is (``autoep.runtime.recipes.replay``).
 
-``lists(block, tree, where)`` returns ``({name: variants}, {name: why it is not read})``; a variant is the tuple of
-the modules' paths in list order.
+The same expressions iterated where they are built (``for i, expert in enumerate(self.task_experts[t])``) are lists
+too, named by their source and line (``inline_key``). ``lists(block, tree, where)`` returns ``({name: variants},
+{name: why it is not read})``; a variant is the tuple of the modules' paths in list order.
 """
 from __future__ import annotations
 
@@ -76,7 +77,21 @@ def lists(block: nn.Module, tree: ast.FunctionDef, where: str) -> tuple[dict, di
                             "does not follow")
             continue
         found[name] = variants
+    for node in ast.walk(tree):  # iterated where built: ``enumerate(list(self.task_experts[t]) + list(self.shared))``
+        if isinstance(node, (ast.For, ast.comprehension)):
+            it = node.iter
+            for expr in it.args if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id in (
+                    "enumerate", "zip") else [it]:
+                if isinstance(expr, (ast.Subscript, ast.BinOp, ast.List, ast.Tuple, ast.ListComp, ast.Call)):
+                    variants = _variants(block, expr, [], found, _domains(block, _statement(node, parents), parents))
+                    if variants and any(variants):
+                        found[inline_key(expr)] = variants
     return found, unread
+
+
+def inline_key(expr: ast.AST) -> str:
+    """The name a list built where a loop iterates it goes by (``lists``): its source and line."""
+    return f"`{ast.unparse(expr)[:60]}` (line {expr.lineno})"
 
 
 def _line(node: ast.AST) -> int:

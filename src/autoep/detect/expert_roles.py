@@ -237,6 +237,8 @@ def _loops(tree: ast.FunctionDef, containers: set[str], lists: dict[str, str], d
 def _source(expr: ast.AST, containers: set[str], lists: dict[str, str]) -> str | None:
     """The source whose entries iterating ``expr`` gives: a container child, or a forward-built list (``lists``:
     each local name's source)."""
+    if hasattr(expr, "lineno") and built_lists.inline_key(expr) in lists:  # a list built where it is iterated
+        return lists[built_lists.inline_key(expr)]
     if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "list" and len(expr.args) == 1:
         expr = expr.args[0]
     if isinstance(expr, ast.Name) and expr.id in lists:

@@ -73,6 +73,7 @@ from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import FactChanged, UnsupportedModuleStructure
 from autoep.runtime.dispatch import _exchanged, _Join, all_to_all
+from autoep.runtime.recipes import chains
 from autoep.runtime.recipes import (
     as_structure,
     check_facts,
@@ -251,23 +252,32 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         tape.check_unchanged()
     except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
         failure = exc
-    stages, stage = 1, 0
-    while stage < stages:  # every rank joins each exchange until no rank has pending work
+    items = []
+    try:  # each call, or a chain of calls fused on its owner (``chains``)
+        items = chains.sent(tape, spec.members, experts) if failure is None else []
+    except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts
+        failure = exc
+    stages, stage, exchange_at = 1, 0, 1
+    while stage < stages:  # every rank joins each exchange some rank has calls for, until no rank has pending work
         stage += 1
-        sent = [c for c in tape.calls if c.stage == stage - 1] if failure is None else []
-        try:
-            rows = [_rows_of_call(self, replay, tape, c) for c in sent]
-        except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts
-            failure, rows = exc, []
-        outputs, returned, stages = _exchange(self, spec, experts, sent, rows, [c.edited(tape) for c in sent],
-                                              failure, group, device, tape.stages if stage == 1 else stages)
-        for call, out in zip(sent, outputs):
-            tape.answer(call, out)
-        del sent, rows, outputs  # the tape's references alone (``Tape.settle``)
+        if stage == exchange_at:
+            sent = [s for s in items if s.stage == stage] if failure is None else []
+            later = min((s.stage for s in items if s.stage > stage), default=0) if failure is None else 0
+            try:
+                rows = [_rows_of_call(self, replay, tape, s.head) for s in sent]
+            except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts
+                failure, rows = exc, []
+            outputs, returned, stages, exchange_at = _exchange(
+                self, spec, experts, sent, rows, [s.last.edited(tape) for s in sent], failure, group, device,
+                tape.stages if stage == 1 else stages, later)
+            for item, out in zip(sent, outputs):
+                tape.answer(item.last, out)
+            del sent, rows, outputs  # the tape's references alone (``Tape.settle``)
         try:
             tape.run(stage)
         except Exception as exc:  # noqa: BLE001 - agreed with every peer (the next exchange, or below)
             failure = exc
+    del items
     # A non-reentrant checkpoint's recomputation stops at the last tensor the forward saved, which may be in the
     # deferred calls on one rank and past the block on another: no failure; this rank still joins the agreement.
     stop = failure if isinstance(failure, _CHECKPOINT_STOP) else None
@@ -513,18 +523,22 @@ def _ctx_of(code: int) -> tuple:
             _DTYPES[(code >> 7) & 7])
 
 
-def _meta_row(spec, calls: list[Call], rows: list[Tensor], failure, experts: list[nn.Module], stages: int) -> list[int]:
-    """What this rank tells every peer before the rows move: rows and calls per expert, the rows' width and
-    dtype, the outputs' width and dtype (-1: no calls), whether the exchange needs a backward here (rows or
-    local experts needing gradients), the calls' context (-1: none), how many exchanges its forward needs, and
-    whether its forward held."""
-    E = spec.num_experts
-    counts, called = [0] * E, [0] * E
-    for c, r in zip(calls, rows):
-        counts[c.expert] += r.shape[0]
-        called[c.expert] = 1
-    shapes = {(r.shape[1], r.dtype, tuple(c.out.shape[-1:]), c.out.dtype) for c, r in zip(calls, rows)}
-    ctxs = {c.ctx for c in calls}
+def _meta_row(spec, items: list[chains.Sent], rows: list[Tensor], failure, experts: list[nn.Module], stages: int,
+              later: int) -> list[int]:
+    """What this rank tells every peer before the rows move: rows and calls per slot (an expert's route,
+    ``chains.routes``: with one module per expert, the expert), the rows' width and dtype, the outputs' width
+    (0 where they go back flat, ``chains.flat``) and dtype (-1: no calls), whether the exchange needs a backward
+    here (rows or local experts needing gradients), the calls' context (-1: none), how many exchanges its forward
+    needs, the next stage it has calls for (0: none), and whether its forward held."""
+    slots = spec.num_experts // spec.members * len(chains.routes(spec.members))
+    counts, called = [0] * slots, [0] * slots
+    for s, r in zip(items, rows):
+        counts[s.slot] += r.shape[0]
+        called[s.slot] = 1
+    flat = chains.flat(spec.members)
+    shapes = {(r.shape[1], r.dtype, (0,) if flat else tuple(s.last.out.shape[-1:]), s.last.out.dtype)
+              for s, r in zip(items, rows)}
+    ctxs = {s.head.ctx for s in items}
     ok = failure is None and len(shapes) <= 1 and len(ctxs) <= 1 and all(
         len(s[2]) == 1 and s[1] in _DTYPES and s[3] in _DTYPES for s in shapes)
     width, dtype, out_width, out_dtype = next(iter(shapes)) if shapes and ok else (-1, None, (-1,), None)
@@ -534,18 +548,23 @@ def _meta_row(spec, calls: list[Call], rows: list[Tensor], failure, experts: lis
     grad = (ctx[0] if ctx else torch.is_grad_enabled()) and not (ctx or _ctx())[1] and (
         any(r.requires_grad for r in rows) or any(p.requires_grad for expert in local for p in expert.parameters()))
     return counts + called + [width, codes[0], out_width[0], codes[1], int(grad),
-                              _ctx_code(ctx) if ctx else -1, stages, int(ok)]
+                              _ctx_code(ctx) if ctx else -1, stages, later, int(ok)]
 
 
-def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[Call], rows: list[Tensor],
-              edited: list[bool], failure, group, device: torch.device, stages: int) -> tuple[list[Tensor], Tensor, int]:
-    """The true output of every call of this exchange (differentiable in its rows and the experts' parameters), the
-    rows the reverse exchange returned, and how many exchanges the slowest rank's forward needs. Raises on every
-    rank when any rank's forward failed (``failure`` here: re-raised as it is)."""
-    E, W, L = spec.num_experts, spec.ep_size, spec.num_local
-    mine = _meta_row(spec, calls, rows, failure, experts, stages)
+def _exchange(block: nn.Module, spec, experts: list[nn.Module], items: list[chains.Sent], rows: list[Tensor],
+              edited: list[bool], failure, group, device: torch.device, stages: int,
+              later: int) -> tuple[list[Tensor], Tensor, int, int]:
+    """The true output of every item of this exchange (a call, or a chain fused on its owner: its last call's;
+    differentiable in its rows and the experts' parameters), the rows the reverse exchange returned, how many
+    stages the slowest rank's forward needs, and the stage of the next exchange (the first any rank has calls
+    for, ``later`` here; past the last stage: none). Raises on every rank when any rank's forward failed
+    (``failure`` here: re-raised as it is)."""
+    M, W = spec.members, spec.ep_size
+    E, L = (n // M * len(chains.routes(M)) for n in (spec.num_experts, spec.num_local))  # slots, local slots
+    flat = chains.flat(M)
+    mine = _meta_row(spec, items, rows, failure, experts, stages, later)
     if W > 1:
-        # Layout: column block p of what this rank sends holds the counts of peer p's experts.
+        # Layout: column block p of what this rank sends holds the counts of peer p's slots.
         per_peer = [torch.tensor(mine[p * L:(p + 1) * L] + mine[E + p * L:E + (p + 1) * L] + mine[2 * E:],
                                  dtype=torch.long, device=device) for p in range(W)]
         send = torch.stack(per_peer)
@@ -557,7 +576,8 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[Call
     # NOTE: .tolist() syncs the host once per exchange for the split sizes and the peers' checks.
     meta = meta_W.tolist()
     _raise_if_failed(block, failure, [row[-1] for row in meta], mine)
-    stages = max(row[-2] for row in meta)
+    stages = max(row[-3] for row in meta)
+    exchange_at = min([row[-2] for row in meta if row[-2] > 0], default=stages + 1)
     widths = {(row[2 * L], row[2 * L + 1], row[2 * L + 2], row[2 * L + 3]) for row in meta if row[2 * L] >= 0}
     ctxs = {row[2 * L + 5] for row in meta if row[2 * L + 5] >= 0}
     if len(widths) > 1 or len(ctxs) > 1:
@@ -566,15 +586,15 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[Call
                           f"{sorted(ctxs)}); autoep sends one kind of rows per exchange")
     width, dtype_code, out_width, out_code = next(iter(widths)) if widths else (0, 0, 0, 0)
     ctx = _ctx_of(next(iter(ctxs))) if ctxs else _ctx()
-    recv_counts = [row[:L] for row in meta]  # recv_counts[r][l]: rows rank r sends to local expert l
-    report_counts(block, torch.tensor([sum(c[l] for c in recv_counts) for l in range(L)], dtype=torch.long))
+    recv_counts = [row[:L] for row in meta]  # recv_counts[r][l]: rows rank r sends to local slot l
+    report_counts(block, torch.tensor(chains.rows_per_module(M, recv_counts), dtype=torch.long))
     called_L = [any(row[L + l] for row in meta) for l in range(L)]
     send_splits = [sum(mine[p * L:(p + 1) * L]) for p in range(W)]
     recv_splits = [sum(c) for c in recv_counts]
 
-    order = sorted(range(len(calls)), key=lambda i: calls[i].expert)  # stable: call order within an expert
+    order = sorted(range(len(items)), key=lambda i: items[i].slot)  # stable: call order within a slot
     with entered(ctx):
-        x_send_SD = torch.cat([rows[i] for i in order]) if calls else \
+        x_send_SD = torch.cat([rows[i] for i in order]) if items else \
             torch.empty((0, width), dtype=_DTYPES[dtype_code], device=device)
         # Every rank runs the exchanges' backward where any rank does (its peers wait in it): where a peer needs
         # gradients, rows that need none here become a leaf that does (its gradient is dropped).
@@ -583,44 +603,44 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], calls: list[Call
             x_send_SD = x_send_SD.detach().requires_grad_()
         x_recv_RD = all_to_all(x_send_SD, recv_splits, send_splits, group) if W > 1 else x_send_SD
 
-        # Each called local expert's class forward (its own hooks ran at the caller), once, on the rows every rank
-        # sent it (grouped by source rank, then by expert: regrouped here by expert, then by source rank). One
-        # split (one backward node that concatenates the pieces' gradients), not a narrow per piece: each narrow's
-        # backward fills a zero tensor of the whole exchange's size, W * L of them per exchange.
+        # Each called local module's class forward (its own hooks ran at the caller), once per level of the routes
+        # (``chains.run_routes``; one level where one module is one expert), on the rows every rank sent it
+        # (grouped by source rank, then by slot: regrouped here by slot, then by source rank). One split (one
+        # backward node that concatenates the pieces' gradients), not a narrow per piece: each narrow's backward
+        # fills a zero tensor of the whole exchange's size, W * L of them per exchange.
         received = torch.split(x_recv_RD, [recv_counts[r][l] for r in range(W) for l in range(L)])
-        pieces: dict[tuple[int, int], Tensor] = {}
-        for l in range(L):
-            if not called_L[l]:
-                continue  # no rank called it: not called (its gradients stay None, as the model leaves them)
-            n_r = [recv_counts[r][l] for r in range(W)]
-            expert = experts[spec.first + l]
-            x_rows = torch.cat([received[r * L + l] for r in range(W)])
-            out = type(expert).forward(expert, x_rows)
-            if not isinstance(out, Tensor) or out.shape[0] != x_rows.shape[0] or out.dim() != 2:
-                raise ReplayError(f"{type(block).__name__}: expert {spec.first + l} returned "
-                                  f"{tuple(getattr(out, 'shape', ()))} for {tuple(x_rows.shape)} rows")
-            for r, part in zip(range(W), torch.split(out, n_r)):
-                pieces[(r, l)] = part
+        pieces = chains.run_routes(M, experts[spec.first: spec.first + spec.num_local], received, called_L, W,
+                                   type(block).__name__)
         out_dtype = _DTYPES[out_code] if widths else torch.float32
         back = [pieces[(r, l)] for r in range(W) for l in range(L) if (r, l) in pieces]
-        y_send_RP = torch.cat(back) if back else torch.empty((0, out_width), dtype=out_dtype, device=device)
+        if flat:  # layout change: each piece's (rows, P) as its elements, whatever its P (a fused chain's, or not)
+            y_send_RP = torch.cat([p.reshape(-1) for p in back]) if back else \
+                torch.empty((0,), dtype=out_dtype, device=device)
+            out_splits = [sum(pieces[(r, l)].numel() for l in range(L) if (r, l) in pieces) for r in range(W)]
+            back_splits = [sum(items[i].out_numel for i in order if items[i].slot // L == p) for p in range(W)]
+        else:
+            y_send_RP = torch.cat(back) if back else torch.empty((0, out_width), dtype=out_dtype, device=device)
+            out_splits, back_splits = recv_splits, send_splits
         if not back and x_recv_RD.requires_grad:
             # No local expert called: the received (zero) rows reach nothing, so their exchange's backward would
             # not run here. Joined to what goes back (an identity; their gradient is zero).
             y_send_RP = _Join.apply(y_send_RP, x_recv_RD)
         if W > 1:
-            y_back_SP = all_to_all(y_send_RP, send_splits, recv_splits, group)
+            y_back_SP = all_to_all(y_send_RP, back_splits, out_splits, group)
             _exchanged(y_back_SP)  # joined to the block's output if the block drops it (a rank without calls)
         else:
             y_back_SP = y_send_RP
-        outputs: list[Tensor] = [None] * len(calls)  # type: ignore[list-item]
+        outputs: list[Tensor] = [None] * len(items)  # type: ignore[list-item]
         # One split, as for the received rows. A piece the block edits in place is cloned (autograd forbids an
-        # in-place edit of a split's view). Layout change: an N-D call's rows go back to its (..., P).
+        # in-place edit of a split's view). Layout change: an N-D call's rows (or a flat piece) go back to its
+        # (..., P).
         if order:
-            for i, out in zip(order, torch.split(y_back_SP, [rows[i].shape[0] for i in order])):
+            sizes = [items[i].out_numel if flat else rows[i].shape[0] for i in order]
+            for i, out in zip(order, torch.split(y_back_SP, sizes)):
                 out = out.clone() if edited[i] else out
-                outputs[i] = out if out.shape == calls[i].out.shape else out.view(calls[i].out.shape)
-    return outputs, y_back_SP, stages
+                shape = items[i].last.out.shape
+                outputs[i] = out if out.shape == shape else out.view(shape)
+    return outputs, y_back_SP, stages, exchange_at
 
 
 def _raise_if_failed(block: nn.Module, failure, oks: list[int], mine: list[int]) -> None:

@@ -83,6 +83,80 @@ class LoraDictMoE(nn.Module):
         return result.reshape(hidden_states.shape)
 
 
+class LoraChain3MoE(nn.Module):
+    """Three modules per expert in one chain: ``lora_B[i](lora_M[i](lora_A[i](x)))`` (a rank-to-rank mixing
+    matrix between the LoRA factors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.lora_A = nn.ModuleList([nn.Linear(D, RANK, bias=False) for _ in range(E)])
+        self.lora_M = nn.ModuleList([nn.Linear(RANK, RANK) for _ in range(E)])
+        self.lora_B = nn.ModuleList([nn.Linear(RANK, D, bias=False) for _ in range(E)])
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        weights, selected = _top_k(self.router, x, K)
+        y = x.clone()
+        for i in range(E):
+            tok, slot = torch.where(selected == i)
+            y = y.index_add(0, tok, self.lora_B[i](self.lora_M[i](self.lora_A[i](x[tok]))) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+class LoraHookedMoE(LoraMixture3MoE):
+    """A forward hook on each ``lora_A[i]`` (``attach_hooks``, after apply) noting every call, at the caller."""
+
+    def attach_hooks(self):
+        self.notes = []
+        for i, module in enumerate(self.lora_A):
+            module.register_forward_hook(lambda m, args, out, i=i: self.notes.append((i, tuple(out.shape))))
+
+    def visible_state(self):
+        return {"notes": list(self.notes)}
+
+
+class LoraReadsIntermediateMoE(LoraMixture3MoE):
+    """The block reads expert 0's intermediate (``h + h.mean(-1)``, a taped call on it) and keeps expert 1's
+    (``self.kept``): those two chains stay staged, the others fuse (outputs of two widths in one exchange)."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        result = self.base_layer(x)
+        weights, selected = _top_k(self.router, x, K)
+        self.kept = []
+        for i in range(len(self.lora_A)):
+            tok, slot = torch.where(selected == i)
+            h = self.lora_A[i](self.lora_dropout[i](x[tok]))
+            if i == 1:
+                self.kept.append(h)
+            delta = self.lora_B[i](h) * self.scaling
+            if i == 0:
+                delta = delta + h.mean(-1, keepdim=True)
+            result = result.index_add(0, tok, delta * weights[tok, slot, None])
+        return result.reshape(hidden_states.shape)
+
+    def visible_state(self):
+        return {"kept": list(self.kept)}
+
+
+class LoraNoGradLinkMoE(LoraMixture3MoE):
+    """``lora_A`` frozen by ``torch.no_grad()`` around its call, ``lora_B`` trained: a context change inside the
+    chain (each link keeps its own)."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        result = self.base_layer(x)
+        weights, selected = _top_k(self.router, x, K)
+        for i in range(len(self.lora_A)):
+            tok, slot = torch.where(selected == i)
+            with torch.no_grad():
+                h = self.lora_A[i](self.lora_dropout[i](x[tok]))
+            delta = self.lora_B[i](h) * self.scaling
+            result = result.index_add(0, tok, delta * weights[tok, slot, None])
+        return result.reshape(hidden_states.shape)
+
+
 class SharedListMoE(nn.Module):
     """Routed experts with capacity dropping (each keeps its first ``capacity`` tokens) and router jitter applied
     in place while training, plus a list of shared experts every token goes through."""

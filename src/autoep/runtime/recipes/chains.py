@@ -7,7 +7,8 @@ go to the owner once, the owner runs the chain's modules one after the other on 
 comes back. A link is fused only where the staged execution would compute the same thing from the same values:
 
 - the next call's input is the previous call's pending output itself (no taped op between them);
-- both modules are members of one expert (one owner), each module at most once per chain (``MAX_LINKS``);
+- both modules are members of one expert (one owner), the next call's the member listed after the previous
+  call's (``routes``), at most ``MAX_LINKS`` of them;
 - both calls were made under one grad/autocast context (the owner runs an exchange under one), and the chain's
   last output has its first output's dtype (one dtype per exchange, as before);
 - the intermediate module has no hooks (they ran at the caller on its pending output; a value they keep would
@@ -18,15 +19,16 @@ comes back. A link is fused only where the staged execution would compute the sa
 The owner runs an exchange's modules level by level (``run_routes``): first every called module on the rows its
 chains start with, then the modules of every chain's second link, and so on, each module once per level on every
 rank's rows (rank by rank, as the staged exchange concatenates them). A fused chain therefore runs each module on
-the same rows in the same order as the staged exchanges did, and its gradients flow through the same operations:
+the same rows as the staged exchanges did, in their order (within one rank's rows, grouped by route where one
+module starts chains of both kinds, a row-local reordering), and its gradients flow through the same operations:
 outputs and gradients are bit-equal to the staged execution, and the intermediate never leaves the owner. Random
 draws inside the experts (``expert_draws: on_owner``) come in the staged order too: level by level, module by
 module.
 
-Encoding: an exchange carries rows per (expert, route), a route being the sequence of member indices its chain
-visits (``routes``: each member alone first, so with one module per expert nothing changes). Every rank learns, in
-each exchange, the next stage any rank has calls for, and exchanges are skipped where no rank has (a chain fused
-into exchange s leaves exchange s + 1 empty). Outputs of one exchange may then differ in width (A's rank-wide
+Encoding: an exchange carries rows per (expert, route), a route being the run of member indices its chain visits
+(``routes``: each member alone first, so with one module per expert, or with ``FUSE`` off, nothing changes). Every
+rank learns, in each exchange, the next stage any rank has calls for, and exchanges are skipped where no rank has
+(a chain fused into exchange s leaves exchange s + 1 empty). Outputs of one exchange may then differ in width (A's rank-wide
 outputs beside a chain's full-width ones): blocks with several modules per expert return their outputs as one
 flat buffer (``flat``).
 """
@@ -34,7 +36,6 @@ flat buffer (``flat``).
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -44,22 +45,27 @@ from torch import Tensor, nn
 
 from autoep.runtime.recipes.deferred import Call, Pending, ReplayError, Tape, _key
 
-MAX_LINKS = 3  # the longest chain fused (route tables grow as members! / (members - links)!)
+MAX_LINKS = 3  # the longest chain fused
 FUSE = True  # False: every link in its own exchange (the staged execution; bench/chained_experts.py compares)
 
 
-@functools.cache
 def routes(members: int) -> tuple[tuple[int, ...], ...]:
     """The member sequences one exchange carries per expert: each member alone first (route m is member m, an
-    unfused call), then every chain of 2 to ``MAX_LINKS`` distinct members."""
+    unfused call), then (where ``FUSE``) every run of 2 to ``MAX_LINKS`` consecutive members: a chain visits an
+    expert's members in the order ``MoeStructure.expert_members`` lists them, the forward's order of calls."""
+    return _routes(members, FUSE)
+
+
+@functools.cache
+def _routes(members: int, fuse: bool) -> tuple[tuple[int, ...], ...]:
     singles = tuple((m,) for m in range(members))
-    return singles + tuple(p for k in range(2, min(members, MAX_LINKS) + 1)
-                           for p in itertools.permutations(range(members), k))
+    return singles + tuple(tuple(range(m, m + k)) for k in range(2, min(members, MAX_LINKS) + 1) if fuse
+                           for m in range(members - k + 1))
 
 
 def flat(members: int) -> bool:
     """Whether an exchange's outputs go back as one flat buffer (their widths may differ: fused chains)."""
-    return members > 1
+    return members > 1 and FUSE
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ def _fusable(tape: Tape, members: int, experts: list[nn.Module], chain: list[Cal
     last = chain[-1]
     module = experts[last.expert]
     return (nxt.expert // members == last.expert // members
-            and nxt.expert % members not in [c.expert % members for c in chain]
+            and nxt.expert % members == last.expert % members + 1
             and nxt.ctx == last.ctx and nxt.out.dtype == chain[0].out.dtype
             and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                      or module._backward_pre_hooks)

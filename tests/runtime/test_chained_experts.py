@@ -52,7 +52,8 @@ def _register() -> None:
 
 
 class _Counted:
-    """Exchanges (``replay._exchange`` calls), the calls per item they carried, all-to-alls and their bytes."""
+    """Exchanges (``replay._exchange`` calls), the calls per item they carried, all-to-alls and the bytes of the
+    rows, outputs and gradients they moved."""
 
     def __init__(self):
         self.exchanges, self.items, self.a2a, self.bytes = 0, [], 0, 0
@@ -71,7 +72,8 @@ class _Counted:
 
         def a2a(output, input, *args, **kwargs):
             self.a2a += 1
-            self.bytes += input.numel() * input.element_size()
+            if input.is_floating_point():  # rows, outputs and their gradients (not the counts)
+                self.bytes += input.numel() * input.element_size()
             return self.saved[2](output, input, *args, **kwargs)
 
         replay._exchange, chains.sent, dist.all_to_all_single = exchange, sent, a2a

@@ -10,9 +10,10 @@ Blocks (``tests/role_blocks.py``, hidden D = 8, LoRA rank R = 4, E = 4 experts, 
 (three modules per expert: ``lora_B[i](lora_M[i](lora_A[i](x)))``). Each runs one untimed step per execution on
 the same weights and tokens; counted on every rank and summed: ``all_to_all_single`` calls (the counts' exchange,
 the rows, the outputs, and the backward's two), their payload bytes (floating rows and gradients) and the counts'
-bytes; ratios are to the staged run. Per (token, expert) pair a staged chain of n links sends D + R(n - 1) wide rows each way, forward and
-backward, against D when fused: the payload ratio is D / (D + R) for two links (0.667 here; ~0.996 at D = 4096,
-R = 16), while the all-to-alls per step drop by 1 / n whatever the sizes. Nothing is timed.
+bytes; ratios are to the staged run. Per (token, expert) pair a staged chain of n links sends D + R(n - 1) wide
+rows each way, forward and backward, against D when fused: the payload ratio is D / (D + R) for two links (0.667
+here; ~0.996 at D = 4096, R = 16), while the all-to-alls per step drop to 1 / n whatever the sizes. Nothing is
+timed.
 """
 from __future__ import annotations
 

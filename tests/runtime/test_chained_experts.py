@@ -132,7 +132,8 @@ def _check(name: str, rank: int, world_size: int) -> None:
         diffs = _equal({k: v for k, v in f.items() if k not in travelled},
                        {k: v for k, v in s.items() if k not in travelled})
         assert not diffs, f"step {t}: fused differs from staged in {diffs[:6]}"
-        assert (f["exchanges"], s["exchanges"]) == (fused_exchanges, staged_exchanges), (t, f["exchanges"], s["exchanges"])
+        counts = (f["exchanges"], s["exchanges"])
+        assert counts == (fused_exchanges, staged_exchanges), (t, counts)
         assert sorted(f["items"]) == sorted(items), f["items"]
         assert s["items"] == [1] * len(s["items"])
         if world_size > 1:  # 3 all-to-alls per exchange forward (counts, rows, outputs), 2 backward where it needs

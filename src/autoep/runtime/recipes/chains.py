@@ -28,9 +28,9 @@ module.
 Encoding: an exchange carries rows per (expert, route), a route being the run of member indices its chain visits
 (``routes``: each member alone first, so with one module per expert, or with ``FUSE`` off, nothing changes). Every
 rank learns, in each exchange, the next stage any rank has calls for, and exchanges are skipped where no rank has
-(a chain fused into exchange s leaves exchange s + 1 empty). Outputs of one exchange may then differ in width (A's rank-wide
-outputs beside a chain's full-width ones): blocks with several modules per expert return their outputs as one
-flat buffer (``flat``).
+(a chain fused into exchange s leaves exchange s + 1 empty). Outputs of one exchange may then differ in width
+(A's rank-wide outputs beside a chain's full-width ones): blocks with several modules per expert return their
+outputs as one flat buffer (``flat``).
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def sent(tape: Tape, members: int, experts: list[nn.Module]) -> list[Sent]:
     """Every call of the tape, in the forward's order, each fused with the calls that continue it on its owner
     where the module docstring allows (``FUSE``); the calls a chain absorbs are not listed on their own."""
     table, readers = routes(members), {}
+    if len(table) == members:  # nothing to fuse: each call its member's route, its slot its module's
+        return [Sent((c,), c.expert % members, c.expert) for c in tape.calls]
     for call in tape.calls:
         if type(call.x) is Pending:  # a real input is no other call's output
             readers.setdefault(id(call.x), []).append(call)
@@ -108,7 +110,7 @@ def sent(tape: Tape, members: int, experts: list[nn.Module]) -> list[Sent]:
         if id(call) in absorbed:
             continue
         chain = [call]
-        while FUSE and members > 1 and len(chain) < MAX_LINKS:
+        while len(chain) < MAX_LINKS:
             nxt = readers.get(id(chain[-1].out), [])
             if len(nxt) != 1 or not _fusable(tape, members, experts, chain, nxt[0]):
                 break

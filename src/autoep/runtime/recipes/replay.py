@@ -16,8 +16,10 @@ into the experts travel, and only the tensor work that depends on their outputs 
    nothing), under the calls' context, and the outputs go back by the reverse all-to-all.
 3. **Deferred calls.** The taped torch calls run for real, in the forward's order, under their contexts
    (autograd records them now). A call on another expert's output (a chained call: ``B(A(x))``, an expert fed
-   the running sum) travels in the next exchange, after the calls it reads; every rank joins each exchange
-   until no rank has pending work (``deferred.Tape`` stages). Every pending object the block kept (its
+   the running sum) travels in the next exchange, after the calls it reads, unless it continues a chain over one
+   expert's modules, which runs whole on the owner in one exchange (``chains``: ``lora_B[i](lora_A[i](x))``);
+   every rank joins each exchange some rank has calls for, until no rank has pending work (``deferred.Tape``
+   stages). Every pending object the block kept (its
    output, attributes, lists, hook stores) then becomes its real tensor.
 
 Gradients flow as in the model: through the rows (the exchange's backward) to the block's input and the
@@ -73,9 +75,9 @@ from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
 from autoep.errors import FactChanged, UnsupportedModuleStructure
 from autoep.runtime.dispatch import _exchanged, _Join, all_to_all
-from autoep.runtime.recipes import chains
 from autoep.runtime.recipes import (
     as_structure,
+    chains,
     check_facts,
     check_proven,
     join_backward_exchanges,

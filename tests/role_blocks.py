@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from replay_blocks import FF, D, E, FeedForward, K, _top_k
 
 ADAPTERS = E - 1  # ForwardBuiltMoE: the base layer and E - 1 adapters are its E experts
@@ -155,6 +156,36 @@ class LoraNoGradLinkMoE(LoraMixture3MoE):
             delta = self.lora_B[i](h) * self.scaling
             result = result.index_add(0, tok, delta * weights[tok, slot, None])
         return result.reshape(hidden_states.shape)
+
+
+class AdapterMixtureMoE(nn.Module):
+    """A mixture of bottleneck adapters (AdaMix/MoA style): ``up[i](F.gelu(down[i](x[tok])))``, an activation
+    between the two modules of each expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.down = nn.ModuleList([nn.Linear(D, RANK) for _ in range(E)])
+        self.up = nn.ModuleList([nn.Linear(RANK, D) for _ in range(E)])
+
+    def activation(self, h):
+        return F.gelu(h)
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        weights, selected = _top_k(self.router, x, K)
+        y = x.clone()
+        for i in range(E):
+            tok, slot = torch.where(selected == i)
+            y = y.index_add(0, tok, self.up[i](self.activation(self.down[i](x[tok]))) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+class AdapterDropoutMoE(AdapterMixtureMoE):
+    """Dropout between the adapter's modules: its draws stay where the token is, in the forward's order."""
+
+    def activation(self, h):
+        return F.dropout(h, 0.2, self.training)
 
 
 class SharedListMoE(nn.Module):

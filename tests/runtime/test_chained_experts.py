@@ -39,6 +39,9 @@ CASES = {
     "lora_mixture_3": (rb.LoraMixture3MoE, 1, 2, [2] * rb.E),
     "lora_dict": (rb.LoraDictMoE, 1, 2, [2] * rb.E),
     "lora_chain_3": (rb.LoraChain3MoE, 1, 3, [3] * rb.E),
+    "adapter_gelu": (rb.AdapterMixtureMoE, 1, 2, [2] * rb.E),  # the activation between the links on the owner
+    # must not fuse: dropout between the links (its draws are the caller's, in the forward's order)
+    "adapter_dropout": (rb.AdapterDropoutMoE, 2, 2, [1] * 2 * rb.E),
     # must not fuse: a hook on the intermediate module; a no_grad around one link
     "hook_on_lora_A": (rb.LoraHookedMoE, 2, 2, [1] * 2 * rb.E),
     "no_grad_link": (rb.LoraNoGradLinkMoE, 2, 2, [1] * 2 * rb.E),

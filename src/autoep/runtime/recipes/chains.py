@@ -41,26 +41,43 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autoep.runtime.recipes.deferred import Call, Pending, ReplayError, Tape, _key
+from autoep.runtime.recipes.deferred import Call, Entry, Pending, ReplayError, Tape, _key, _tensors
 
 MAX_LINKS = 3  # the longest chain fused
 FUSE = True  # False: every link in its own exchange (the staged execution; bench/chained_experts.py compares)
+# Element-wise activations a two-link chain may apply between its links on the owner (``lora_B[i](F.gelu(
+# lora_A[i](x)))``), by name: what the owner runs. Each is deterministic, reads no other tensor and no value but its
+# input's element, so it gives the same bits on any grouping of the rows, forward and backward.
+OPS = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+       "silu": F.silu, "tanh": torch.tanh, "sigmoid": torch.sigmoid}
+_OP_CALLS = {torch.relu: "relu", Tensor.relu: "relu", F.relu: "relu", F.gelu: "gelu", F.silu: "silu",
+             torch.tanh: "tanh", Tensor.tanh: "tanh", torch.sigmoid: "sigmoid", Tensor.sigmoid: "sigmoid"}
 
 
-def routes(members: int) -> tuple[tuple[int, ...], ...]:
-    """The member sequences one exchange carries per expert: each member alone first (route m is member m, an
-    unfused call), then (where ``FUSE``) every run of 2 to ``MAX_LINKS`` consecutive members: a chain visits an
-    expert's members in the order ``MoeStructure.expert_members`` lists them, the forward's order of calls."""
+def routes(members: int) -> tuple[tuple[int | str, ...], ...]:
+    """What one exchange carries per expert, as the member indices its chain visits (an activation's name between
+    two): each member alone first (route m is member m, an unfused call), then (where ``FUSE``) every run of 2 to
+    ``MAX_LINKS`` consecutive members, and every two consecutive members with one of ``OPS`` between them: a chain
+    visits an expert's members in the order ``MoeStructure.expert_members`` lists them, the forward's order."""
     return _routes(members, FUSE)
 
 
 @functools.cache
-def _routes(members: int, fuse: bool) -> tuple[tuple[int, ...], ...]:
+def _routes(members: int, fuse: bool) -> tuple[tuple[int | str, ...], ...]:
     singles = tuple((m,) for m in range(members))
-    return singles + tuple(tuple(range(m, m + k)) for k in range(2, min(members, MAX_LINKS) + 1) if fuse
-                           for m in range(members - k + 1))
+    if not fuse:
+        return singles
+    runs = tuple(tuple(range(m, m + k)) for k in range(2, min(members, MAX_LINKS) + 1) for m in range(members - k + 1))
+    return singles + runs + tuple((m, op, m + 1) for m in range(members - 1) for op in OPS)
+
+
+def _links(route: tuple) -> list[tuple[str | None, int]]:
+    """A route's modules, each with the activation applied to its input on the owner (None: none)."""
+    return [(route[i - 1] if i and isinstance(route[i - 1], str) else None, m)
+            for i, m in enumerate(route) if isinstance(m, int)]
 
 
 def flat(members: int) -> bool:
@@ -97,31 +114,76 @@ class Sent:
 
 def sent(tape: Tape, members: int, experts: list[nn.Module]) -> list[Sent]:
     """Every call of the tape, in the forward's order, each fused with the calls that continue it on its owner
-    where the module docstring allows (``FUSE``); the calls a chain absorbs are not listed on their own."""
-    table, readers = routes(members), {}
+    where the module docstring allows (``FUSE``); the calls a chain absorbs are not listed on their own, and an
+    activation it absorbs leaves the tape."""
+    table = routes(members)
     if len(table) == members:  # nothing to fuse: each call its member's route, its slot its module's
         return [Sent((c,), c.expert % members, c.expert) for c in tape.calls]
+    readers: dict[int, list] = {}  # id(pending value) -> the calls, then the taped calls, reading it
     for call in tape.calls:
         if type(call.x) is Pending:  # a real input is no other call's output
             readers.setdefault(id(call.x), []).append(call)
+    for entry in tape.entries:
+        for t in {id(t): t for t in _tensors((entry.args, entry.kwargs), []) if type(t) is Pending}.values():
+            readers.setdefault(id(t), []).append(entry)
     absorbed: set[int] = set()
     items = []
     for call in tape.calls:
         if id(call) in absorbed:
             continue
-        chain = [call]
+        chain, route = [call], [call.expert % members]
         while len(chain) < MAX_LINKS:
-            nxt = readers.get(id(chain[-1].out), [])
-            if len(nxt) != 1 or not _fusable(tape, members, experts, chain, nxt[0]):
+            link = _link(tape, members, experts, chain, readers)
+            if link is None:
                 break
-            chain.append(nxt[0])
-            absorbed.add(id(nxt[0]))
-        route = table.index(tuple(c.expert % members for c in chain))
-        items.append(Sent(tuple(chain), route, (call.expert // members) * len(table) + route))
+            op, nxt = link
+            chain.append(nxt)
+            route += [_op_name(op), nxt.expert % members] if op else [nxt.expert % members]
+            absorbed.add(id(nxt))
+            if op is not None:  # the owner applies it (by identity: entries compare their tensors with ==)
+                tape.entries[:] = [e for e in tape.entries if e is not op]
+                break
+        index = table.index(tuple(route))
+        items.append(Sent(tuple(chain), index, (call.expert // members) * len(table) + index))
     return items
 
 
-def _fusable(tape: Tape, members: int, experts: list[nn.Module], chain: list[Call], nxt: Call) -> bool:
+def _link(tape: Tape, members: int, experts: list[nn.Module], chain: list[Call], readers: dict):
+    """``(activation entry or None, the next call)`` where the chain continues on its owner, else None."""
+    last = chain[-1]
+    reading = readers.get(id(last.out), [])
+    if len(reading) != 1:
+        return None
+    if isinstance(reading[0], Call):
+        nxt = reading[0]
+        ok = _next_member(tape, members, experts, chain, nxt) and _released(
+            tape, [(last, "out")], [(last, "out"), (nxt, "x")])
+        return (None, nxt) if ok else None
+    op = reading[0]
+    following = readers.get(id(op.out), []) if type(op.out) is Pending else []
+    if len(chain) != 1 or _op_name(op) is None or op.args[0] is not last.out or len(following) != 1 \
+            or not isinstance(following[0], Call):
+        return None
+    nxt = following[0]
+    ok = (op.ctx == last.ctx and _key(op.out) not in tape.written and _next_member(tape, members, experts, chain, nxt)
+          and _released(tape, [(last, "out"), (op, "out")], [(last, "out"), (op, "args"), (op, "out"), (nxt, "x")]))
+    return (op, nxt) if ok else None
+
+
+def _op_name(entry: Entry) -> str | None:
+    """The name in ``OPS`` of a taped call applying one of them to its one argument, as the owner would."""
+    name = _OP_CALLS.get(entry.func) if not entry.writes and len(entry.args) == 1 else None
+    kwargs = dict(entry.kwargs)
+    if name in ("relu", "silu") and kwargs.pop("inplace", False) is False and not kwargs:
+        return name
+    if name == "gelu" and set(kwargs) <= {"approximate"}:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(kwargs.get("approximate", "none"))
+    return name if name in ("tanh", "sigmoid") and not kwargs else None
+
+
+def _next_member(tape: Tape, members: int, experts: list[nn.Module], chain: list[Call], nxt: Call) -> bool:
+    """Whether ``nxt`` may run right after the chain's last call on the owner (module docstring), its output
+    aside."""
     last = chain[-1]
     module = experts[last.expert]
     return (nxt.expert // members == last.expert // members
@@ -129,28 +191,50 @@ def _fusable(tape: Tape, members: int, experts: list[nn.Module], chain: list[Cal
             and nxt.ctx == last.ctx and nxt.out.dtype == chain[0].out.dtype
             and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                      or module._backward_pre_hooks)
-            and _key(last.out) not in tape.written
-            and _only_link(tape, last, nxt))
+            and _key(last.out) not in tape.written)
 
 
-def _only_link(tape: Tape, first: Call, nxt: Call) -> bool:
-    """Whether nothing but the tape's record of the two calls holds ``first``'s pending output: the tape's
-    references become its metadata (the shadow: the same storage key), and the output must then be gone. Where it
-    is not, they are put back and the link stays staged."""
-    pending = first.out
-    alive = weakref.ref(pending)
-    kept = [i for i, t in enumerate(tape.keep) if t is pending]
-    first.out = nxt.x = pending.shadow
-    for i in kept:
-        tape.keep[i] = pending.shadow
-    del pending
-    held = alive()
-    if held is None:
+def _released(tape: Tape, values: list[tuple[object, str]], holders: list[tuple[object, str]]) -> bool:
+    """Whether nothing but the tape holds the pending values at ``values`` (``(call, "out")``): in ``holders``
+    (attributes of its calls and taped calls: the value, or arguments holding it) and its ``keep`` list, each
+    becomes its metadata (its shadow: the same storage key), and each value must then be gone. Where one is not,
+    each goes back (a value that did go, by a new pending value of its metadata: nothing else could tell them
+    apart) and the link stays staged."""
+    metas = []
+    for obj, attr in values:
+        value = getattr(obj, attr)
+        metas.append((weakref.ref(value), value.shadow, value.device, value.stage, value.needs_grad))
+    _swap(tape, holders, {id(getattr(obj, attr)): meta[1] for (obj, attr), meta in zip(values, metas)})
+    del value
+    held = [ref() for ref, *_ in metas]
+    if all(h is None for h in held):
         return True
-    first.out = nxt.x = held
-    for i in kept:
-        tape.keep[i] = held
+    back = {}
+    for h, (_, shadow, device, stage, grad) in zip(held, metas):
+        if h is None:
+            h = Pending(shadow, device, stage, grad)
+            tape.pendings.append(weakref.ref(h))
+        back[id(shadow)] = h
+    _swap(tape, holders, back)
     return False
+
+
+def _swap(tape: Tape, holders: list[tuple[object, str]], swap: dict) -> None:
+    for obj, attr in holders:
+        setattr(obj, attr, _swapped(getattr(obj, attr), swap))
+    tape.keep[:] = [swap.get(id(t), t) for t in tape.keep]
+
+
+def _swapped(value, swap: dict):
+    if isinstance(value, Tensor):
+        return swap.get(id(value), value)
+    if isinstance(value, (list, tuple)):
+        items = [_swapped(v, swap) for v in value]
+        return items if isinstance(value, list) else (type(value)(*items) if hasattr(value, "_fields")
+                                                      else type(value)(items))
+    if isinstance(value, dict):
+        return {k: _swapped(v, swap) for k, v in value.items()}
+    return value
 
 
 def run_routes(members: int, experts: list[nn.Module], received: list[Tensor], called: list[bool], ep_size: int,
@@ -158,17 +242,20 @@ def run_routes(members: int, experts: list[nn.Module], received: list[Tensor], c
     """The output of each called local slot's route for each rank's rows (``received[r * V + v]``: rank r's rows
     of local slot v; ``experts``: this rank's modules, expert by expert), computed level by level (module
     docstring): at level k, each module once on the rows of every route whose k-th member it is."""
-    table = routes(members)
-    V, W = len(table), ep_size
+    links = [_links(route) for route in routes(members)]
+    V, W = len(links), ep_size
     current = {(r, v): received[r * len(called) + v] for r in range(W) for v in range(len(called)) if called[v]}
-    depth = max((len(table[v % V]) for v in range(len(called)) if called[v]), default=0)
+    depth = max((len(links[v % V]) for v in range(len(called)) if called[v]), default=0)
     for k in range(depth):
         for x in range(len(called) // V):
             for m in range(members):
                 keys = [(r, v) for r in range(W) for v in range(x * V, (x + 1) * V)
-                        if called[v] and len(table[v % V]) > k and table[v % V][k] == m]
+                        if called[v] and len(links[v % V]) > k and links[v % V][k][1] == m]
                 if not keys:
                     continue
+                for r, v in keys:  # the activation between two links: element-wise, so per piece
+                    op = links[v % V][k][0]
+                    current[(r, v)] = OPS[op](current[(r, v)]) if op else current[(r, v)]
                 expert = experts[x * members + m]
                 rows = torch.cat([current[key] for key in keys])
                 out = type(expert).forward(expert, rows)
@@ -189,6 +276,6 @@ def rows_per_module(members: int, recv_counts: list[list[int]]) -> list[int]:
     counts = [0] * (slots // V * members)
     for row in recv_counts:
         for v, n in enumerate(row):
-            for m in table[v % V]:
+            for _, m in _links(table[v % V]):
                 counts[v // V * members + m] += n
     return counts

@@ -188,6 +188,28 @@ class AdapterDropoutMoE(AdapterMixtureMoE):
         return F.dropout(h, 0.2, self.training)
 
 
+class AdapterKeepsMoE(AdapterMixtureMoE):
+    """The block keeps expert 0's activation output and expert 1's first output (``self.kept``): those two chains
+    stay staged (each value the block holds, with the tape's other references to its chain put back)."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        weights, selected = _top_k(self.router, x, K)
+        y = x.clone()
+        self.kept = []
+        for i in range(E):
+            tok, slot = torch.where(selected == i)
+            h = self.down[i](x[tok])
+            a = F.gelu(h)
+            if i < 2:
+                self.kept.append(a if i == 0 else h)
+            y = y.index_add(0, tok, self.up[i](a) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+    def visible_state(self):
+        return {"kept": list(self.kept)}
+
+
 class SharedListMoE(nn.Module):
     """Routed experts with capacity dropping (each keeps its first ``capacity`` tokens) and router jitter applied
     in place while training, plus a list of shared experts every token goes through."""

@@ -42,6 +42,8 @@ CASES = {
     "adapter_gelu": (rb.AdapterMixtureMoE, 1, 2, [2] * rb.E),  # the activation between the links on the owner
     # must not fuse: dropout between the links (its draws are the caller's, in the forward's order)
     "adapter_dropout": (rb.AdapterDropoutMoE, 2, 2, [1] * 2 * rb.E),
+    # expert 0's activation output and expert 1's first output kept by the block: those two stay staged
+    "adapter_keeps": (rb.AdapterKeepsMoE, 2, 2, [1, 1, 1, 1, 2, 2]),
     # must not fuse: a hook on the intermediate module; a no_grad around one link
     "hook_on_lora_A": (rb.LoraHookedMoE, 2, 2, [1] * 2 * rb.E),
     "no_grad_link": (rb.LoraNoGradLinkMoE, 2, 2, [1] * 2 * rb.E),

@@ -6,15 +6,17 @@ go to the owner and back for A, then again for B. Here such a link is *fused*: t
 go to the owner once, the owner runs the chain's modules one after the other on them, and only the last output
 comes back. A link is fused only where the staged execution would compute the same thing from the same values:
 
-- the next call's input is the previous call's pending output itself (no taped op between them);
+- the next call's input is the previous call's pending output itself, or, in a chain of two, one element-wise
+  activation of it (``OPS``: ``up[i](F.gelu(down[i](x)))``), a taped call the owner then applies between the
+  links instead of the caller (it leaves the tape);
 - both modules are members of one expert (one owner), the next call's the member listed after the previous
   call's (``routes``), at most ``MAX_LINKS`` of them;
 - both calls were made under one grad/autocast context (the owner runs an exchange under one), and the chain's
   last output has its first output's dtype (one dtype per exchange, as before);
 - the intermediate module has no hooks (they ran at the caller on its pending output; a value they keep would
-  never exist), and nothing but the next call holds the intermediate output: no taped call reads or writes it,
-  and the block, a hook or a list keeps no reference to it (``_only_link``: the tape lets go of it and checks it
-  is gone; anything still holding it, a reference cycle included, keeps the link staged).
+  never exist), and nothing but the next call (or the activation) holds the intermediate output: no other taped
+  call reads or writes it, and the block, a hook or a list keeps no reference to it (``_released``: the tape lets
+  go of it and checks it is gone; anything still holding it, a reference cycle included, keeps the link staged).
 
 The owner runs an exchange's modules level by level (``run_routes``): first every called module on the rows its
 chains start with, then the modules of every chain's second link, and so on, each module once per level on every
@@ -25,12 +27,12 @@ outputs and gradients are bit-equal to the staged execution, and the intermediat
 draws inside the experts (``expert_draws: on_owner``) come in the staged order too: level by level, module by
 module.
 
-Encoding: an exchange carries rows per (expert, route), a route being the run of member indices its chain visits
-(``routes``: each member alone first, so with one module per expert, or with ``FUSE`` off, nothing changes). Every
-rank learns, in each exchange, the next stage any rank has calls for, and exchanges are skipped where no rank has
-(a chain fused into exchange s leaves exchange s + 1 empty). Outputs of one exchange may then differ in width
-(A's rank-wide outputs beside a chain's full-width ones): blocks with several modules per expert return their
-outputs as one flat buffer (``flat``).
+Encoding: an exchange carries rows per (expert, route), a route being the run of member indices its chain visits,
+with the activation's name between two where it has one (``routes``: each member alone first, so with one module
+per expert, or with ``FUSE`` off, nothing changes). Every rank learns, in each exchange, the next stage any rank
+has calls for, and exchanges are skipped where no rank has (a chain fused into exchange s leaves exchange s + 1
+empty). Outputs of one exchange may then differ in width (A's rank-wide outputs beside a chain's full-width ones):
+blocks with several modules per expert return their outputs as one flat buffer (``flat``).
 """
 
 from __future__ import annotations
@@ -172,7 +174,10 @@ def _link(tape: Tape, members: int, experts: list[nn.Module], chain: list[Call],
 
 def _op_name(entry: Entry) -> str | None:
     """The name in ``OPS`` of a taped call applying one of them to its one argument, as the owner would."""
-    name = _OP_CALLS.get(entry.func) if not entry.writes and len(entry.args) == 1 else None
+    try:
+        name = _OP_CALLS.get(entry.func) if not entry.writes and len(entry.args) == 1 else None
+    except TypeError:  # an unhashable callable: none of them
+        return None
     kwargs = dict(entry.kwargs)
     if name in ("relu", "silu") and kwargs.pop("inplace", False) is False and not kwargs:
         return name

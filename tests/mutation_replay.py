@@ -567,7 +567,9 @@ def _expert_modules(block: nn.Module) -> list[nn.Module]:
     from mutation_runtime import expert_list
 
     spec = spec_of(block)
-    return placed_experts(block, spec)[:spec.num_experts] if spec is not None else expert_list(block)
+    # One expert of several modules (``lora_A[i]``, ``lora_B[i]``): its first, as the model's container (the
+    # fuzzer's ``experts_attr``) holds them; every member would hook modules the model's run does not.
+    return placed_experts(block, spec)[:spec.num_experts:spec.members] if spec is not None else expert_list(block)
 
 
 def _gate_of(block: nn.Module) -> nn.Module | None:

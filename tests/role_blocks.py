@@ -10,6 +10,11 @@ harmful twin that must be refused:
   dropping and in-place router jitter; the shared list stays where the token is. Twin: a shared expert called on
   the routed rows inside the expert loop (a "shared" list routed on some rows). ``DropoutListMoE``: the same with a
   per-expert dropout list indexed by the expert id (no tensor: it stays where the token is, its draws the model's).
+- Chains run whole on the owner (``autoep.runtime.recipes.chains``, ``tests/runtime/test_chained_experts.py``):
+  ``LoraChain3MoE`` (three modules per expert), ``AdapterMixtureMoE`` (``up[i](F.gelu(down[i](x)))``, an activation
+  between the links); chains that must stay one exchange per link, each exact: ``LoraHookedMoE`` (a hook on
+  ``lora_A[i]``), ``LoraReadsIntermediateMoE`` and ``AdapterKeepsMoE`` (an intermediate read or kept by the block),
+  ``LoraNoGradLinkMoE`` (``no_grad`` around one link), ``AdapterDropoutMoE`` (dropout between the links).
 - ``ForwardBuiltMoE``: experts in a list the forward builds (``[self.base_layer] + list(self.adapters)``), a router
   per adapter called on every row (``self.routers``: never sharded). Twin: the list built by a method, which the
   detector does not read (the routers and the adapters are then two containers of unknown role).
@@ -323,6 +328,7 @@ BLOCKS = {
     "shared_list": SharedListMoE,
     "dropout_list": DropoutListMoE,
     "forward_built": ForwardBuiltMoE,
+    "adapter_mixture": AdapterMixtureMoE,
 }
 
 # name -> (builder, what the refusal names)

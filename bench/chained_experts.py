@@ -6,8 +6,9 @@ exchange of its own) against fused on the owner (``autoep.runtime.recipes.chains
     python bench/chained_experts.py --smoke         # the smallest run (tests/test_bench_smoke.py)
 
 Blocks (``tests/role_blocks.py``, hidden D = 8, LoRA rank R = 4, E = 4 experts, top-2): ``LoraMixture3MoE``
-(``lora_B[i](lora_A[i](lora_dropout[i](x[tok])))``), ``LoraDictMoE`` (the same in ModuleDicts) and ``LoraChain3MoE``
-(three modules per expert: ``lora_B[i](lora_M[i](lora_A[i](x)))``). Each runs one untimed step per execution on
+(``lora_B[i](lora_A[i](lora_dropout[i](x[tok])))``), ``LoraDictMoE`` (the same in ModuleDicts), ``LoraChain3MoE``
+(three modules per expert: ``lora_B[i](lora_M[i](lora_A[i](x)))``) and ``AdapterMixtureMoE`` (``up[i](F.gelu(
+down[i](x)))``: the activation runs on the owner too). Each runs one untimed step per execution on
 the same weights and tokens; counted on every rank and summed: ``all_to_all_single`` calls (the counts' exchange,
 the rows, the outputs, and the backward's two), their payload bytes (floating rows and gradients) and the counts'
 bytes; ratios are to the staged run. Per (token, expert) pair a staged chain of n links sends D + R(n - 1) wide
@@ -32,7 +33,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 __import__("testpaths").add()
 
-BLOCKS = ("LoraMixture3MoE", "LoraDictMoE", "LoraChain3MoE")
+BLOCKS = ("LoraMixture3MoE", "LoraDictMoE", "LoraChain3MoE", "AdapterMixtureMoE")
 EXECUTIONS = ("staged", "fused")
 
 

@@ -68,7 +68,7 @@ def test_chained_experts():
     """Fused LoRA chains: 1 / n of the staged execution's all-to-alls for chains of n links, D / (D + R) of its
     payload for two (D = 8, R = 4), less in all bytes (the counts' exchange included)."""
     out = run_bench("chained_experts.py", "--smoke")
-    for block in ("LoraMixture3MoE", "LoraDictMoE"):
+    for block in ("LoraMixture3MoE", "LoraDictMoE", "AdapterMixtureMoE"):
         assert row(out, block)[1] == "fused" and row(out, block)[5:7] == ["0.500", "0.667"], row(out, block)
         assert float(row(out, block)[7]) < 0.7
     assert row(out, "LoraChain3MoE")[5:7] == ["0.333", "0.500"]

@@ -8,9 +8,11 @@ the intermediate. Per case, on 1, 2 and 4 gloo ranks (one rank with no tokens), 
   grad, RNG, every local grad (router and both LoRA matrices) and the visible state, ``torch.equal``;
 - **what was fused**: exchanges per forward and the chains each one carried (calls per item), fused and staged.
 
-Cases that must not fuse (each as exact): a hook on ``lora_A[i]``, an intermediate the block reads or keeps, a
-``no_grad`` around one link. A chain across two owners is refused before it could run (``lora_B[(i + 1) % E]``,
-the misaligned twin): no accepted spelling makes one.
+Fused: LoRA chains of two and three modules (ModuleList, ModuleDict), an adapter with ``F.gelu`` between its links
+(applied on the owner). Cases that must not fuse (each as exact): a hook on ``lora_A[i]``, an intermediate (or an
+activation's output) the block reads or keeps, a ``no_grad`` around one link, dropout between the links. A chain
+across two owners is refused before it could run (``lora_B[(i + 1) % E]``, the misaligned twin): no accepted
+spelling makes one.
 
     pytest tests/runtime/test_chained_experts.py
 """

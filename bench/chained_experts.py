@@ -105,14 +105,14 @@ def main() -> None:
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(args.world)]
     print(f"LoRA chains under EP, {args.world} gloo ranks, {args.tokens} tokens per rank, one forward+backward, "
           "summed over ranks")
-    print(f"{'block':<17}{'execution':<10}{'all-to-alls':>12}{'payload B':>11}{'counts B':>10}"
+    print(f"{'block':<19}{'execution':<10}{'all-to-alls':>12}{'payload B':>11}{'counts B':>10}"
           f"{'a2a ratio':>11}{'payload ratio':>15}{'bytes ratio':>13}")
     for block in BLOCKS:
         total = {e: {k: sum(r[(block, e)][k] for r in ranks) for k in ("calls", "payload", "counts")}
                  for e in EXECUTIONS}
         for e in EXECUTIONS:
             t, base = total[e], total["staged"]
-            print(f"{block:<17}{e:<10}{t['calls']:>12,}{t['payload']:>11,}{t['counts']:>10,}"
+            print(f"{block:<19}{e:<10}{t['calls']:>12,}{t['payload']:>11,}{t['counts']:>10,}"
                   f"{t['calls'] / base['calls']:>11.3f}{t['payload'] / base['payload']:>15.3f}"
                   f"{(t['payload'] + t['counts']) / (base['payload'] + base['counts']):>13.3f}")
 

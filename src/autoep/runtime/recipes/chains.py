@@ -60,10 +60,11 @@ _OP_CALLS = {torch.relu: "relu", Tensor.relu: "relu", F.relu: "relu", F.gelu: "g
 
 
 def routes(members: int) -> tuple[tuple[int | str, ...], ...]:
-    """What one exchange carries per expert, as the member indices its chain visits (an activation's name between
-    two): each member alone first (route m is member m, an unfused call), then (where ``FUSE``) every run of 2 to
-    ``MAX_LINKS`` consecutive members, and every two consecutive members with one of ``OPS`` between them: a chain
-    visits an expert's members in the order ``MoeStructure.expert_members`` lists them, the forward's order."""
+    """What one exchange carries per expert, as the member indices its chain visits (``"op"`` between two: one of
+    ``OPS``, which each rank names per expert and pair in the exchange's counts, ``op_code``): each member alone
+    first (route m is member m, an unfused call), then (where ``FUSE``) every run of 2 to ``MAX_LINKS`` consecutive
+    members, and every two consecutive members with an activation between them: a chain visits an expert's members
+    in the order ``MoeStructure.expert_members`` lists them, the forward's order."""
     return _routes(members, FUSE)
 
 
@@ -73,7 +74,12 @@ def _routes(members: int, fuse: bool) -> tuple[tuple[int | str, ...], ...]:
     if not fuse:
         return singles
     runs = tuple(tuple(range(m, m + k)) for k in range(2, min(members, MAX_LINKS) + 1) for m in range(members - k + 1))
-    return singles + runs + tuple((m, op, m + 1) for m in range(members - 1) for op in OPS)
+    return singles + runs + tuple((m, "op", m + 1) for m in range(members - 1))
+
+
+def op_code(name: str | None) -> int:
+    """An activation's number in the exchange's counts (0: none)."""
+    return 0 if name is None else list(OPS).index(name) + 1
 
 
 def _links(route: tuple) -> list[tuple[str | None, int]]:
@@ -95,6 +101,7 @@ class Sent:
     calls: tuple[Call, ...]
     route: int  # index into ``routes(members)``
     slot: int  # the exchange's slot: expert * len(routes(members)) + route
+    op: str | None = None  # the activation between its two links (a route with "op")
 
     @property
     def head(self) -> Call:
@@ -129,29 +136,33 @@ def sent(tape: Tape, members: int, experts: list[nn.Module]) -> list[Sent]:
         for t in {id(t): t for t in _tensors((entry.args, entry.kwargs), []) if type(t) is Pending}.values():
             readers.setdefault(id(t), []).append(entry)
     absorbed: set[int] = set()
+    named: dict[tuple, str] = {}  # (stage, expert, pair) -> the activation its chains apply (one per exchange)
     items = []
     for call in tape.calls:
         if id(call) in absorbed:
             continue
-        chain, route = [call], [call.expert % members]
+        chain, route, name = [call], [call.expert % members], None
         while len(chain) < MAX_LINKS:
-            link = _link(tape, members, experts, chain, readers)
+            link = _link(tape, members, experts, chain, readers, named)
             if link is None:
                 break
             op, nxt = link
             chain.append(nxt)
-            route += [_op_name(op), nxt.expert % members] if op else [nxt.expert % members]
+            route += ["op", nxt.expert % members] if op else [nxt.expert % members]
             absorbed.add(id(nxt))
             if op is not None:  # the owner applies it (by identity: entries compare their tensors with ==)
                 tape.entries[:] = [e for e in tape.entries if e is not op]
+                name = _op_name(op)
+                named[(call.stage, call.expert // members, call.expert % members)] = name
                 break
         index = table.index(tuple(route))
-        items.append(Sent(tuple(chain), index, (call.expert // members) * len(table) + index))
+        items.append(Sent(tuple(chain), index, (call.expert // members) * len(table) + index, name))
     return items
 
 
-def _link(tape: Tape, members: int, experts: list[nn.Module], chain: list[Call], readers: dict):
-    """``(activation entry or None, the next call)`` where the chain continues on its owner, else None."""
+def _link(tape: Tape, members: int, experts: list[nn.Module], chain: list[Call], readers: dict, named: dict):
+    """``(activation entry or None, the next call)`` where the chain continues on its owner, else None (also for an
+    activation other than the one this expert's chains apply in this exchange: ``named``)."""
     last = chain[-1]
     reading = readers.get(id(last.out), [])
     if len(reading) != 1:
@@ -163,8 +174,10 @@ def _link(tape: Tape, members: int, experts: list[nn.Module], chain: list[Call],
         return (None, nxt) if ok else None
     op = reading[0]
     following = readers.get(id(op.out), []) if type(op.out) is Pending else []
-    if len(chain) != 1 or _op_name(op) is None or op.args[0] is not last.out or len(following) != 1 \
-            or not isinstance(following[0], Call):
+    name = _op_name(op)
+    if len(chain) != 1 or name is None or op.args[0] is not last.out or len(following) != 1 \
+            or not isinstance(following[0], Call) \
+            or named.get((last.stage, last.expert // members, last.expert % members), name) != name:
         return None
     nxt = following[0]
     ok = (op.ctx == last.ctx and _key(op.out) not in tape.written and _next_member(tape, members, experts, chain, nxt)
@@ -243,10 +256,11 @@ def _swapped(value, swap: dict):
 
 
 def run_routes(members: int, experts: list[nn.Module], received: list[Tensor], called: list[bool], ep_size: int,
-               name: str) -> dict[tuple[int, int], Tensor]:
+               name: str, ops: list[list[int]] | None = None) -> dict[tuple[int, int], Tensor]:
     """The output of each called local slot's route for each rank's rows (``received[r * V + v]``: rank r's rows
-    of local slot v; ``experts``: this rank's modules, expert by expert), computed level by level (module
-    docstring): at level k, each module once on the rows of every route whose k-th member it is."""
+    of local slot v; ``experts``: this rank's modules, expert by expert; ``ops[r][x * (members - 1) + m]``: rank
+    r's ``op_code`` for local expert x's pair (m, m + 1)), computed level by level (module docstring): at level k,
+    each module once on the rows of every route whose k-th member it is."""
     links = [_links(route) for route in routes(members)]
     V, W = len(links), ep_size
     current = {(r, v): received[r * len(called) + v] for r in range(W) for v in range(len(called)) if called[v]}
@@ -258,9 +272,12 @@ def run_routes(members: int, experts: list[nn.Module], received: list[Tensor], c
                         if called[v] and len(links[v % V]) > k and links[v % V][k][1] == m]
                 if not keys:
                     continue
-                for r, v in keys:  # the activation between two links: element-wise, so per piece
-                    op = links[v % V][k][0]
-                    current[(r, v)] = OPS[op](current[(r, v)]) if op else current[(r, v)]
+                for r, v in keys:  # the activation between two links, rank r's: element-wise, so per piece
+                    if links[v % V][k][0]:
+                        code = ops[r][x * (members - 1) + m - 1]
+                        if not code:
+                            raise ReplayError(f"{name}: rank {r} sent rows to an activation route naming none")
+                        current[(r, v)] = list(OPS.values())[code - 1](current[(r, v)])
                 expert = experts[x * members + m]
                 rows = torch.cat([current[key] for key in keys])
                 out = type(expert).forward(expert, rows)

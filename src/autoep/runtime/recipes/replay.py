@@ -528,16 +528,23 @@ def _ctx_of(code: int) -> tuple:
 def _meta_row(spec, items: list[chains.Sent], rows: list[Tensor], failure, experts: list[nn.Module], stages: int,
               later: int) -> list[int]:
     """What this rank tells every peer before the rows move: rows and calls per slot (an expert's route,
-    ``chains.routes``: with one module per expert, the expert), the rows' width and dtype, the outputs' width
-    (0 where they go back flat, ``chains.flat``) and dtype (-1: no calls), whether the exchange needs a backward
-    here (rows or local experts needing gradients), the calls' context (-1: none), how many exchanges its forward
-    needs, the next stage it has calls for (0: none), and whether its forward held."""
-    slots = spec.num_experts // spec.members * len(chains.routes(spec.members))
+    ``chains.routes``: with one module per expert, the expert; where outputs go back flat, ``chains.flat``, one
+    number per slot, rows + 1 where called and 0 where not, then each expert's activation per pair of members,
+    ``chains.op_code``), the rows' width and dtype, the outputs' width (0 where they go back flat) and dtype (-1: no
+    calls), whether the exchange needs a backward here (rows or local experts needing gradients), the calls'
+    context (-1: none), how many exchanges its forward needs, the next stage it has calls for (0: none), and
+    whether its forward held."""
+    M, table = spec.members, chains.routes(spec.members)
+    slots = spec.num_experts // M * len(table)
     counts, called = [0] * slots, [0] * slots
+    ops = [0] * (spec.num_experts // M * (M - 1))
     for s, r in zip(items, rows):
         counts[s.slot] += r.shape[0]
         called[s.slot] = 1
-    flat = chains.flat(spec.members)
+        if s.op is not None:
+            ops[s.slot // len(table) * (M - 1) + s.head.expert % M] = chains.op_code(s.op)
+    flat = chains.flat(M)
+    slot_part = [c + 1 if k else 0 for c, k in zip(counts, called)] + ops if flat else counts + called
     shapes = {(r.shape[1], r.dtype, (0,) if flat else tuple(s.last.out.shape[-1:]), s.last.out.dtype)
               for s, r in zip(items, rows)}
     ctxs = {s.head.ctx for s in items}
@@ -549,8 +556,8 @@ def _meta_row(spec, items: list[chains.Sent], rows: list[Tensor], failure, exper
     local = experts[spec.first: spec.first + spec.num_local]
     grad = (ctx[0] if ctx else torch.is_grad_enabled()) and not (ctx or _ctx())[1] and (
         any(r.requires_grad for r in rows) or any(p.requires_grad for expert in local for p in expert.parameters()))
-    return counts + called + [width, codes[0], out_width[0], codes[1], int(grad),
-                              _ctx_code(ctx) if ctx else -1, stages, later, int(ok)]
+    return slot_part + [width, codes[0], out_width[0], codes[1], int(grad), _ctx_code(ctx) if ctx else -1, stages,
+                        later, int(ok)]
 
 
 def _exchange(block: nn.Module, spec, experts: list[nn.Module], items: list[chains.Sent], rows: list[Tensor],
@@ -564,34 +571,41 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], items: list[chai
     M, W = spec.members, spec.ep_size
     E, L = (n // M * len(chains.routes(M)) for n in (spec.num_experts, spec.num_local))  # slots, local slots
     flat = chains.flat(M)
+    # Per peer: its slots' numbers (flat: one per slot; else counts, then called flags), its experts' activations
+    # (flat only), then this rank's checks; X: where the checks start in a row.
+    O, P = (n // M * (M - 1) for n in (spec.num_experts, spec.num_local)) if flat else (0, 0)
+    blocks = [(0, L), (E, P)] if flat else [(0, L), (E, L)]
+    X, tail = L + P if flat else 2 * L, E + O if flat else 2 * E
     mine = _meta_row(spec, items, rows, failure, experts, stages, later)
     if W > 1:
-        # Layout: column block p of what this rank sends holds the counts of peer p's slots.
-        per_peer = [torch.tensor(mine[p * L:(p + 1) * L] + mine[E + p * L:E + (p + 1) * L] + mine[2 * E:],
-                                 dtype=torch.long, device=device) for p in range(W)]
+        # Layout: column block p of what this rank sends holds peer p's slots.
+        per_peer = [torch.tensor([v for start, n in blocks for v in mine[start + p * n:start + (p + 1) * n]]
+                                 + mine[tail:], dtype=torch.long, device=device) for p in range(W)]
         send = torch.stack(per_peer)
         meta_W = torch.empty_like(send)
         # NOTE: collective. Each rank learns what every peer sends its experts, and every peer's check.
         dist.all_to_all_single(meta_W, send, group=group)
     else:
-        meta_W = torch.tensor([mine[:L] + mine[E:E + L] + mine[2 * E:]], dtype=torch.long, device=device)
+        meta_W = torch.tensor([[v for start, n in blocks for v in mine[start:start + n]] + mine[tail:]],
+                              dtype=torch.long, device=device)
     # NOTE: .tolist() syncs the host once per exchange for the split sizes and the peers' checks.
     meta = meta_W.tolist()
     _raise_if_failed(block, failure, [row[-1] for row in meta], mine)
     stages = max(row[-3] for row in meta)
     exchange_at = min([row[-2] for row in meta if row[-2] > 0], default=stages + 1)
-    widths = {(row[2 * L], row[2 * L + 1], row[2 * L + 2], row[2 * L + 3]) for row in meta if row[2 * L] >= 0}
-    ctxs = {row[2 * L + 5] for row in meta if row[2 * L + 5] >= 0}
+    widths = {(row[X], row[X + 1], row[X + 2], row[X + 3]) for row in meta if row[X] >= 0}
+    ctxs = {row[X + 5] for row in meta if row[X + 5] >= 0}
     if len(widths) > 1 or len(ctxs) > 1:
         raise ReplayError(f"{type(block).__name__}: ep ranks call its experts on rows of different widths or dtypes, "
                           f"or under different grad/autocast states, in one exchange ({sorted(widths)}, contexts "
                           f"{sorted(ctxs)}); autoep sends one kind of rows per exchange")
     width, dtype_code, out_width, out_code = next(iter(widths)) if widths else (0, 0, 0, 0)
     ctx = _ctx_of(next(iter(ctxs))) if ctxs else _ctx()
-    recv_counts = [row[:L] for row in meta]  # recv_counts[r][l]: rows rank r sends to local slot l
+    # recv_counts[r][l]: rows rank r sends to local slot l
+    recv_counts = [[max(v - 1, 0) for v in row[:L]] if flat else row[:L] for row in meta]
     report_counts(block, torch.tensor(chains.rows_per_module(M, recv_counts), dtype=torch.long))
-    called_L = [any(row[L + l] for row in meta) for l in range(L)]
-    send_splits = [sum(mine[p * L:(p + 1) * L]) for p in range(W)]
+    called_L = [any(row[l] if flat else row[L + l] for row in meta) for l in range(L)]
+    send_splits = [sum(r.shape[0] for s, r in zip(items, rows) if s.slot // L == p) for p in range(W)]
     recv_splits = [sum(c) for c in recv_counts]
 
     order = sorted(range(len(items)), key=lambda i: items[i].slot)  # stable: call order within a slot
@@ -600,7 +614,7 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], items: list[chai
             torch.empty((0, width), dtype=_DTYPES[dtype_code], device=device)
         # Every rank runs the exchanges' backward where any rank does (its peers wait in it): where a peer needs
         # gradients, rows that need none here become a leaf that does (its gradient is dropped).
-        needs_grad = any(row[2 * L + 4] for row in meta)
+        needs_grad = any(row[X + 4] for row in meta)
         if needs_grad and not x_send_SD.requires_grad:
             x_send_SD = x_send_SD.detach().requires_grad_()
         x_recv_RD = all_to_all(x_send_SD, recv_splits, send_splits, group) if W > 1 else x_send_SD
@@ -612,7 +626,7 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], items: list[chai
         # fills a zero tensor of the whole exchange's size, W * L of them per exchange.
         received = torch.split(x_recv_RD, [recv_counts[r][l] for r in range(W) for l in range(L)])
         pieces = chains.run_routes(M, experts[spec.first: spec.first + spec.num_local], received, called_L, W,
-                                   type(block).__name__)
+                                   type(block).__name__, [row[L:L + P] for row in meta])
         out_dtype = _DTYPES[out_code] if widths else torch.float32
         back = [pieces[(r, l)] for r in range(W) for l in range(L) if (r, l) in pieces]
         if flat:  # layout change: each piece's (rows, P) as its elements, whatever its P (a fused chain's, or not)

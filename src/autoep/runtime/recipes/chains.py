@@ -28,11 +28,13 @@ draws inside the experts (``expert_draws: on_owner``) come in the staged order t
 module.
 
 Encoding: an exchange carries rows per (expert, route), a route being the run of member indices its chain visits,
-with the activation's name between two where it has one (``routes``: each member alone first, so with one module
-per expert, or with ``FUSE`` off, nothing changes). Every rank learns, in each exchange, the next stage any rank
-has calls for, and exchanges are skipped where no rank has (a chain fused into exchange s leaves exchange s + 1
-empty). Outputs of one exchange may then differ in width (A's rank-wide outputs beside a chain's full-width ones):
-blocks with several modules per expert return their outputs as one flat buffer (``flat``).
+with ``"op"`` between two where an activation sits there (``routes``: each member alone first, so with one module
+per expert, or with ``FUSE`` off, nothing changes); which activation, each rank says per expert and pair of members
+in the exchange's counts (``op_code``: ranks may differ, the owner applies each rank's to its rows). Every rank
+learns, in each exchange, the next stage any rank has calls for, and exchanges are skipped where no rank has (a
+chain fused into exchange s leaves exchange s + 1 empty). Outputs of one exchange may then differ in width (A's
+rank-wide outputs beside a chain's full-width ones): blocks with several modules per expert return their outputs
+as one flat buffer (``flat``).
 """
 
 from __future__ import annotations

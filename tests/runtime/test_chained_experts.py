@@ -8,7 +8,7 @@ the intermediate. Per case, on 1, 2 and 4 gloo ranks (one rank with no tokens), 
   grad, RNG, every local grad (router and both LoRA matrices) and the visible state, ``torch.equal``;
 - **what was fused**: exchanges per forward and the chains each one carried (calls per item), fused and staged.
 
-Fused: LoRA chains of two and three modules (ModuleList, ModuleDict), an adapter with ``F.gelu`` between its links
+Fused: LoRA chains of two and three modules (ModuleList, ModuleDict, numbered attributes), an adapter with ``F.gelu`` between its links
 (applied on the owner). Cases that must not fuse (each as exact): a hook on ``lora_A[i]``, an intermediate (or an
 activation's output) the block reads or keeps, a ``no_grad`` around one link, dropout between the links. A chain
 across two owners is refused before it could run (``lora_B[(i + 1) % E]``, the misaligned twin): no accepted
@@ -24,6 +24,7 @@ import functools
 import one_pass_blocks as ob
 import pytest
 import role_blocks as rb
+import role_blocks_attrs as ra
 import test_one_pass as top
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ SPLITS = ob.EMPTY_RANK  # batch rows per rank: one rank with no tokens
 CASES = {
     "lora_mixture_3": (rb.LoraMixture3MoE, 1, 2, [2] * rb.E),
     "lora_dict": (rb.LoraDictMoE, 1, 2, [2] * rb.E),
+    "numbered_lora": (ra.NumberedLoraMoE, 1, 2, [2] * rb.E),  # getattr(self, f"lora_B{i}")(getattr(...)(x))
     "lora_chain_3": (rb.LoraChain3MoE, 1, 3, [3] * rb.E),
     "adapter_gelu": (rb.AdapterMixtureMoE, 1, 2, [2] * rb.E),  # the activation between the links on the owner
     # must not fuse: dropout between the links (its draws are the caller's, in the forward's order)

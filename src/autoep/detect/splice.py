@@ -52,30 +52,37 @@ def spliced_source(plans) -> ast.FunctionDef:
 
 def compile_spliced(plans, expert_loops):
     """The plans' method, live, with the ``k``-th region replaced by ``expert_loops[k](self, *plans[k].args)``:
-    a function to bind to the block.
+    a function to bind to the block (``compile_changed``)."""
+    names = tuple(map(loop_name, range(len(plans))))
+    return compile_changed(plans[0].fn, plans[0].method, spliced_source(plans), dict(zip(names, expert_loops)),
+                           "with its expert loop spliced")
 
-    It is the model's function with one region changed, not a copy of it: compiled in its class's scope
+
+def compile_changed(fn, method: str, tree: ast.FunctionDef, calls: dict, what: str):
+    """``fn`` (the block's ``method``) compiled from ``tree``, its own source with some expressions changed into
+    calls of ``calls`` (name -> function, bound as closure cells): a function to bind to the block.
+
+    It is the model's function with those parts changed, not a copy of it: compiled in its class's scope
     (private ``self.__x`` names mangled as in the class), with its own ``__defaults__``, ``__kwdefaults__``
     (the same objects, never re-evaluated) and closure cells (shared: a rebinding of a closure variable is
     seen by both), from the source proven to be its code (``source.function_tree``). Each call first checks
     that the class still holds that function with that code; a method replaced or a ``__code__`` swapped
     after apply raises instead of running the old code."""
-    fn = plans[0].fn
     code = fn.__code__
-    tree = spliced_source(plans)
-    names = tuple(map(loop_name, range(len(plans))))
-    _guard_first(tree, plans[0].method)
-    filename = f"<autoep: {fn.__qualname__} with its expert loop spliced>"
+    tree = copy.deepcopy(tree)
+    names = tuple(calls)
+    _guard_first(tree, method)
+    filename = f"<autoep: {fn.__qualname__} {what}>"
     source = ast.unparse(scope_module(tree, code, (*names, _LIVE)))
-    # Register the source so tracebacks through the spliced method show its lines.
+    # Register the source so tracebacks through the changed method show its lines.
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     new_code = compile_in_scope(tree, code, filename=filename, module=ast.parse(source))
     cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
-    cells |= {n: types.CellType(f) for n, f in zip(names, expert_loops)}
-    cells[_LIVE] = types.CellType(_live_check(fn, code, plans[0].method))
+    cells |= {n: types.CellType(f) for n, f in calls.items()}
+    cells[_LIVE] = types.CellType(_live_check(fn, code, method))
     missing = [n for n in new_code.co_freevars if n not in cells]
     if missing:
-        raise RuntimeError(f"{fn.__qualname__}: the spliced method reads {missing}, which its own closure lacks")
+        raise RuntimeError(f"{fn.__qualname__}: the changed method reads {missing}, which its own closure lacks")
     new = types.FunctionType(new_code.replace(co_qualname=code.co_qualname), fn.__globals__, fn.__name__,
                              fn.__defaults__, tuple(cells[n] for n in new_code.co_freevars))
     new.__kwdefaults__ = fn.__kwdefaults__

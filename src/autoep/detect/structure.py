@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch.nn as nn
 
 from autoep.detect import (
+    block_weights,
     elementwise,
     equal_groups_proof,
     expert_reads,
@@ -35,12 +36,14 @@ from autoep.errors import UnsupportedModuleStructure
 # forward of their own, the 4.57 Switch selected-rows loop and VitPose's masked sum run by record/exchange/replay;
 # idle_experts "selected" is gone); 8: expert_members (experts by role: several aligned containers, or a list the
 # forward builds, one expert's modules together; replay only); 9: experts not in one container (numbered attributes,
-# lists built with extend/slices, per-task lists: expert_members), a slice of a container lists only its experts
-DETECTOR_VERSION = "9"
+# lists built with extend/slices, per-task lists: expert_members), a slice of a container lists only its experts;
+# 10: expert_storage block_weights (3-D weights on the block, or on a child it never calls, that its own routing
+# loop slices by the expert id: refused before)
+DETECTOR_VERSION = "10"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")
-STORAGE_KINDS = ("module_list", "batched_parameters", "grouped", "equal_groups")
+STORAGE_KINDS = ("module_list", "batched_parameters", "grouped", "equal_groups", "block_weights")
 EXPERT_KINDS = ("swiglu", "row_local")
 EXECUTIONS = ("spliced", "grouped", "replay")
 
@@ -52,7 +55,9 @@ class MoeStructure:
     router: str  # softmax_topk | sigmoid_group | topk_router_module | other (vocabulary: routing runs as written)
     shared_experts: str  # none | gated | additive (vocabulary: the shared branch always runs as written)
     expert_storage: str  # module_list | batched_parameters | grouped (experts(x_sorted, num_tokens_per_expert))
-    # | equal_groups (experts(rows): E equal groups of rows, row block e for expert e)
+    # | equal_groups (experts(rows): E equal groups of rows, row block e for expert e) | block_weights (3-D weights
+    # on the block, or on a child it never calls, sliced by the block's own routing loop: ``autoep.detect.
+    # block_weights``; experts_path the holder, "" for the block, expert_projs the weights' names; execution replay)
     jitter: bool  # the block has ``jitter_noise`` (vocabulary: jitter always runs as written)
     # Expert layout facts (batched_parameters; module_list experts are stacked to the default layout).
     expert_bias: bool = False  # gate_up_proj_bias / down_proj_bias are added
@@ -276,12 +281,34 @@ def _own_forward_container(experts) -> bool:
     return isinstance(experts, (nn.ModuleList, nn.ModuleDict)) and type(experts).forward is not nn.Module.forward
 
 
-_BLOCK_PARAMS = ("experts are 3-D parameters on the block itself ({}); record/replay needs expert modules (a call "
-                 "to move), and autoep's batched and grouped proofs read an experts submodule the block calls, not "
-                 "slices of the block's own weights inside its routing loop (no call to move the rows through); move "
-                 "the weights into an experts module (batched: experts(hidden, top_k_index, top_k_weights); grouped: "
-                 "experts(x_sorted, counts), applying them by its own per-group loop or its own per-group autograd "
-                 "Function), or opt out")
+_BLOCK_PARAMS = ("experts are 3-D parameters on the block itself ({}), and its forward never slices them by an "
+                 "expert id (self.w1[i] in a routing loop: autoep.detect.block_weights); autoep's batched and grouped "
+                 "proofs read an experts submodule the block calls; slice the weights by the routing loop's id, or move "
+                 "them into an experts module (batched: experts(hidden, top_k_index, top_k_weights); grouped: "
+                 "experts(x_sorted, counts)), or opt out")
+_BLOCK_WEIGHTS_FAST = ("its experts are 3-D weights its own routing loop slices by the expert id ({}); only the "
+                       "one-pass execution runs them (record_replay: false refuses it)")
+
+
+def _block_weights_structure(module: nn.Module, replay: bool) -> MoeStructure | None:
+    """The structure of a block whose experts are 3-D weights its own routing loop slices (``autoep.detect.
+    block_weights``: on the block, or on the child ``find_experts`` names, which the block never calls); None for
+    any other block. Run by the one pass only: refused where ``replay`` is off."""
+    held = block_weights.holder(module)
+    if held is None:
+        return None
+    try:  # module experts the forward loops over, or another experts child: the other proofs' (their refusals too)
+        if module_list_proof.expert_container(module) is not None or held and held != find_experts(module, None):
+            return None
+    except Refusal:
+        return None
+    if genuine.patched_torch_objects(elementwise.activation_classes(), module_call=False):
+        return None  # ``_structure`` names the patch
+    proof = block_weights.prove(module)
+    if not replay:
+        raise Refusal(_BLOCK_WEIGHTS_FAST.format(proof.describe()))
+    return MoeStructure(router=routing_proof.router_kind(module), shared_experts=routing_proof.shared_kind(module),
+                        jitter=hasattr(module, "jitter_noise"), **block_weights.facts(proof))
 
 
 def block_expert_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -388,6 +415,9 @@ def fast_path_structure(module: nn.Module) -> MoeStructure:
 
 def _detected(module: nn.Module, replay: bool, fast: bool = True, draws_on_owner: bool = False) -> MoeStructure:
     try:
+        held = _block_weights_structure(module, replay)
+        if held is not None:
+            return held
         try:
             if not fast:  # the reason replay gives where it finds no container
                 raise _block_params_refusal(module) or Refusal("execution=replay needs module experts of one "
@@ -412,6 +442,9 @@ def count_experts(module: nn.Module, structure: MoeStructure | None = None) -> i
     computes where the token is (``structure.identity_experts``; without a structure, every trailing one)."""
     if structure is not None and structure.expert_members:
         return len(structure.expert_members)  # one expert across several modules (``expert_roles``)
+    if structure is not None and structure.expert_storage == "block_weights":
+        holder = module.get_submodule(structure.experts_path) if structure.experts_path else module
+        return int(holder._parameters[structure.expert_projs[0]].shape[0])  # (E, ., .), one E for all
     if structure is not None and structure.execution == "replay":
         try:  # the leading entries up to one the forward reads by name: every one travels
             return replay_proof.num_experts(module, structure.experts_path)

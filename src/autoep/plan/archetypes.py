@@ -45,6 +45,9 @@ EQUAL_GROUPS = Archetype(target=f"{RECIPES}.equal_groups.ep_equal_group_experts"
 # Module experts whose loop no fast-path spec proves: the block's forward runs once, its expert outputs deferred
 # to the exchange (one pass), each expert's own forward on its owner. Chosen by ``MoeStructure.execution``, for any router.
 REPLAY = Archetype(target=f"{RECIPES}.replay.ep_replay_block")
+# 3-D expert weights the block's own routing loop slices (``autoep.detect.block_weights``): the forward runs once,
+# each proven expert expression an expert call on the weights' owner. Chosen by ``expert_storage``, for any router.
+BLOCK_WEIGHTS = Archetype(target=f"{RECIPES}.block_weights.ep_block_weights")
 
 # (router, expert_storage) -> recipe. The remaining MoeStructure fields are passed to the factory as
 # its ``structure`` kwarg, so the decision's full lookup key is every field (jitter included).
@@ -73,6 +76,8 @@ OWN_FORWARD_STORAGE = ("module_list",)  # where "row_local" experts run (their o
 
 def archetype_for(structure: MoeStructure, cls_name: str = "module") -> Archetype:
     """The row for ``structure``, or ``UnsupportedModuleStructure`` naming what has no recipe."""
+    if structure.expert_storage == "block_weights":
+        return BLOCK_WEIGHTS
     if structure.execution == "replay":
         if structure.expert_storage != "module_list":
             raise UnsupportedModuleStructure(cls_name, f"execution=replay runs module experts only, not "
@@ -99,4 +104,4 @@ def compute_fn_config(structure: MoeStructure, cls_name: str = "module") -> dict
 
 
 def known_targets() -> set[str]:
-    return {row.target for row in TABLE.values()} | {REPLAY.target}
+    return {row.target for row in TABLE.values()} | {REPLAY.target, BLOCK_WEIGHTS.target}

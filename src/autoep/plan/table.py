@@ -65,8 +65,12 @@ def param_bytes(model: nn.Module, parallel: DictConfig) -> tuple[int, int]:
 
 def _expert_params(block: nn.Module, s) -> list:
     """The parameters of a planned block's experts: those under ``experts_path`` (a submodule, or a plain dict/list
-    of registered experts), or of every module ``expert_members`` names."""
+    of registered experts), or of every module ``expert_members`` names, or the 3-D weights ``expert_projs`` names
+    (``block_weights``)."""
     members = (s.get("expert_members") or ()) if s is not None else ()
+    if s is not None and s.get("expert_storage") == "block_weights":  # the 3-D weights alone (``""``: the block's)
+        holder = block.get_submodule(s.get("experts_path") or "")
+        return [holder.get_parameter(w) for w in s.get("expert_projs") or ()]
     if members:
         return [p for expert in members for path in expert for p in block.get_submodule(path).parameters()]
     found = plain_experts.resolve(block, s.get("experts_path", "experts") if s is not None else "experts")

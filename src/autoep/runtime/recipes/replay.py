@@ -254,6 +254,17 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
         tape.check_unchanged()
     except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts, then raised here
         failure = exc
+    return run_exchanges(self, spec, experts, tape, output, failure, group, device,
+                         lambda c: _rows_of_call(self, replay, tape, c))
+
+
+def run_exchanges(block: nn.Module, spec, experts: list, tape: Tape, output, failure, group, device: torch.device,
+                  rows_of, touch: tuple[Tensor, ...] = ()):
+    """After the block's forward (``output``, or its ``failure``): every exchange the tape needs, each stage's taped
+    calls run, every rank joining each exchange; then the pending objects settled. ``rows_of(call)``: the 2-D rows a
+    call sends. ``touch``: local expert tensors that get a zero gradient wherever any rank made an expert call (3-D
+    expert weights: the model gives every slice a gradient, zeros where no row reached it)."""
+    cls = type(block)
     items = []
     try:  # each call, or a chain of calls fused on its owner (``chains``)
         items = chains.sent(tape, spec.members, experts) if failure is None else []
@@ -266,12 +277,12 @@ def _replayed_forward(self: nn.Module, *args, **kwargs):
             sent = [s for s in items if s.stage == stage] if failure is None else []
             later = min((s.stage for s in items if s.stage > stage), default=0) if failure is None else 0
             try:
-                rows = [_rows_of_call(self, replay, tape, s.head) for s in sent]
+                rows = [rows_of(s.head) for s in sent]
             except Exception as exc:  # noqa: BLE001 - reported to every peer with the counts
                 failure, rows = exc, []
             outputs, returned, stages, exchange_at = _exchange(
-                self, spec, experts, sent, rows, [s.last.edited(tape) for s in sent], failure, group, device,
-                tape.stages if stage == 1 else stages, later)
+                block, spec, experts, sent, rows, [s.last.edited(tape) for s in sent], failure, group, device,
+                tape.stages if stage == 1 else stages, later, touch if stage == 1 else ())
             for item, out in zip(sent, outputs):
                 tape.answer(item.last, out)
             del sent, rows, outputs  # the tape's references alone (``Tape.settle``)
@@ -562,12 +573,13 @@ def _meta_row(spec, items: list[chains.Sent], rows: list[Tensor], failure, exper
 
 def _exchange(block: nn.Module, spec, experts: list[nn.Module], items: list[chains.Sent], rows: list[Tensor],
               edited: list[bool], failure, group, device: torch.device, stages: int,
-              later: int) -> tuple[list[Tensor], Tensor, int, int]:
+              later: int, touch: tuple[Tensor, ...] = ()) -> tuple[list[Tensor], Tensor, int, int]:
     """The true output of every item of this exchange (a call, or a chain fused on its owner: its last call's;
     differentiable in its rows and the experts' parameters), the rows the reverse exchange returned, how many
     stages the slowest rank's forward needs, and the stage of the next exchange (the first any rank has calls
     for, ``later`` here; past the last stage: none). Raises on every rank when any rank's forward failed
-    (``failure`` here: re-raised as it is)."""
+    (``failure`` here: re-raised as it is). ``touch``: tensors given a zero gradient where the exchange needs a
+    backward and any rank's forward made an expert call."""
     M, W = spec.members, spec.ep_size
     E, L = (n // M * len(chains.routes(M)) for n in (spec.num_experts, spec.num_local))  # slots, local slots
     flat = chains.flat(M)
@@ -641,6 +653,10 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], items: list[chai
             # No local expert called: the received (zero) rows reach nothing, so their exchange's backward would
             # not run here. Joined to what goes back (an identity; their gradient is zero).
             y_send_RP = _Join.apply(y_send_RP, x_recv_RD)
+        if touch and needs_grad and stages >= 1:
+            # 3-D expert weights: the model's one tensor gets a gradient for every slice once any expert ran on any
+            # rank (zeros where none did); here a slice no rank's rows reached would keep None. Zero, joined.
+            y_send_RP = _Join.apply(y_send_RP, *touch)
         if W > 1:
             y_back_SP = all_to_all(y_send_RP, back_splits, out_splits, group)
             _exchanged(y_back_SP)  # joined to the block's output if the block drops it (a rank without calls)

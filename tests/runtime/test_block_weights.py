@@ -1,0 +1,138 @@
+"""3-D expert weights on the block itself (issue 31 item 3, ``autoep.runtime.recipes.block_weights``): the blocks of
+``tests/block_weight_blocks.py`` under EP on 1, 2 and 4 gloo ranks (one rank without tokens at 4), two steps each
+(forward, backward, SGD at lr 0.1) then one in eval under ``no_grad``, compared after every step with the block's own forward run on every rank's slice
+(its grads summed over them): output and input grad of this rank's slice, what the block keeps in attributes (as its
+own copy on this rank's slices keeps it), the router's (dense) grads summed over
+ranks, every expert weight's value and grad gathered from the owners' slices (``None`` exactly where the block's own
+is ``None``), the weights still ``Shard(0)`` DTensors under the model's own names.
+
+    pytest tests/runtime/test_block_weights.py
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import block_weight_blocks as bwb
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import guarded, run_cases
+from ep_parity import data, mesh, run
+from torch import nn
+
+from autoep.plan.resolve import resolve_plan
+from autoep.runtime.apply import apply_plan
+
+LR = 0.1
+STEPS = 2
+
+
+def _weights(block: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in block.named_parameters() if p.dim() == 3}
+
+
+def _gathered(t, world_size: int):
+    """The full tensor of an expert weight (or its grad) from every rank's local slice; None where every rank's is
+    None; a rank with None beside ranks with a slice is an error (the model's one tensor is all or nothing)."""
+    local = None if t is None else (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+    if world_size == 1:
+        return local
+    held = [None] * world_size
+    dist.all_gather_object(held, local)  # NOTE: collective; each rank holds its experts' slices
+    if all(h is None for h in held):
+        return None
+    assert all(h is not None for h in held), f"grad None on ranks {[r for r, h in enumerate(held) if h is None]}"
+    return torch.cat(held)
+
+
+def _check_block(name: str, rank: int, world_size: int) -> None:
+    torch.manual_seed(3)
+    ref = bwb.BLOCKS[name]()
+    model = nn.ModuleDict({"mlp": copy.deepcopy(ref)})
+    mine = copy.deepcopy(ref)  # the block's own copy on this rank's slices alone (its Python state)
+    resolved = resolve_plan({"ep_size": world_size, "plan": [{"match": "mlp"}]}, model)
+    assert resolved["plan"][0]["decision"]["structure"]["expert_storage"] == "block_weights"
+    apply_plan(model, resolved, mesh(world_size))
+    block = model["mlp"]
+    assert block.state_dict().keys() == ref.state_dict().keys()  # the model's own names
+    experts = _weights(ref).keys()
+    for n in experts:
+        p = block.get_parameter(n)
+        assert world_size == 1 or type(p.data).__name__ == "DTensor" and p.to_local().shape[0] == p.shape[0] // world_size
+    for step in range(STEPS):
+        slices = data(world_size, bwb.D, seed=11 + step)
+        want = [run(ref, *s, seed=100 + r) for r, s in enumerate(slices)]  # ref's grads: summed over every slice
+        out, x_grad = run(block, *slices[rank], seed=100 + rank)
+        torch.testing.assert_close(out, want[rank][0])
+        torch.testing.assert_close(x_grad, want[rank][1])
+        if hasattr(ref, "visible_state"):  # what the block kept: as its own copy on this rank's slices keeps it
+            mine.load_state_dict(ref.state_dict())
+            run(mine, *slices[rank], seed=100 + rank)
+            got, wanted = block.visible_state(), mine.visible_state()
+            assert got.keys() == wanted.keys()
+            for key in got:
+                if isinstance(wanted[key], torch.Tensor):
+                    assert type(got[key]) is torch.Tensor, f"{key}: {type(got[key]).__name__}"
+                torch.testing.assert_close(got[key], wanted[key], msg=lambda m, k=key: f"step {step} {k}: {m}")
+        ep_params, ref_params = dict(block.named_parameters()), dict(ref.named_parameters())
+        for n, p in ref_params.items():
+            got = ep_params[n]
+            if n in experts:
+                value, grad = _gathered(got, world_size), _gathered(got.grad, world_size)
+            else:
+                value, grad = got.detach(), got.grad.clone() if got.grad is not None else torch.zeros_like(got)
+                if world_size > 1:
+                    dist.all_reduce(grad)  # NOTE: collective; dense grads summed over ranks
+            torch.testing.assert_close(value, p.detach(), msg=lambda m, w=f"step {step} {n} value": f"{w}: {m}")
+            assert (grad is None) == (p.grad is None), f"step {step} {n}: grad None {grad is None} vs {p.grad is None}"
+            if grad is not None:
+                torch.testing.assert_close(grad, p.grad, msg=lambda m, w=f"step {step} {n} grad": f"{w}: {m}")
+            if n not in experts:
+                got.grad = grad if p.grad is not None else None  # summed, as a trainer's all-reduce leaves it
+        with torch.no_grad():
+            for n, p in ref_params.items():
+                if p.grad is not None:
+                    p.sub_(LR * p.grad)
+                p.grad = None
+            for n, p in ep_params.items():
+                if p.grad is not None:
+                    (p.to_local() if hasattr(p, "to_local") else p).sub_(
+                        LR * (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad))
+                p.grad = None
+    with torch.no_grad():  # eval: no backward, nothing touched; the output still exact
+        block.eval(), ref.eval()
+        x, _ = data(world_size, bwb.D, seed=5)[rank]
+        torch.testing.assert_close(block(x), ref(x))
+
+
+def block_weight_cases(rank: int, world_size: int, names: tuple[str, ...] = tuple(bwb.BLOCKS)) -> dict:
+    results = {}
+    for name in names:
+        guarded(results, name, _check_block, name, rank, world_size)
+    return results
+
+
+@functools.cache
+def _results(world_size: int) -> dict:
+    return run_cases(world_size, "test_block_weights:block_weight_cases")
+
+
+def _assert_exact(world_size: int) -> None:
+    results = _results(world_size)
+    assert results.keys() == set(bwb.BLOCKS)
+    failed = {case: errors for case, errors in results.items() if errors}
+    assert not failed, "\n".join(f"{case}: {errors[0]}" for case, errors in failed.items())
+
+
+@pytest.mark.parametrize("name", list(bwb.BLOCKS))
+def test_single_process(name):
+    _check_block(name, 0, 1)
+
+
+def test_two_ranks():
+    _assert_exact(2)
+
+
+def test_four_ranks_one_without_tokens():
+    _assert_exact(4)

@@ -1,10 +1,11 @@
 """3-D expert weights on the block itself (issue 31 item 3, ``autoep.runtime.recipes.block_weights``): the blocks of
 ``tests/block_weight_blocks.py`` under EP on 1, 2 and 4 gloo ranks (one rank without tokens at 4), two steps each
-(forward, backward, SGD at lr 0.1) then one in eval under ``no_grad``, compared after every step with the block's own forward run on every rank's slice
-(its grads summed over them): output and input grad of this rank's slice, what the block keeps in attributes (as its
-own copy on this rank's slices keeps it), the router's (dense) grads summed over
-ranks, every expert weight's value and grad gathered from the owners' slices (``None`` exactly where the block's own
-is ``None``), the weights still ``Shard(0)`` DTensors under the model's own names.
+(forward, backward, SGD at lr 0.1) then one in eval under ``no_grad``, compared after every step with the block's
+own forward run on every rank's slice (its grads summed over them): output and input grad of this rank's slice, what
+the block keeps in attributes (as its own copy on this rank's slices keeps it), the router's (dense) grads summed
+over ranks, every expert weight's value and grad gathered from the owners' slices (``None`` exactly where the
+block's own is ``None``), the weights still ``Shard(0)`` DTensors under the model's own names. A weight replaced
+after apply by a plain full tensor raises on every rank.
 
     pytest tests/runtime/test_block_weights.py
 """
@@ -21,6 +22,7 @@ from distributed import guarded, run_cases
 from ep_parity import data, mesh, run
 from torch import nn
 
+from autoep.errors import LiveStateError
 from autoep.plan.resolve import resolve_plan
 from autoep.runtime.apply import apply_plan
 
@@ -106,10 +108,26 @@ def _check_block(name: str, rank: int, world_size: int) -> None:
         torch.testing.assert_close(block(x), ref(x))
 
 
+def _replaced_weight(rank: int, world_size: int) -> None:
+    """A weight replaced after apply by a plain full tensor (``block.w1 = nn.Parameter(full)``) raises naming it on
+    every rank, before anything is computed with it (its slice would be read at another expert's rows)."""
+    torch.manual_seed(3)
+    full = bwb.BlockWeightsMoE()
+    model = nn.ModuleDict({"mlp": copy.deepcopy(full)})
+    apply_plan(model, resolve_plan({"ep_size": world_size, "plan": [{"match": "mlp"}]}, model), mesh(world_size))
+    model["mlp"].w1 = nn.Parameter(full.w1.detach().clone())
+    x, _ = data(world_size, bwb.D)[rank]
+    with pytest.raises(LiveStateError, match=r"BlockWeightsMoE\.w1 is a Parameter of shape \(4, 8, 16\), not the "
+                                             r"Shard\(0\) DTensor apply_plan made"):
+        model["mlp"](x)
+
+
 def block_weight_cases(rank: int, world_size: int, names: tuple[str, ...] = tuple(bwb.BLOCKS)) -> dict:
     results = {}
     for name in names:
         guarded(results, name, _check_block, name, rank, world_size)
+    if world_size > 1:
+        guarded(results, "replaced_weight", _replaced_weight, rank, world_size)
     return results
 
 
@@ -120,7 +138,7 @@ def _results(world_size: int) -> dict:
 
 def _assert_exact(world_size: int) -> None:
     results = _results(world_size)
-    assert results.keys() == set(bwb.BLOCKS)
+    assert results.keys() == {*bwb.BLOCKS, "replaced_weight"}
     failed = {case: errors for case, errors in results.items() if errors}
     assert not failed, "\n".join(f"{case}: {errors[0]}" for case, errors in failed.items())
 

@@ -178,18 +178,14 @@ def _block_forward(self: nn.Module, *args, **kwargs):
     forward, fns = _compiled(cls, code, state.proof)
     sites = len(fns)
     spec = _Spec(state.proof.num_experts * sites, state.ep_size, state.ep_rank)
-    holder = self.get_submodule(state.proof.holder) if state.proof.holder else self
-    local = {w: local_weight(holder, w) for w in state.proof.weights}
-    first = state.ep_rank * (state.proof.num_experts // state.ep_size)
-    experts = [_SiteExpert(self, state.proof, local, fns[v % sites], v // sites - first)
-               for v in range(spec.num_experts)]
     group = getattr(self, GROUP).value
     device = _device(args, kwargs, self)
     tape = Tape(cls.__name__)
     caller = _Caller(self, state.proof, tape, fns)
-    output, failure = None, None
+    output, failure, local = None, None, {}
     token = _ACTIVE.set(caller)
     try:
+        local = _local_weights(self, state)  # before the forward: a weight replaced after apply raises here
         with Deferring(tape):
             output = forward(self, *args, **kwargs)
         if tape.failure is not None:  # raised in the forward and caught there: still a failure
@@ -199,9 +195,31 @@ def _block_forward(self: nn.Module, *args, **kwargs):
         failure = exc
     finally:
         _ACTIVE.reset(token)
+    first = state.ep_rank * (state.proof.num_experts // state.ep_size)
+    experts = [_SiteExpert(self, state.proof, local, fns[v % sites], v // sites - first)
+               for v in range(spec.num_experts)]
     touch = tuple(t for t in local.values() if t.requires_grad)
     return run_exchanges(self, spec, experts, tape, output, failure, group, device,
                          functools.partial(_rows_of, tape), touch)
+
+
+def _local_weights(block: nn.Module, state: _BlockWeights) -> dict[str, Tensor]:
+    """This rank's slices of the expert weights (differentiably), each checked to be the ``Shard(0)`` DTensor apply made
+    (a weight set after apply, ``block.w1 = nn.Parameter(full)``, would be read at the wrong expert's rows)."""
+    holder = block.get_submodule(state.proof.holder) if state.proof.holder else block
+    expected = state.proof.num_experts // state.ep_size
+    local = {}
+    for w in state.proof.weights:
+        t = local_weight(holder, w)
+        param = holder._parameters.get(w)
+        if t.dim() != 3 or t.shape[0] != expected or state.ep_size > 1 and not hasattr(param, "to_local"):
+            raise LiveStateError(f"{type(block).__name__}.{w} is a {type(param).__name__} of shape "
+                                 f"{tuple(getattr(param, 'shape', ()))}, not the Shard(0) DTensor apply_plan made "
+                                 f"({expected} of {state.proof.num_experts} experts on this rank): it was replaced after "
+                                 "apply_plan; load weights into it (load_state_dict, or .to_local().copy_), or apply the "
+                                 "plan again to a fresh model")
+        local[w] = t
+    return local
 
 
 def _rows_of(tape: Tape, call) -> Tensor:

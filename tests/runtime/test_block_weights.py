@@ -4,8 +4,9 @@
 own forward run on every rank's slice (its grads summed over them): output and input grad of this rank's slice, what
 the block keeps in attributes (as its own copy on this rank's slices keeps it), the router's (dense) grads summed
 over ranks, every expert weight's value and grad gathered from the owners' slices (``None`` exactly where the
-block's own is ``None``), the weights still ``Shard(0)`` DTensors under the model's own names. A weight replaced
-after apply by a plain full tensor raises on every rank.
+block's own is ``None``), the weights still ``Shard(0)`` DTensors under the model's own names. A seeded
+``model.apply(init)`` draws the model's weights; a weight replaced after apply by a plain full tensor raises on
+every rank.
 
     pytest tests/runtime/test_block_weights.py
 """
@@ -122,10 +123,33 @@ def _replaced_weight(rank: int, world_size: int) -> None:
         model["mlp"](x)
 
 
+def _apply_init(rank: int, world_size: int) -> None:
+    """A seeded ``model.apply(init)`` after apply draws every weight as on the model: full tensors, this rank's slice
+    kept (``reinit.install_sharded_apply`` on the block holding them); dense ones after them included."""
+    for make in (bwb.BlockWeightsMoE, bwb.ChildWeightsMoE):
+        ref = make()
+        model = nn.ModuleDict({"mlp": copy.deepcopy(ref)})
+        apply_plan(model, resolve_plan({"ep_size": world_size, "plan": [{"match": "mlp"}]}, model), mesh(world_size))
+
+        def init(m: nn.Module) -> None:
+            for p in m.parameters(recurse=False):
+                nn.init.normal_(p)
+
+        torch.manual_seed(9)
+        model.apply(init)
+        torch.manual_seed(9)
+        ref.apply(init)
+        for n, p in ref.named_parameters():
+            got = model["mlp"].get_parameter(n)
+            value = _gathered(got, world_size) if p.dim() == 3 else got.detach()
+            assert torch.equal(value, p.detach()), f"{make.__name__}.{n} after model.apply(init)"
+
+
 def block_weight_cases(rank: int, world_size: int, names: tuple[str, ...] = tuple(bwb.BLOCKS)) -> dict:
     results = {}
     for name in names:
         guarded(results, name, _check_block, name, rank, world_size)
+    guarded(results, "apply_init", _apply_init, rank, world_size)
     if world_size > 1:
         guarded(results, "replaced_weight", _replaced_weight, rank, world_size)
     return results
@@ -138,7 +162,7 @@ def _results(world_size: int) -> dict:
 
 def _assert_exact(world_size: int) -> None:
     results = _results(world_size)
-    assert results.keys() == {*bwb.BLOCKS, "replaced_weight"}
+    assert results.keys() == {*bwb.BLOCKS, "apply_init", "replaced_weight"}
     failed = {case: errors for case, errors in results.items() if errors}
     assert not failed, "\n".join(f"{case}: {errors[0]}" for case, errors in failed.items())
 

@@ -77,7 +77,7 @@ def _check_block(name: str, rank: int, world_size: int) -> None:
             for key in got:
                 if isinstance(wanted[key], torch.Tensor):
                     assert type(got[key]) is torch.Tensor, f"{key}: {type(got[key]).__name__}"
-                torch.testing.assert_close(got[key], wanted[key], msg=lambda m, k=key: f"step {step} {k}: {m}")
+                torch.testing.assert_close(got[key], wanted[key], msg=lambda m, k=f"step {step} {key}": f"{k}: {m}")
         ep_params, ref_params = dict(block.named_parameters()), dict(ref.named_parameters())
         for n, p in ref_params.items():
             got = ep_params[n]
@@ -94,11 +94,11 @@ def _check_block(name: str, rank: int, world_size: int) -> None:
             if n not in experts:
                 got.grad = grad if p.grad is not None else None  # summed, as a trainer's all-reduce leaves it
         with torch.no_grad():
-            for n, p in ref_params.items():
+            for p in ref_params.values():
                 if p.grad is not None:
                     p.sub_(LR * p.grad)
                 p.grad = None
-            for n, p in ep_params.items():
+            for p in ep_params.values():
                 if p.grad is not None:
                     (p.to_local() if hasattr(p, "to_local") else p).sub_(
                         LR * (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad))

@@ -41,7 +41,6 @@ class _Obj:
     value: object
 
 
-_HOLDER = "holder"
 _CASTS = {"float", "half", "bfloat16", "double", "contiguous"}
 
 
@@ -199,7 +198,7 @@ class SiteDomain:
             owner = self.value(func.value)
             if owner == ROWS or isinstance(owner, _Weight):
                 return self._method(node, owner, func.attr)
-            if owner == SELF or owner == _HOLDER:
+            if owner == SELF:
                 raise self.fail(node, "calls a method or module of the block inside an expert expression; autoep "
                                       "proves torch's own functions there")
             target = _obj(getattr(owner.value, func.attr, None)) if isinstance(owner, _Obj) else None

@@ -178,3 +178,26 @@ def test_two_ranks():
 
 def test_four_ranks_one_without_tokens():
     _assert_exact(4)
+
+
+@pytest.mark.parametrize("name", ["block_weights", "method_weights", "child_weights"])
+def test_copies_and_pickles_run_their_own_weights(name):
+    """``copy.deepcopy`` and ``torch.save``/``load`` of the EP-ready block run the copy's own weights."""
+    import io
+
+    model = nn.ModuleDict({"mlp": bwb.BLOCKS[name]()})
+    apply_plan(model, resolve_plan({"ep_size": 1, "plan": [{"match": "mlp"}]}, model), None)
+    x = torch.randn(2, 3, bwb.D)
+    with torch.no_grad():  # (the block keeps its last expert output: a graph tensor would not deepcopy)
+        want = model["mlp"](x)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        with torch.no_grad():
+            assert torch.equal(copied["mlp"](x), want)
+            for p in copied["mlp"].parameters():
+                p.mul_(2.0)  # the copy's own weights: the original's output must not move
+            assert not torch.equal(copied["mlp"](x), want)
+        with torch.no_grad():
+            assert torch.equal(model["mlp"](x), want)

@@ -5,8 +5,8 @@ own forward run on every rank's slice (its grads summed over them): output and i
 the block keeps in attributes (as its own copy on this rank's slices keeps it), the router's (dense) grads summed
 over ranks, every expert weight's value and grad gathered from the owners' slices (``None`` exactly where the
 block's own is ``None``), the weights still ``Shard(0)`` DTensors under the model's own names. A seeded
-``model.apply(init)`` draws the model's weights; a weight replaced after apply by a plain full tensor raises on
-every rank.
+``model.apply(init)`` draws the model's weights; under activation checkpointing (reentrant or not) it is exact; a
+weight replaced after apply by a plain full tensor raises on every rank.
 
     pytest tests/runtime/test_block_weights.py
 """
@@ -109,6 +109,32 @@ def _check_block(name: str, rank: int, world_size: int) -> None:
         torch.testing.assert_close(block(x), ref(x))
 
 
+def _checkpointed(rank: int, world_size: int) -> None:
+    """Under ``torch.utils.checkpoint`` (non-reentrant and reentrant) the block recomputes its forward and exchanges
+    in backward; output, input grad and gathered weight grads equal the block's own (one step; a chained site)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for name in ("block_weights", "child_weights"):
+        for reentrant in (False, True):
+            torch.manual_seed(3)
+            ref = bwb.BLOCKS[name]()
+            model = nn.ModuleDict({"mlp": copy.deepcopy(ref)})
+            apply_plan(model, resolve_plan({"ep_size": world_size, "plan": [{"match": "mlp"}]}, model),
+                       mesh(world_size))
+            slices = data(world_size, bwb.D, seed=21)
+            want = [run(ref, *sl) for sl in slices]
+            x, grad_out = slices[rank]
+            x = x.clone().requires_grad_()
+            out = checkpoint(model["mlp"], x * 1, use_reentrant=reentrant)
+            (out * grad_out).sum().backward()
+            where = f"{name} use_reentrant={reentrant}"
+            torch.testing.assert_close(out.detach(), want[rank][0], msg=lambda m, w=where: f"{w} output: {m}")
+            torch.testing.assert_close(x.grad, want[rank][1], msg=lambda m, w=where: f"{w} input grad: {m}")
+            for n, p in _weights(ref).items():
+                grad = _gathered(model["mlp"].get_parameter(n).grad, world_size)
+                torch.testing.assert_close(grad, p.grad, msg=lambda m, w=f"{where} {n}": f"{w} grad: {m}")
+
+
 def _replaced_weight(rank: int, world_size: int) -> None:
     """A weight replaced after apply by a plain full tensor (``block.w1 = nn.Parameter(full)``) raises naming it on
     every rank, before anything is computed with it (its slice would be read at another expert's rows)."""
@@ -150,6 +176,7 @@ def block_weight_cases(rank: int, world_size: int, names: tuple[str, ...] = tupl
     for name in names:
         guarded(results, name, _check_block, name, rank, world_size)
     guarded(results, "apply_init", _apply_init, rank, world_size)
+    guarded(results, "checkpointed", _checkpointed, rank, world_size)
     if world_size > 1:
         guarded(results, "replaced_weight", _replaced_weight, rank, world_size)
     return results
@@ -162,7 +189,7 @@ def _results(world_size: int) -> dict:
 
 def _assert_exact(world_size: int) -> None:
     results = _results(world_size)
-    assert results.keys() == {*bwb.BLOCKS, "apply_init", "replaced_weight"}
+    assert results.keys() == {*bwb.BLOCKS, "apply_init", "checkpointed", "replaced_weight"}
     failed = {case: errors for case, errors in results.items() if errors}
     assert not failed, "\n".join(f"{case}: {errors[0]}" for case, errors in failed.items())
 

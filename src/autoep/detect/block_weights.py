@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from autoep.detect import expert_reads
-from autoep.detect.expert_roles import _loops
+from autoep.detect.expert_roles import id_loops
 from autoep.detect.site_domain import SiteDomain
 from autoep.detect.source import Refusal, function_tree
 
@@ -199,7 +199,7 @@ class _Scan:
     def __init__(self, block, cls, fn, tree, path: str, weights: dict[str, int]):
         self.block, self.cls, self.fn, self.tree, self.path, self.weights = block, cls, fn, tree, path, weights
         self.parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
-        self.loops = _loops(tree, set(), {}, set())
+        self.loops = id_loops(tree)
 
     def where(self, node: ast.AST) -> str:
         return f"{self.cls.__name__}.forward line {self.fn.__code__.co_firstlineno + node.lineno - 1}"

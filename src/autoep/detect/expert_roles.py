@@ -234,6 +234,12 @@ def _loops(tree: ast.FunctionDef, containers: set[str], lists: dict[str, str], d
     return loops
 
 
+def id_loops(tree: ast.FunctionDef) -> list[_Loop]:
+    """Every loop of ``tree`` (``for`` statements and comprehensions) with the names holding its expert id and the
+    names it derives from them (``_Loop.ids``, ``_Loop.tainted``), no sources of entries (``block_weights``' sites)."""
+    return _loops(tree, set(), {}, set(), set())
+
+
 def _source(expr: ast.AST, containers: set[str], lists: dict[str, str]) -> str | None:
     """The source whose entries iterating ``expr`` gives: a container child, or a forward-built list (``lists``:
     each local name's source)."""

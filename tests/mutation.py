@@ -293,6 +293,57 @@ def targets() -> list[Target]:
     ]
 
 
+class _ModeExpert(nn.Module):
+    """``fc2(inner(fc1(x)))`` for a module whose row-locality depends on the mode (BatchNorm, dropout)."""
+
+    def __init__(self, inner: nn.Module, hidden: int = 16, ffn: int = 24):
+        super().__init__()
+        self.fc1, self.inner, self.fc2 = nn.Linear(hidden, ffn), inner, nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.fc2(self.inner(self.fc1(x)))
+
+
+def _with_stats(block: nn.Module) -> nn.Module:
+    for m in block.modules():  # running statistics that are not the identity's, so a wrong norm could not pass
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+    return block
+
+
+def mode_targets() -> list[Target]:
+    """Blocks whose experts' row-locality depends on the mode (issue 31 item 4), built in the mode they are proven
+    for (eval): BatchNorm1d with running statistics and dropout at p=0.3, through the spliced loop
+    (``ExpertListMoE``) and the one pass (``replay_blocks.ComprehensionMoE``'s loop); and two whose experts are
+    row-local in either mode, built in train (GroupNorm, dropout at p=0). Not in ``targets()``:
+    ``tests/detect/test_mode_changes.py`` runs them with ``mutation_runtime.rt_mode_changed``."""
+    import blocks
+    import replay_blocks
+
+    def comprehension(inner):
+        def build():
+            block = replay_blocks.ComprehensionMoE()
+            block.experts = nn.ModuleList([_ModeExpert(inner(), replay_blocks.D, 12) for _ in range(replay_blocks.E)])
+            return _with_stats(block)
+        return build
+
+    made = {
+        "batch_norm_eval": lambda: _with_stats(blocks.ExpertListMoE([_ModeExpert(nn.BatchNorm1d(24)) for _ in range(4)])),
+        "dropout_eval": lambda: blocks.ExpertListMoE([_ModeExpert(nn.Dropout(0.3)) for _ in range(4)]),
+        "batch_norm_eval_one_pass": comprehension(lambda: nn.BatchNorm1d(12)),
+        "dropout_eval_one_pass": comprehension(lambda: nn.Dropout(0.3)),
+    }
+    trained = {  # row-local in either mode: a flip is exact (GroupNorm; dropout at p=0, its mode released)
+        "group_norm_train": lambda: blocks.ExpertListMoE([_ModeExpert(nn.GroupNorm(4, 24)) for _ in range(4)]),
+        "dropout_p0_train_one_pass": comprehension(lambda: nn.Dropout(0.0)),
+    }
+    return [*(Target(f"mode/{n}", _in_eval(_hand_written_block(n, make)), replay=n.endswith("one_pass"))
+              for n, make in made.items()),
+            *(Target(f"mode/{n}", _hand_written_block(n, make), replay=n.endswith("one_pass"))
+              for n, make in trained.items())]
+
+
 def replay_targets() -> list[Target]:
     """The blocks of ``tests/replay_blocks.py`` (dispatch loops no fast-path spec reads: comprehension, ``zip``
     chunks, ``vstack``, a cast-masked assignment, batch rows, a config flag, a container with an optional
@@ -303,9 +354,13 @@ def replay_targets() -> list[Target]:
     import replay_blocks
     import role_blocks
     import role_blocks_attrs
+    import wrapper_blocks
 
-    # experts by role (issue 31) too: several containers, numbered attributes, lists built in the forward
-    blocks = {**replay_blocks.BLOCKS, **role_blocks.BLOCKS, **role_blocks_attrs.BLOCKS}
+    # experts by role (issue 31) too: several containers, numbered attributes, lists built in the forward; and by where
+    # they sit, one block per mechanism (three_wrappers, flat_grouped_routing and chunked_weights repeat one: fuzzed
+    # once, 0 accepted-wrong, not kept in the sample's time)
+    blocks = {**replay_blocks.BLOCKS, **role_blocks.BLOCKS, **role_blocks_attrs.BLOCKS,
+              **{n: wrapper_blocks.BLOCKS[n] for n in wrapper_blocks.FUZZED}}
     return [Target(f"replay/{n}", _hand_written_block(n, make), replay=True) for n, make in blocks.items()]
 
 
@@ -581,7 +636,8 @@ def unmodified(target: Target) -> Mutant:
 def mutants_by_name(names) -> list[Mutant]:
     """The named mutants (or ``<target>/unmodified``), enumerating only their targets."""
     wanted = {n.rsplit("/", 2)[0] if not n.endswith("/unmodified") else n.rsplit("/", 1)[0] for n in names}
-    every = targets() + (replay_targets() if any(w.startswith("replay/") for w in wanted) else [])
+    every = targets() + (replay_targets() if any(w.startswith("replay/") for w in wanted) else []) + (
+        mode_targets() if any(w.startswith("mode/") for w in wanted) else [])
     index = {m.name: m for t in every if t.name in wanted for m in [unmodified(t), *target_mutants(t)]}
     return [index[n] for n in names]
 

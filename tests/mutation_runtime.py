@@ -5,7 +5,8 @@ an instance ``forward``, forward and pre hooks, a ``__call__`` override, a ``fun
 forward set at run time, tied / frozen / differently sized experts, another or a non-element-wise
 ``act_fn``, an instance ``_apply_gate``, a doubled or learnable constant of the experts' gate; a class
 ``forward`` whose ``__code__`` was edited after import (its file shows the original), a plain number of
-the block made a property that changes in eval (issue 17). Roles:
+the block made a property that changes in eval (issue 17); the block's or one expert's mode flipped after apply
+(issue 31). Roles:
 ``block``, ``router`` (the gate or router module), ``experts`` (batched experts: the container is
 called), ``expert`` (ModuleList experts), ``act`` (the experts' ``act_fn`` where the model defines its
 class, e.g. a soft-capped SwiGLU); source sites also use ``act:<Class>`` (the model-defined modules
@@ -70,9 +71,13 @@ def experts_of(block: nn.Module) -> nn.Module | None:
 
 
 def expert_list(block: nn.Module) -> list[nn.Module]:
-    """The experts of a ModuleList/ModuleDict container, expert e at position e."""
+    """The experts of a ModuleList/ModuleDict container, expert e at position e; of a ModuleList of containers
+    (two-level routing, ``experts[g][j]``), its leaves in order, as autoep places them."""
     experts = experts_of(block)
-    return list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
+    entries = list(experts.values()) if isinstance(experts, nn.ModuleDict) else list(experts)
+    if entries and all(isinstance(e, (nn.ModuleList, nn.ModuleDict)) for e in entries):
+        return [m for e in entries for m in (e.values() if isinstance(e, nn.ModuleDict) else e)]
+    return entries
 
 
 def is_module_list(block: nn.Module) -> bool:
@@ -719,6 +724,35 @@ def rt_dropout_raised(block, role):
     return apply
 
 
+_MODE_SENSITIVE = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
+
+
+def rt_mode_changed(block, role):
+    """A module's mode flipped after apply (issue 31 item 4): the whole block (``block.train()`` / ``.eval()``:
+    routing jitter, an eval-only inference path, every expert's dropout and norms), or one expert, or the batched
+    experts container, with the mode-dependent modules inside it (BatchNorm, dropout) where it holds any. Exact, or
+    raised before the expert work (a mode the proofs folded: ``FactChanged``)."""
+    if role not in ("block", "expert", "experts"):
+        return None
+    if role != "block" and not any(isinstance(m, _MODE_SENSITIVE) or "training" in getattr(
+            type(m).forward, "__code__", types.SimpleNamespace(co_names=())).co_names
+            for m in _one(block, role).modules()):
+        return None  # flipping an expert that reads no mode changes nothing: no mutant
+
+    # By its path, found on the block as built: an applied block's experts are no longer found by detection.
+    path = "" if role == "block" else next(n for n, m in block.named_modules() if m is _one(block, role))
+
+    def flip(b):
+        target = b.get_submodule(path)
+        target.train(not target.training)
+
+    def apply(b):
+        pass
+
+    apply.after_apply = flip
+    return apply
+
+
 RUNTIME_OPERATORS: dict[str, Callable] = {
     "instance_forward": rt_instance_forward,
     "forward_hook": rt_forward_hook,
@@ -749,4 +783,5 @@ RUNTIME_OPERATORS: dict[str, Callable] = {
     "code_edited": rt_code_edited,  # issue 17: the source read is not the code that runs
     "attr_property": rt_attr_property,  # issue 17: a fact computed on each read
     "dropout_raised": rt_dropout_raised,  # issue 20: a dropout probability raised after apply
+    "mode_changed": rt_mode_changed,  # issue 31: train()/eval() after apply, on the block or one expert
 }

@@ -28,6 +28,7 @@ import role_blocks
 import role_blocks_attrs
 import torch
 import torch.nn.functional as F
+import wrapper_blocks
 from replay_blocks import FF, D, E, FeedForward, K, _top_k
 from torch import nn
 
@@ -1142,4 +1143,11 @@ CASES: dict[str, Case] = {
     # concatenation, multi-task lists; their one-edit twins are refused (tests/detect/test_expert_roles_attrs.py)
     **{name: Case(make, splits=EMPTY_RANK) for name, make in role_blocks_attrs.BLOCKS.items()},
     **{name: _harmful(make, splits=EMPTY_RANK) for name, (make, _) in role_blocks_attrs.TWINS.items()},
+    # experts by where they sit (issue 31): two and three wrappers down, a container with its own forward passing
+    # per-row extras to each expert, two-level routing, experts slicing their own weights; twins refused or raise
+    # (tests/detect/test_wrapper_blocks.py)
+    **{name: Case(make, splits=EMPTY_RANK) for name, make in wrapper_blocks.BLOCKS.items()},
+    **{name: _harmful(make, splits=EMPTY_RANK) for name, (make, _) in wrapper_blocks.TWINS.items()},
+    **{name: Case(make, expect="raise", names=text, splits=EMPTY_RANK)
+       for name, (make, text) in wrapper_blocks.RAISES.items()},
 }

@@ -59,7 +59,7 @@ from autoep.detect import built_lists
 from autoep.detect.built_lists import family_ref
 from autoep.detect.source import Refusal, function_tree
 
-ROUTED, WHOLE = "routed", "whole"
+ROUTED, WHOLE, ROUTER = "routed", "whole", "router"
 
 
 class Misplaced(Refusal):
@@ -79,6 +79,9 @@ class Roles:
     loops: dict = field(default_factory=dict)  # source -> the loops routing its uses ("Class.method line N", ...)
     families: dict = field(default_factory=dict)  # "attr:<prefix>" -> the numbered children (expert_0, ...)
     unread: dict = field(default_factory=dict)  # local name -> why a list of modules it holds is not read
+    # source -> the index expressions selecting its entries by several loops' ids (two-level routing: ``[g][j]``,
+    # ``[g * self.per_group + j]``), as source text: aligned containers must select alike
+    selectors: dict = field(default_factory=dict)
 
     def routed(self) -> list[str]:
         return [s for s, r in self.role.items() if r == ROUTED]
@@ -117,20 +120,62 @@ def roles(block: nn.Module, fns: list, candidates: list[str]) -> Roles:
         # Iterating a ModuleDict itself gives its keys (expert ids), its ``.values()`` the entries.
         dicts = {c for c in candidates if isinstance(block._modules[c], nn.ModuleDict)}
         loops = _loops(tree, set(candidates), names, dicts, set(families))
+        nested = {c for c in candidates if isinstance(block._modules[c], nn.ModuleList) and len(block._modules[c])
+                  and all(isinstance(e, (nn.ModuleList, nn.ModuleDict)) for e in block._modules[c])}
         for call, enclosing in _calls(tree, loops):
-            use = _use(call, enclosing, set(candidates), names, set(families), f"{where} line {call.lineno}")
+            use = _use(call, enclosing, set(candidates), names, set(families), f"{where} line {call.lineno}",
+                       nested)
             if use is None:
                 continue
             source, kind, loop = use
+            if kind == ROUTED and _indexes(call.func):
+                found.selectors.setdefault(source, set()).add(" ".join(ast.unparse(i) for i in _indexes(call.func)))
             before = found.role.get(source)
+            if kind == ROUTED and _picks_rows(tree, call, loop, loops):
+                kind = ROUTER
             if kind == ROUTED:
                 found.lines.setdefault(source, f"{where} line {call.lineno}")
                 found.loops.setdefault(source, set()).add(f"{where} line {loop.node.lineno}")
-            found.role[source] = ROUTED if ROUTED in (before, kind) else WHOLE
+            found.role[source] = next(r for r in (ROUTER, ROUTED, WHOLE) if r in (before, kind))
     for prefix, problem in problems.items():  # a numbered family no routed loop reaches runs where the token is
         if found.role.get(f"attr:{prefix}") == ROUTED:
             raise Misplaced(problem)
     return found
+
+
+def _picks_rows(tree: ast.FunctionDef, call: ast.Call, loop: _Loop, loops: list[_Loop]) -> bool:
+    """Whether the output of ``call`` (a routed use in ``loop``) decides which rows another loop's id picks: a
+    per-group router in two-level routing (``w, idx = self.expert_gates[g](xg).softmax(-1).max(-1)``, then
+    ``tok = torch.where(idx == j)[0]`` in the loop over the group's experts). Such a module routes, it is no expert:
+    it stays where the token is (placing it would leave the rows of the next level pending on the host)."""
+    derived = _derived(tree, call)
+    for other in loops:
+        if other is loop or not other.ids:
+            continue
+        for part in other.body:
+            for node in ast.walk(part):
+                if isinstance(node, ast.Assign) and _reads(node.value) & derived and _reads(node.value) & other.ids:
+                    return True
+    return False
+
+
+def _derived(tree: ast.FunctionDef, call: ast.Call) -> set[str]:
+    """The names assigned from ``call``'s output in ``tree``, and from those, to a fixpoint (flow-insensitive)."""
+    assigns = [node for node in ast.walk(tree) if isinstance(node, ast.Assign)]
+    names: set[str] = set()
+    for node in assigns:
+        if any(n is call for n in ast.walk(node.value)):
+            names |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    changed = bool(names)
+    while changed:
+        changed = False
+        for node in assigns:
+            if _reads(node.value) & names:
+                new = {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)} - names
+                if new:
+                    names |= new
+                    changed = True
+    return names
 
 
 def _alias(block: nn.Module, variants: tuple[tuple[str, ...], ...], candidates: list[str]) -> str | None:
@@ -373,21 +418,28 @@ def _calls(tree: ast.FunctionDef, loops: list[_Loop]):
 
 
 def _use(call: ast.Call, loops: list[_Loop], containers: set[str], lists: dict[str, str], families: set[str],
-         where: str) -> tuple[str, str, _Loop | None] | None:
-    """``(source, routed | whole, the routing loop or None)`` for a call of an entry of a source; None for any other
-    call. ``Refusal`` for a misaligned one (module docstring)."""
-    func, selected, ref = call.func, None, family_ref(call.func)
+         where: str, nested: set[str] = frozenset()) -> tuple[str, str, _Loop | None] | None:
+    """``(source, routed | whole, the routing loop or None)`` for a call of an entry of a source (``nested``: the
+    containers of containers, whose entries' entries are called, ``self.experts[g][j]``); None for any other call.
+    ``Refusal`` for a misaligned one (module docstring)."""
+    func, selected, ref, indexes = call.func, None, family_ref(call.func), []
     if isinstance(func, ast.Subscript) or ref is not None and ref[0] in families:
         if ref is not None:
             source, index = f"attr:{ref[0]}", ref[1]
         else:
+            while isinstance(func, ast.Subscript) and isinstance(func.value, ast.Subscript):  # ``self.experts[g][j]``
+                indexes.insert(0, func.slice)
+                func = func.value
             source = func.value.attr if _self_attr(func.value) and func.value.attr in containers else (
                 lists.get(func.value.id) if isinstance(func.value, ast.Name) else None)
+            if source is not None and bool(indexes) != (source in nested):
+                return None  # ``self.experts[i][0]`` of flat experts: a part of one, not a use (as before two levels)
             index = func.slice
+            indexes.insert(0, index)
         if source is None:
             return None
-        selected = next((loop for loop in reversed(loops) if isinstance(index, ast.Name) and index.id in loop.ids),
-                        None)
+        selected = None if len(indexes) > 1 else next(
+            (loop for loop in reversed(loops) if isinstance(index, ast.Name) and index.id in loop.ids), None)
     elif isinstance(func, ast.Name):
         binding = next((loop for loop in reversed(loops) if func.id in loop.members), None)
         if binding is None:
@@ -400,6 +452,8 @@ def _use(call: ast.Call, loops: list[_Loop], containers: set[str], lists: dict[s
     picking = [loop for loop in loops if rows & loop.tainted and loop.ids]
     if not picking:
         return source, WHOLE, None
+    if selected is None and indexes and _by_every_id(indexes, picking, loops):
+        return source, ROUTED, picking[-1]
     # Other loops may pick the rows too where they enclose the selecting one (a task loop around each task's routed
     # loop: ``for t``, then ``for i`` over task t's experts on rows ``selected_t == i``): the entry is still the one
     # the id of the innermost routing selects.
@@ -411,6 +465,35 @@ def _use(call: ast.Call, loops: list[_Loop], containers: set[str], lists: dict[s
     raise Misplaced(f"{where}: `{shown[:80]}` calls an entry of {_named(source)} on rows a loop's expert id picks, but "
                   "the entry is not selected by that id (which expert it belongs to would be a guess); index it by "
                   "the loop's id, or opt out")
+
+
+def _indexes(func: ast.AST) -> list[ast.AST]:
+    """The index expressions of ``self.<c>[a][b]`` where there are several or one is not a plain name (two-level
+    routing), else ``[]``."""
+    out = []
+    while isinstance(func, ast.Subscript):
+        out.insert(0, func.slice)
+        func = func.value
+    return out if len(out) > 1 or out and not isinstance(out[0], ast.Name) else []
+
+
+def _by_every_id(indexes: list[ast.AST], picking: list[_Loop], loops: list[_Loop]) -> bool:
+    """Two-level routing: an entry selected by the ids of every loop picking its rows, and by nothing else (no row
+    value), where two or more loops pick them: one id per level of a container of containers (``self.experts[g][j]``,
+    each index an id), or one index computed from the ids and constants (``self.experts[g * self.per_group + j]``)."""
+    if len(picking) < 2:
+        return False
+    ids = {i for loop in loops for i in loop.ids}
+    if len(indexes) > 1 and not all(isinstance(i, ast.Name) and i.id in ids for i in indexes):
+        return False
+    for index in indexes:
+        for node in ast.walk(index):
+            if isinstance(node, ast.Name) and node.id not in ids and node.id != "self":
+                return False
+            if not isinstance(node, (ast.Name, ast.Constant, ast.BinOp, ast.Attribute, ast.Load, ast.operator)):
+                return False
+    read = {n.id for index in indexes for n in ast.walk(index) if isinstance(n, ast.Name)}
+    return {id(loop) for loop in loops if loop.ids & read} == {id(loop) for loop in picking}
 
 
 def _named(source: str) -> str:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from autoep.detect import expert_roles, module_list_proof, plain_experts, row_local
+from autoep.detect import call_chain, expert_roles, module_list_proof, plain_experts, row_local
 from autoep.detect.expert_reads import WHOLE_MODULE_READS
 from autoep.detect.loop_context import plain_method, self_reads
 from autoep.detect.source import Refusal, function_tree
@@ -123,8 +123,22 @@ def _named_entries(block: nn.Module, path: str, keys: set[str]) -> set[str]:
 
 
 def _is_container(m) -> bool:
-    return isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 0 and all(
-        not isinstance(e, (nn.ModuleList, nn.ModuleDict)) for e in members(m))
+    return call_chain.is_container(m)
+
+
+def _is_nested(m) -> bool:
+    """A ``ModuleList`` of containers of modules (two-level routing: ``self.experts[g][j]``, group g's expert j)."""
+    return isinstance(m, nn.ModuleList) and len(m) > 0 and all(_is_container(e) for e in m)
+
+
+def _one_source(block: nn.Module, name: str) -> Experts:
+    """The experts of one container: the container, or, for a container of containers, every leaf one expert, in
+    order (``experts.0.0``, ``experts.0.1``, ``experts.1.0``: expert ids ``g * per_group + j``)."""
+    container = block.get_submodule(name)
+    if not _is_nested(container):
+        return Experts(name)
+    return Experts(name, tuple((f"{name}.{g}.{k}",) for g, group in enumerate(container)
+                               for k in module_list_proof.expert_keys(group)))
 
 
 def _reads(fns, attr: str) -> bool:
@@ -182,6 +196,9 @@ def find_experts(block: nn.Module) -> Experts:
     for name, child in block._modules.items():
         if child is None or not _reads(forward_fns, name):
             continue
+        if _is_nested(child):
+            found.append(name)  # two-level routing: told apart by role, never taken without (``_by_role``)
+            continue
         if _is_container(child):
             chained = _chained(forward_fns, name)
             if chained is not None:
@@ -191,12 +208,7 @@ def find_experts(block: nn.Module) -> Experts:
             continue
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or type(child).forward is nn.Module.forward:
             continue
-        try:
-            child_forward = [plain_method(type(child), "forward", child)]
-        except Refusal:
-            continue
-        found += [f"{name}.{sub}" for sub, grandchild in child._modules.items()
-                  if _is_container(grandchild) and _reads(child_forward, sub)]
+        found += call_chain.descend(block, name, child, deep=False)  # ``moe.experts``
     # A plain dict/list of modules the forward reads, only where no registered container is: a block that was
     # taken for its ModuleList/ModuleDict keeps that decision (no detector outcome changes but refusals lifted).
     for name in plain_experts.candidates(block) if not found else ():
@@ -206,6 +218,12 @@ def find_experts(block: nn.Module) -> Experts:
                 raise Refusal(f"{cls.__name__}.forward chains the modules of self.{name} (`{ast.unparse(chained)}`): "
                               "each one's input is the previous one's output, a stack of layers, not experts")
             found.append(name)
+    # Wrappers down (``ffn.moe.experts``), only where nothing nearer is found: a block whose experts are nearer keeps
+    # that decision (a container deeper under another child, an attention's, neither counts nor refuses it).
+    for name, child in block._modules.items() if not found else ():
+        if child is not None and not isinstance(child, (nn.ModuleList, nn.ModuleDict)) and _reads(forward_fns, name) \
+                and type(child).forward is not nn.Module.forward:
+            found += call_chain.descend(block, name, child)
     plain = [name for name in found if is_plain(block, name)]
     if len(found) > 1 and (plain or any("." in name for name in found)):
         raise Refusal(f"{cls.__name__}.forward reads several module containers ({found}); which one holds the "
@@ -223,8 +241,8 @@ def _by_role(block: nn.Module, fns: list, found: list[str]) -> Experts:
         roles = expert_roles.roles(block, fns, [name for name in found if "." not in name])
     except Exception as exc:  # noqa: BLE001 - a Refusal, or a source the roles cannot follow
         numbered = any(expert_roles.family_ref(n) for fn in fns for n in ast.walk(function_tree(fn)))
-        if len(found) == 1 and not numbered:  # one container keeps its decision (only refusals lifted)
-            return Experts(found[0])
+        if len(found) == 1 and not numbered and not _is_nested(block.get_submodule(found[0])):
+            return Experts(found[0])  # one container keeps its decision (only refusals lifted)
         if isinstance(exc, expert_roles.Misplaced):
             raise
         if not found or not isinstance(exc, Refusal):
@@ -236,8 +254,18 @@ def _by_role(block: nn.Module, fns: list, found: list[str]) -> Experts:
     lists = [source for source in roles.routed() if source.startswith("list:")]
     families = [source for source in roles.routed() if source.startswith("attr:")]
     routed = [name for name in found if roles.role.get(name) == expert_roles.ROUTED]
-    if len(found) == 1 and not families and (routed or not lists):
-        return Experts(found[0])
+    routers = [name for name in found if roles.role.get(name) == expert_roles.ROUTER]
+    if routers and not routed and not lists and not families:
+        raise expert_roles.Misplaced(f"{cls}: the entries of self.{routers[0]} route (their outputs pick the rows of "
+                                     "another loop's id), and no other module container holds experts the routing "
+                                     "selects; autoep never shards a router")
+    nested = [name for name in found if _is_nested(block.get_submodule(name))]
+    if nested and (len(routed) != 1 or routed != nested or lists or families):
+        raise expert_roles.Misplaced(f"{cls}: self.{nested[0]} holds containers of modules (two-level routing), but "
+                                     f"its entries are not the one source of routed calls (routed: {routed or 'none'}, "
+                                     f"selected as self.{nested[0]}[g][j] or by an index from every routing loop's id)")
+    if len(found) == 1 and not families and (routed or not lists) or nested:
+        return _one_source(block, routed[0] if nested else found[0])
     if lists:
         if routed or families:
             raise expert_roles.Misplaced(f"{cls}: its routed calls select from "
@@ -291,6 +319,10 @@ def _aligned(block: nn.Module, routed: list[str], roles) -> Experts:
                           f"{_shown(name)}: {sorted(roles.loops[name])}); "
                           "which one holds the experts is ambiguous (containers of one expert are called in one loop)")
         keys, first_keys = entries[name][0], entries[first][0]
+        if roles.selectors.get(name) != roles.selectors.get(first):
+            raise expert_roles.Misplaced(f"{cls}: {_shown(first)} and {_shown(name)} are indexed by the routing loops' "
+                          f"ids differently ({sorted(roles.selectors.get(first, ()))}, "
+                          f"{sorted(roles.selectors.get(name, ()))}); aligned containers are selected alike")
         if keys != first_keys or kinds[name] != kinds[first]:
             raise expert_roles.Misplaced(f"{cls}: {_shown(first)} and {_shown(name)} are both indexed by the expert id "
                           f"({roles.lines[first]}, {roles.lines[name]}) but hold different entries "
@@ -406,7 +438,7 @@ def member_roots(experts: tuple[tuple[str, ...], ...]) -> list[str]:
 
 def member_label(path: str) -> str:
     """How the model names a module of an expert: ``lora_A[2]``, ``adapters['x']``, ``base_layer``, ``expert_3``,
-    ``task_experts[1][0]``."""
+    ``task_experts[1][0]``, ``experts[1][0]``."""
     root, *keys = path.split(".")
     return root + "".join(f"[{key if key.isdigit() else repr(key)}]" for key in keys)
 

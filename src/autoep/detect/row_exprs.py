@@ -86,6 +86,11 @@ _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast
 _CONSTANTS = (bool, int, float, str, type(None), torch.dtype)
 
 
+# Methods taking a part (or a reshaped view) of an expert's own parameter by constants: no row is read.
+PARAM_PARTS = ("split", "chunk", "narrow", "unbind", "view", "reshape", "transpose", "permute", "squeeze", "unsqueeze",
+               "flatten", "select")
+
+
 @dataclass(frozen=True)
 class ExpertTensor:
     """A parameter or buffer of the expert, by its path under the expert (read only)."""
@@ -450,6 +455,8 @@ class Interpreter:
     def _e_Attribute(self, node):
         base = self.eval(node.value)
         if isinstance(base, (SelfModule, SubModule)):
+            if self.ctx.opaque(base.module):
+                self.refuse(node, f"reads self.{base.path}.{node.attr}: the module a wrapper wraps is only called")
             return self.module_attr(node, base.module, base.path)
         if isinstance(base, tuple) and len(base) == 2 and node.attr in ("values", "indices"):
             return base[0 if node.attr == "values" else 1]
@@ -555,8 +562,35 @@ class Interpreter:
         if isinstance(base, Row):
             return self.row_index(node, base)
         if isinstance(base, ExpertTensor):
-            self.refuse(node, "indexes a parameter, which the proof does not follow")
+            return self.param_part(node, base, "[]", lambda t, index: t[index], [self.param_index(node.slice)], {})
         self.refuse(node, "is an index the proof does not follow")
+
+    def param_index(self, node):
+        """A constant index of a parameter (``[:, : self.hidden]``, ``[0]``, ``[..., 1:]``) as Python builds it:
+        every part folded at detection; else a refusal."""
+        if isinstance(node, ast.Tuple):
+            return tuple(self.param_index(e) for e in node.elts)
+        if isinstance(node, ast.Slice):
+            return slice(*(None if part is None else self.param_index(part)
+                           for part in (node.lower, node.upper, node.step)))
+        value = self.eval(node)
+        if not isinstance(value, Obj) or not (value.value is None or value.value is Ellipsis
+                                              or type(value.value) is int):
+            self.refuse(node, "indexes a parameter by a value not known at detection")
+        return value.value
+
+    def param_part(self, node, base: ExpertTensor, name: str, op, args: list, kwargs: dict):
+        """A part of the expert's own parameter, by constants known at detection (``w1, w3 =
+        self.w13.weight.split(F, dim=0)``, ``.chunk(2)``, ``[:, :F]``): no row is read, so every row sees the same
+        tensor; computed on the parameter itself (on meta at detection) for its shape, as one tensor or a tuple."""
+        try:
+            part = op(base.tensor, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - torch's own shape error, named
+            self.refuse(node, f"takes a part of a parameter that torch refuses ({type(exc).__name__}: {exc})")
+        label = f"{base.path}.{name}"
+        if isinstance(part, torch.Tensor):
+            return ExpertTensor(label, part)
+        return tuple(ExpertTensor(f"{label}[{i}]", t) for i, t in enumerate(part))
 
     def row_index(self, node, base: Row):
         """``rows[..., a:b]`` / ``rows[:, a:b]``: a slice of the feature dim, every row kept; ``v[:, None]``
@@ -803,6 +837,13 @@ class Interpreter:
             return base
         if name in ("size", "dim"):
             return Obj(getattr(base.tensor, name)(*[self.eval(a).value for a in node.args]))
+        if name in PARAM_PARTS:
+            args = [self.eval(a) for a in node.args]
+            kwargs = {k.arg: self.eval(k.value) for k in node.keywords}
+            if not all(isinstance(v, Obj) for v in [*args, *kwargs.values()]):
+                self.refuse(node, "takes a part of a parameter by values not known at detection")
+            return self.param_part(node, base, name, lambda t, *a, **k: getattr(t, name)(*a, **k),
+                                   [a.value for a in args], {k: v.value for k, v in kwargs.items()})
         self.refuse(node, "is a method of a parameter the proof does not follow")
 
     def row_method(self, node, base: Row, name: str):

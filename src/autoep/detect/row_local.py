@@ -105,11 +105,25 @@ def prove_expert(expert: nn.Module, what: str, draws_on_owner: bool = False) -> 
     element-wise dropout with p > 0 is accepted in either mode, its draws made wherever the expert runs
     (``ExpertProof.draws``); without it such a dropout is exact only at p=0 or in eval."""
     ctx = _Context(what, draws_on_owner)
-    out = ctx.call_module(expert, [INPUT], {}, "", None)
+    out = ctx.call_module(expert, [INPUT] * row_arity(expert), {}, "", None)
     if out not in TWO_D:
         raise Refusal(f"{what} ({type(expert).__name__}) does not return rows (it returns {show(out)})")
     folded = {k: v for k, v in ctx.folded.items() if ctx.reads[k] > 0}
     return ExpertProof(tuple(sorted(folded.items())), not ctx.pinned_by, ctx.pinned_by, tuple(sorted(ctx.draws.items())))
+
+
+def row_arity(expert: nn.Module) -> int:
+    """How many per-row tensors ``expert`` takes: its class forward's positional parameters without a default (the
+    rows, then extras such as a position table's rows or each row's routing probability: ``expert(x[tok],
+    pos[tok])``), at least 1. The proof binds each to rows (``(n, ·)``, row i of each read with row i of the others,
+    never written); the one-pass execution moves them together and raises on a call passing another number of
+    arguments (an optional parameter the proof took at its default would be given a value)."""
+    fn = getattr(type(expert), "forward", None)
+    if type(expert).__module__.startswith("torch.") or not inspect.isfunction(fn):
+        return 1
+    code = fn.__code__
+    required = code.co_argcount - 1 - len(fn.__defaults__ or ())
+    return max(required, 1)
 
 
 def folded_drift(block: nn.Module, folded) -> list[str]:
@@ -168,6 +182,11 @@ class _Context:
         self.reads: collections.Counter = collections.Counter()  # reads of each folded value not released since
         self.draws: dict[str, str] = {}  # where -> what, the draws accepted under ``draws_on_owner``
         self.pinned_by = ""  # the first construct that reads a leading dim or the rank ("": none yet)
+
+    def opaque(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one whose attributes the proof must not read (``call_chain``: the module a wrapper
+        wraps); none here."""
+        return False
 
     def fold(self, path: str, value) -> None:
         self.folded[path] = fold_repr(value)
@@ -303,6 +322,9 @@ class _Context:
         interp = Interpreter(self, fn, tree, owner, path)
         interp.bind(args, kwargs)
         return interp.run()
+
+
+Context = _Context  # for interpreters of other regions that share its calling of modules (``call_chain``)
 
 
 def _is_activation(module: nn.Module) -> bool:

@@ -39,7 +39,9 @@ from autoep.errors import UnsupportedModuleStructure
 # lists built with extend/slices, per-task lists: expert_members), a slice of a container lists only its experts;
 # 10: expert_storage block_weights (3-D weights on the block, or on a child it never calls, that its own routing
 # loop slices by the expert id: refused before)
-DETECTOR_VERSION = "10"
+# 11: experts found where they sit (wrappers down, per-row extras, two-level routing: per-group routers are no
+# longer taken for the experts), experts slicing their own weights
+DETECTOR_VERSION = "11"
 
 ROUTER_KINDS = ("softmax_topk", "sigmoid_group", "topk_router_module", "other")
 SHARED_KINDS = ("none", "gated", "additive")

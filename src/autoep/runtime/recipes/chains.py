@@ -257,12 +257,21 @@ def _swapped(value, swap: dict):
     return value
 
 
+def unpacked(rows: Tensor, extras: tuple[int, ...]) -> tuple[Tensor, ...]:
+    """The rows and the per-row extras a call packed beside them (``replay._packed``: ``extras`` their widths), split
+    again on the owner."""
+    if not extras:
+        return (rows,)
+    return tuple(torch.split(rows, [rows.shape[-1] - sum(extras), *extras], dim=-1))
+
+
 def run_routes(members: int, experts: list[nn.Module], received: list[Tensor], called: list[bool], ep_size: int,
-               name: str, ops: list[list[int]] | None = None) -> dict[tuple[int, int], Tensor]:
+               name: str, ops: list[list[int]] | None = None, extras: tuple[int, ...] = ()) -> dict[tuple[int, int], Tensor]:
     """The output of each called local slot's route for each rank's rows (``received[r * V + v]``: rank r's rows
     of local slot v; ``experts``: this rank's modules, expert by expert; ``ops[r][x * (members - 1) + m]``: rank
     r's ``op_code`` for local expert x's pair (m, m + 1)), computed level by level (module docstring): at level k,
-    each module once on the rows of every route whose k-th member it is."""
+    each module once on the rows of every route whose k-th member it is; ``extras``: the widths of the per-row
+    tensors packed after the rows' features, passed to the first level's modules after the rows."""
     links = [_links(route) for route in routes(members)]
     V, W = len(links), ep_size
     current = {(r, v): received[r * len(called) + v] for r in range(W) for v in range(len(called)) if called[v]}
@@ -282,7 +291,9 @@ def run_routes(members: int, experts: list[nn.Module], received: list[Tensor], c
                         current[(r, v)] = list(OPS.values())[code - 1](current[(r, v)])
                 expert = experts[x * members + m]
                 rows = torch.cat([current[key] for key in keys])
-                out = type(expert).forward(expert, rows)
+                # The received rows carry the calls' per-row extras (level 0 only: a call passing extras is never
+                # a later link, its input being their concatenation, no other call's output)
+                out = type(expert).forward(expert, *(unpacked(rows, extras) if k == 0 else (rows,)))
                 if not isinstance(out, Tensor) or out.dim() != 2 or out.shape[0] != rows.shape[0]:
                     raise ReplayError(f"{name}: expert module {x * members + m} (local) returned "
                                       f"{tuple(getattr(out, 'shape', ()))} for {tuple(rows.shape)} rows")

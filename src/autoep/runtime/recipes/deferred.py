@@ -166,6 +166,9 @@ class Call:
     out: Pending
     stage: int  # the stage of the input: the call travels in exchange ``stage + 1``
     ctx: tuple
+    # the widths of the per-row tensors passed after the rows (``expert(x[tok], pos[tok])``), packed after them in
+    # ``x``'s features (``replay._packed``); () for a call on the rows alone
+    extras: tuple[int, ...] = ()
 
     def edited(self, tape: Tape) -> bool:
         """Whether a taped call writes the output in place (or a view of it)."""
@@ -358,13 +361,15 @@ class Tape:
             return "meta"
         return value
 
-    def expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device, grad: bool) -> Pending:
+    def expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device, grad: bool,
+                    extras: tuple[int, ...] = ()) -> Pending:
         """Tape a call of expert ``e`` on ``x`` (its output's metadata: ``shadow``; ``grad``: whether it requires
-        grad) and answer its pending output."""
+        grad; ``extras``: ``Call.extras``) and answer its pending output."""
         with torch._C.DisableTorchFunction():  # called inside ``Deferring``: these reads are the tape's own
-            return self._expert_call(e, x, shadow, device, grad)
+            return self._expert_call(e, x, shadow, device, grad, extras)
 
-    def _expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device, grad: bool) -> Pending:
+    def _expert_call(self, e: int, x: Tensor, shadow: Tensor, device: torch.device, grad: bool,
+                     extras: tuple[int, ...] = ()) -> Pending:
         stage = self.stage_of(x)
         key = _key(x)
         self.touched[key] = max(self.touched.get(key, 0), stage + 1)  # read at the exchange after ``stage``
@@ -373,7 +378,7 @@ class Tape:
         self.keep.append(x)
         out = Pending(shadow, device, stage + 1, grad)
         self.pendings.append(weakref.ref(out))
-        self.calls.append(Call(e, x, out, stage, _ctx()))
+        self.calls.append(Call(e, x, out, stage, _ctx(), extras))
         return out
 
     # -- running --------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from autoep.detect import plain_experts, replay_proof
+from autoep.detect import plain_experts, replay_proof, row_local
 from autoep.detect.module_list_proof import global_hooks
 from autoep.detect.source import Refusal
 from autoep.detect.structure import MoeStructure
@@ -403,11 +403,13 @@ class _Caller:
 
     def call(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
         i = len(self.tape.calls)
-        if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
+        arity = row_local.row_arity(expert)
+        if kwargs or len(args) != arity or not all(isinstance(a, Tensor) for a in args):
             given = [type(a).__name__ for a in args] + [f"{k}=" for k in kwargs]
             raise self.tape.fail(f"{self.replay.keys[e]} (expert call {i}) is called with ({', '.join(given)}); autoep "
-                                 "proves experts row-local for one (rows, features) tensor and moves only that")
-        x = args[0]
+                                 f"proves it row-local for {arity} per-row tensor(s), its forward's parameters without "
+                                 "a default (the rows, then per-row extras), passed by position, and moves only those")
+        x, extras = _packed(self.tape, self.replay.keys[e], i, args)
         _facts_unchanged(self.block, f"before {self.replay.keys[e]} (expert call {i})")
         inside = _inside_function()
         if inside:
@@ -417,11 +419,33 @@ class _Caller:
                                  "use_reentrant=False, or opt out")
         if x.dim() != 2:
             _lead_of(self.block, self.replay, e, i, x)  # raises where the expert may not take N-D rows
-        width, dtype = _output_of(expert, x, self.block, self.replay.keys[e])
+        width, dtype = _output_of(expert, x, self.block, self.replay.keys[e], extras)
         grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in expert.parameters()))
         with torch._C.DisableTorchFunction():
             shadow = torch.empty((*x.shape[:-1], *width), dtype=dtype, device="meta")
-        return self.tape.expert_call(e, x, shadow, x.device, grad)
+        return self.tape.expert_call(e, x, shadow, x.device, grad, extras)
+
+
+MAX_EXTRAS = 6  # per-row tensors an expert call may pass after its rows (slots in the exchange's metadata)
+
+
+def _packed(tape: Tape, key: str, i: int, args: tuple) -> tuple[Tensor, tuple[int, ...]]:
+    """The rows of a call and its per-row extras (``expert(x[tok], pos[tok], w[tok, slot, None])``) as one
+    ``(n, D + sum(widths))`` tensor, the extras after the rows' features, and the extras' widths: the pairs (row i,
+    extra row i) travel together, as the expert reads them (its proof binds each extra to rows). Concatenated now, at
+    the call, inside ``Deferring`` (taped where one of them is pending), differentiable in each: the gradient of a
+    routing probability passed to the expert reaches the router. Each extra must be ``(n, w)`` of the rows' ``n``
+    and dtype (one tensor moves); anything else raises naming the call."""
+    x, extras = args[0], args[1:]
+    if not extras:
+        return x, ()
+    bad = next((a for a in extras if a.dim() != 2 or a.shape[0] != x.shape[0] or a.dtype != x.dtype), None)
+    if x.dim() != 2 or bad is not None or len(extras) > MAX_EXTRAS:
+        shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}".replace("torch.", "") for a in args)
+        raise tape.fail(f"{key} (expert call {i}) is called on ({shapes}); autoep moves per-row extras with the rows "
+                        f"only as (rows, width) tensors of the rows' count and dtype, at most {MAX_EXTRAS}, beside 2-D "
+                        "rows (pass `w[tok, slot, None]`, not `w[tok, slot]`; cast a mask to the rows' dtype)")
+    return torch.cat([x, *extras], dim=-1), tuple(a.shape[1] for a in extras)
 
 
 def _inside_function() -> str:
@@ -463,17 +487,19 @@ def _lead_of(block: nn.Module, replay: _Replay, e: int, i: int, x: Tensor) -> tu
 _OUTPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _output_of(expert: nn.Module, x: Tensor, block: nn.Module, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+def _output_of(expert: nn.Module, x: Tensor, block: nn.Module, key: str, extras: tuple[int, ...] = ()
+               ) -> tuple[tuple[int, ...], torch.dtype]:
     tensors = tuple((t.dtype, t.shape, t.device) for t in (*expert.parameters(), *expert.buffers()))
     found = (tuple(x.shape[1:]) if x.dim() == 2 else tuple(x.shape), x.dtype, x.device, _ctx(), tensors,
-             tuple(m.training for m in expert.modules()))
+             tuple(m.training for m in expert.modules()), extras)
     known = _OUTPUTS.setdefault(expert, {})
     if found not in known:
-        known[found] = _meta_output(expert, x, block, key)
+        known[found] = _meta_output(expert, x, block, key, extras)
     return known[found]
 
 
-def _meta_output(expert: nn.Module, x: Tensor, block: nn.Module, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+def _meta_output(expert: nn.Module, x: Tensor, block: nn.Module, key: str, extras: tuple[int, ...] = ()
+                 ) -> tuple[tuple[int, ...], torch.dtype]:
     """The width and dtype of ``expert(x)`` (its class forward, no hooks) on fake tensors of the rows' device (no
     data read, nothing allocated; autocast applies as on the rows). For an N-D input, its output must be
     ``(..., P)`` and the rows' ``(n, P)`` of the same dtype (what the owner returns, reshaped)."""
@@ -486,7 +512,8 @@ def _meta_output(expert: nn.Module, x: Tensor, block: nn.Module, key: str) -> tu
         outs = []
         with torch.nn.utils.stateless._reparametrize_module(expert, state), torch.no_grad():
             for shape in shapes:
-                outs.append(type(expert).forward(expert, torch.empty(shape, dtype=x.dtype, device=x.device)))
+                rows = chains.unpacked(torch.empty(shape, dtype=x.dtype, device=x.device), extras)
+                outs.append(type(expert).forward(expert, *rows))
         del fake
     out = outs[0]
     lead = tuple(x.shape[:-1])
@@ -556,19 +583,25 @@ def _meta_row(spec, items: list[chains.Sent], rows: list[Tensor], failure, exper
             ops[s.slot // len(table) * (M - 1) + s.head.expert % M] = chains.op_code(s.op)
     flat = chains.flat(M)
     slot_part = [c + 1 if k else 0 for c, k in zip(counts, called)] + ops if flat else counts + called
-    shapes = {(r.shape[1], r.dtype, (0,) if flat else tuple(s.last.out.shape[-1:]), s.last.out.dtype)
+    shapes = {(r.shape[1], r.dtype, (0,) if flat else tuple(s.last.out.shape[-1:]), s.last.out.dtype, s.head.extras)
               for s, r in zip(items, rows)}
     ctxs = {s.head.ctx for s in items}
     ok = failure is None and len(shapes) <= 1 and len(ctxs) <= 1 and all(
         len(s[2]) == 1 and s[1] in _DTYPES and s[3] in _DTYPES for s in shapes)
-    width, dtype, out_width, out_dtype = next(iter(shapes)) if shapes and ok else (-1, None, (-1,), None)
+    width, dtype, out_width, out_dtype, extras = next(iter(shapes)) if shapes and ok else (-1, None, (-1,), None, ())
     codes = [_DTYPES.index(d) if d is not None else -1 for d in (dtype, out_dtype)]
     ctx = next(iter(ctxs)) if ctxs and ok else None
     local = experts[spec.first: spec.first + spec.num_local]
     grad = (ctx[0] if ctx else torch.is_grad_enabled()) and not (ctx or _ctx())[1] and (
         any(r.requires_grad for r in rows) or any(p.requires_grad for expert in local for p in expert.parameters()))
-    return slot_part + [width, codes[0], out_width[0], codes[1], int(grad), _ctx_code(ctx) if ctx else -1, stages,
-                        later, int(ok)]
+    return slot_part + [width, codes[0], out_width[0], codes[1], int(grad), _ctx_code(ctx) if ctx else -1,
+                        *_padded(extras), stages, later, int(ok)]
+
+
+def _padded(extras: tuple[int, ...]) -> list[int]:
+    """The extras' widths (``Call.extras``) in ``MAX_EXTRAS`` slots of the exchange's metadata (0: unused)."""
+    return [*extras, *[0] * (MAX_EXTRAS - len(extras))]
+
 
 
 def _exchange(block: nn.Module, spec, experts: list[nn.Module], items: list[chains.Sent], rows: list[Tensor],
@@ -605,13 +638,14 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], items: list[chai
     _raise_if_failed(block, failure, [row[-1] for row in meta], mine)
     stages = max(row[-3] for row in meta)
     exchange_at = min([row[-2] for row in meta if row[-2] > 0], default=stages + 1)
-    widths = {(row[X], row[X + 1], row[X + 2], row[X + 3]) for row in meta if row[X] >= 0}
+    widths = {(row[X], row[X + 1], row[X + 2], row[X + 3], tuple(w for w in row[X + 6:X + 6 + MAX_EXTRAS] if w))
+              for row in meta if row[X] >= 0}
     ctxs = {row[X + 5] for row in meta if row[X + 5] >= 0}
     if len(widths) > 1 or len(ctxs) > 1:
         raise ReplayError(f"{type(block).__name__}: ep ranks call its experts on rows of different widths or dtypes, "
                           f"or under different grad/autocast states, in one exchange ({sorted(widths)}, contexts "
                           f"{sorted(ctxs)}); autoep sends one kind of rows per exchange")
-    width, dtype_code, out_width, out_code = next(iter(widths)) if widths else (0, 0, 0, 0)
+    width, dtype_code, out_width, out_code, extras = next(iter(widths)) if widths else (0, 0, 0, 0, ())
     ctx = _ctx_of(next(iter(ctxs))) if ctxs else _ctx()
     # recv_counts[r][l]: rows rank r sends to local slot l
     recv_counts = [[max(v - 1, 0) for v in row[:L]] if flat else row[:L] for row in meta]
@@ -638,7 +672,7 @@ def _exchange(block: nn.Module, spec, experts: list[nn.Module], items: list[chai
         # fills a zero tensor of the whole exchange's size, W * L of them per exchange.
         received = torch.split(x_recv_RD, [recv_counts[r][l] for r in range(W) for l in range(L)])
         pieces = chains.run_routes(M, experts[spec.first: spec.first + spec.num_local], received, called_L, W,
-                                   type(block).__name__, [row[L:L + P] for row in meta])
+                                   type(block).__name__, [row[L:L + P] for row in meta], extras)
         out_dtype = _DTYPES[out_code] if widths else torch.float32
         back = [pieces[(r, l)] for r in range(W) for l in range(L) if (r, l) in pieces]
         if flat:  # layout change: each piece's (rows, P) as its elements, whatever its P (a fused chain's, or not)

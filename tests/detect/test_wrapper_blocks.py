@@ -1,0 +1,203 @@
+"""Experts by where they sit (issue 31): the blocks of ``tests/wrapper_blocks.py`` are found (experts two and three
+wrappers down, each level a plain call chain; a container with its own forward passing per-row extras; two-level
+routing over a ModuleList of ModuleLists or a flat list; experts slicing their own weights), the per-group routers
+never taken for experts, the model's names kept in the plan and after apply, and every one-edit twin refused naming
+why. Parity on 1, 2 and 4 ranks (a rank with no tokens, two SGD steps, router grads, Python state):
+``tests/runtime/test_one_pass.py`` (the one pass, cases named as ``wrapper_blocks.BLOCKS``/``TWINS``/``RAISES``) and
+``tests/runtime/test_wrapper_parity.py`` (the spliced loop ``auto`` picks for experts slicing their weights).
+
+    pytest tests/detect/test_wrapper_blocks.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import wrapper_blocks as wb
+from omegaconf import OmegaConf
+from torch import nn
+
+from autoep import UnsupportedModuleStructure, detect_moe_structure
+from autoep.detect import call_chain
+from autoep.detect.source import Refusal
+from autoep.detect.structure import count_experts
+from autoep.plan.resolve import resolve_plan
+from autoep.runtime.apply import apply_plan
+from autoep.runtime.recipes.local_experts import expert_owners
+
+E = wb.E
+LEAVES = tuple((f"experts.{g}.{j}",) for g in range(wb.GROUPS) for j in range(wb.PER_GROUP))
+
+
+@pytest.mark.parametrize("name, execution, path, members", [
+    ("two_wrappers", "replay", "ffn.moe.experts", ()),
+    ("three_wrappers", "replay", "mlp.ffn.moe.experts", ()),
+    ("per_row_extras", "replay", "experts", ()),
+    ("grouped_routing", "replay", "experts", LEAVES),  # each leaf of the ModuleList of ModuleLists one expert
+    ("flat_grouped_routing", "replay", "experts", ()),
+    ("flat_grouped_lora", "replay", "experts", tuple((f"experts.{e}", f"lora.{e}") for e in range(E))),
+    ("sliced_weights", "spliced", "experts", ()),  # the block's own loop is proven: the spliced fast path
+    ("chunked_weights", "spliced", "experts", ()),
+])
+def test_experts_are_found_where_they_sit(name, execution, path, members):
+    with torch.device("meta"):
+        block = wb.BLOCKS[name]()
+    found = detect_moe_structure(block)
+    assert (found.execution, found.experts_path, found.expert_members) == (execution, path, members)
+    assert count_experts(block, found) == E
+    assert found.expert_kind == "row_local"
+
+
+@pytest.mark.parametrize("name", list(wb.TWINS))
+def test_one_edit_twins_are_refused_naming_why(name):
+    make, reason = wb.TWINS[name]
+    with pytest.raises(UnsupportedModuleStructure, match=reason):
+        detect_moe_structure(make())
+
+
+@pytest.mark.parametrize("make", [wb.GroupedRoutingMoE, wb.FlatGroupedRoutingMoE, wb.FlatGroupedLoraMoE])
+def test_per_group_routers_stay_dense(make):
+    """The routers per group are called with the rows the group's id picks, selected by that id, like experts; their
+    output picks the next level's rows, so they route: never placed (before, ``expert_gates`` was taken for the
+    experts and the real experts were left unplaced)."""
+    model = nn.ModuleDict({"mlp": make()})
+    keys = set(model.state_dict())
+    resolved = resolve_plan({"ep_size": 2, "plan": [{"match": "mlp"}]}, model)
+    assert resolved.plan[0].decision.num_experts == E
+    apply_plan(model, OmegaConf.create({**OmegaConf.to_container(resolved), "ep_size": 1}), None)
+    assert set(model.state_dict()) == keys  # the model's own names
+    owned = set(expert_owners(model))
+    assert owned == {k for k in keys if k.startswith(("mlp.experts.", "mlp.lora."))}
+    owners = expert_owners(model)
+    assert sorted({owners[k].expert for k in owned}) == list(range(E))
+
+
+def test_the_plan_names_experts_by_the_models_paths():
+    """``resolved.yaml`` keeps the model's names: the wrappers' path, and each leaf of a container of containers."""
+    for make, path in ((wb.ThreeWrappersMoE, "mlp.ffn.moe.experts"), (wb.GroupedRoutingMoE, "experts")):
+        model = nn.ModuleDict({"mlp": make()})
+        keys = set(model.state_dict())
+        resolved = resolve_plan({"ep_size": 2, "plan": [{"match": "mlp"}]}, model)
+        again = OmegaConf.create(OmegaConf.to_yaml(resolved))  # as resolved.yaml holds it
+        structure = OmegaConf.to_container(again.plan[0].decision.structure)
+        assert structure["experts_path"] == path
+        if make is wb.GroupedRoutingMoE:
+            assert structure["expert_members"] == [list(m) for m in LEAVES]
+        apply_plan(model, OmegaConf.create({**OmegaConf.to_container(again), "ep_size": 1}), None)
+        assert set(model.state_dict()) == keys
+        assert set(expert_owners(model)) == {k for k in keys if k.startswith(f"mlp.{path}.")}
+
+
+def test_a_wrapper_level_is_read_as_a_call_chain():
+    """Each level below the block is proven, naming what breaks the chain: a loop around the call, a tuple
+    returned, a second module leading to containers."""
+    class Looped(wb.MoeFeedForward):
+        def forward(self, x):
+            for _ in range(1):
+                x = self.moe(self.norm(x))
+            return x
+
+    class Tupled(wb.MoeFeedForward):
+        def forward(self, x):
+            return self.moe(self.norm(x)), x
+
+    class TwoMoes(wb.MoeFeedForward):
+        def __init__(self):
+            super().__init__()
+            self.other = wb.DeepseekStyleMoE()
+
+        def forward(self, x):
+            return self.moe(self.norm(x)) + self.other(x)
+
+    for ffn, reason in ((Looped, "in a loop"), (Tupled, "does not return rows"), (TwoMoes, "ambiguous")):
+        block = wb.TwoWrappersMoE()
+        block.ffn = ffn()
+        with pytest.raises(UnsupportedModuleStructure, match=reason):
+            detect_moe_structure(block)
+    block = wb.TwoWrappersMoE()
+    call_chain.prove_level(block.ffn, "moe", "ffn")  # the accepted level, proven on its own
+    with pytest.raises(Refusal, match="calls self.moe 0 times"):
+        call_chain.prove_level(_NoCall(), "moe", "ffn")
+
+
+class _NoCall(wb.MoeFeedForward):
+    """A wrapper whose forward returns its normed rows, never calling the MoE it holds."""
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def test_experts_slicing_their_weights_by_values_known_only_at_run_time_are_refused():
+    class RowSliced(wb.FusedSwiGLU):
+        def forward(self, x):
+            w1 = self.w13.weight[: x.shape[-1]]  # a size read from the rows: not a constant known at detection
+            return self.w2(F.silu(F.linear(x, w1)))
+
+    with pytest.raises(UnsupportedModuleStructure, match="indexes a parameter by a value not known at detection"):
+        detect_moe_structure(wb.SlicedWeightsMoE(RowSliced))
+
+
+def test_nearer_experts_keep_their_decision_whatever_another_child_holds_deeper():
+    """Wrappers are descended only where nothing nearer is found: a block whose own experts container is read keeps
+    it, although another child (a mixer whose forward is no plain call chain) holds a module list two levels down."""
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList([nn.Linear(wb.D, wb.D) for _ in range(2)])
+
+        def forward(self, x):
+            return sum(h(x) for h in self.heads)
+
+    class Mixer(nn.Module):  # mixes rows: not a plain call chain
+        def __init__(self):
+            super().__init__()
+            self.inner = Heads()
+
+        def forward(self, x):
+            return self.inner(x - x.mean(0))
+
+    class WithMixer(wb.SlicedWeightsMoE):
+        def __init__(self):
+            super().__init__()
+            self.mixer = Mixer()
+
+        def forward(self, hidden_states):
+            x = hidden_states.reshape(-1, wb.D)
+            weights, selected = torch.topk(self.gate(x).softmax(-1), wb.K, dim=-1)
+            y = self.mixer(x)
+            for i, expert in enumerate(self.experts):
+                tok, slot = torch.where(selected == i)
+                y = y.index_add(0, tok, expert(x[tok]) * weights[tok, slot, None])
+            return y.reshape(hidden_states.shape)
+
+    found = detect_moe_structure(WithMixer())
+    assert found.experts_path == "experts"
+
+
+def test_per_group_routers_are_never_taken_for_experts_alone():
+    """With the experts in no container the roles read (each group's experts a plain attribute list), the routers'
+    container is the only one found: refused naming it, not placed as the experts."""
+    class PlainGroups(wb.GroupedRoutingMoE):
+        def __init__(self):
+            super().__init__()
+            groups = self.experts
+            del self.experts
+            for g, group in enumerate(groups):
+                for j, expert in enumerate(group):
+                    self.add_module(f"expert_{g}_{j}", expert)
+
+        def forward(self, hidden_states):
+            x = hidden_states.reshape(-1, wb.D)
+            group_w, group_idx = torch.topk(self.group_gate(x).softmax(-1), 1, dim=-1)
+            y = torch.zeros_like(x)
+            for g in range(wb.GROUPS):
+                rows = torch.where(group_idx[:, 0] == g)[0]
+                w, idx = torch.softmax(self.expert_gates[g](x[rows]), dim=-1).max(dim=-1)
+                for j in range(wb.PER_GROUP):
+                    tok = torch.where(idx == j)[0]
+                    out = getattr(self, f"expert_{g}_{j}")(x[rows[tok]]) * w[tok, None]
+                    y.index_add_(0, rows[tok], out)
+            return y.reshape(hidden_states.shape)
+
+    with pytest.raises(UnsupportedModuleStructure, match="expert_gates route"):
+        detect_moe_structure(PlainGroups())

@@ -1,0 +1,496 @@
+"""MoE blocks whose experts sit elsewhere relative to the block (issue 31), written in the idioms of real code
+(DeepSeek remote code, research repos), each with one-edit harmful twins that must be refused or raise:
+
+- ``TwoWrappersMoE``: the matched block holds a wrapper that holds an MoE that holds the experts
+  (``self.ffn.moe.experts``), each level's forward a plain call of the next on (a row-local transform of) its rows.
+  ``ThreeWrappersMoE``: one level more (``self.mlp.ffn.moe.experts``). Twins: a wrapper calling the inner MoE
+  twice, on rows mixed across the batch (``h - h.mean(0)``), or reading the experts' parameters.
+- ``PerRowExtrasMoE``: an experts container with a forward of its own (the loop inside it) that receives extra
+  per-row tensors besides the hidden states, ``self.experts(x, topk_idx, topk_w, pos_emb)``: a rotary table indexed
+  per row, each row's routing probability, a per-row mask, passed to each expert with the rows
+  (``expert(x[tok], pos[tok], w[tok, slot, None], keep[tok])``). Twin: the expert reads the table whole
+  (``pos.mean(0)``).
+- ``GroupedRoutingMoE``: two-level routing, a router over groups, then a router per group over that group's
+  experts (a ModuleList of ModuleLists, ``self.experts[g][j]``); ``FlatGroupedRoutingMoE``: the same experts in one
+  flat list indexed ``g * per_group + j``; ``FlatGroupedLoraMoE``: two aligned flat lists (each expert's adapter
+  ``self.lora[g * per_group + j]`` placed with it). Twins: the group's router called again on its experts' rows
+  inside the inner loop (selected by the group id alone), the next expert's adapter (``[(g * P + j + 1) % E]``).
+- ``SlicedWeightsMoE``: experts that slice their own fused weight (``w1, w3 = self.w13.weight.split(F, dim=0)``,
+  as fused gate/up checkpoints are kept); ``ChunkedSwiGLU``: ``chunk`` and a slice ``weight[:, :F]``. Twin: the
+  rows split (``x.split(x.shape[0] // 2, dim=0)``) and their halves swapped.
+
+Every block takes ``(batch, seq, hidden)`` and returns the same shape. ``BLOCKS`` and ``TWINS`` map a name to a
+builder; ``TWINS`` values are ``(builder, what the refusal names)``; ``RAISES`` (accepted spellings of per-row extras
+the exchange cannot move: a bool mask, an optional parameter given a value) ``(builder, what the ReplayError at the
+first call names)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from replay_blocks import FF, D, E, FeedForward, K, _top_k
+
+GROUPS, PER_GROUP = 2, 2  # two-level routing: E = GROUPS * PER_GROUP experts
+SEQ_MAX = 16  # rows of the position table (>= the tests' sequence length)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts two (and three) wrappers down
+# ---------------------------------------------------------------------------------------------
+
+
+class DeepseekStyleMoE(nn.Module):
+    """The MoE itself: a softmax top-k gate and a loop over ModuleList experts (DeepSeek remote code's train
+    path: ``y[flat == i] = expert(x[flat == i])``, then the weighted sum over the top-k)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList([FeedForward() for _ in range(E)])
+
+    def forward(self, x):
+        weights, selected = _top_k(self.gate, x, K)
+        flat = selected.view(-1)
+        rows = x.repeat_interleave(K, dim=0)
+        y = torch.empty_like(rows)
+        for i, expert in enumerate(self.experts):
+            y[flat == i] = expert(rows[flat == i])
+        return (y.view(-1, K, D) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class MoeFeedForward(nn.Module):
+    """A wrapper holding the MoE: a pre-norm, then the MoE on the normed rows (a research repo's ``ffn``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.moe = DeepseekStyleMoE()
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.moe(h)
+
+
+class TwoWrappersMoE(nn.Module):
+    """The matched block: ``self.ffn`` (a wrapper) holds ``moe`` that holds the experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.ffn = MoeFeedForward()
+        self.calls, self.rows = 0, []  # Python state the block keeps (compared after every step)
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        self.calls += 1
+        self.rows.append(x.shape[0])
+        return (x + self.ffn(x)).reshape(hidden_states.shape)
+
+    def visible_state(self) -> dict:
+        return {"calls": self.calls, "rows": list(self.rows)}
+
+
+class SublayerWrapper(nn.Module):
+    """One more level: a residual sub-layer holding the feed-forward wrapper."""
+
+    def __init__(self):
+        super().__init__()
+        self.ffn = MoeFeedForward()
+
+    def forward(self, x):
+        return x + self.ffn(x)
+
+
+class ThreeWrappersMoE(nn.Module):
+    """``self.mlp.ffn.moe.experts``: three wrappers down."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = SublayerWrapper()
+
+    def forward(self, hidden_states):
+        return self.mlp(hidden_states.reshape(-1, D)).reshape(hidden_states.shape)
+
+
+class CallsTwiceFeedForward(MoeFeedForward):
+    """Edit: the MoE is called twice."""
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.moe(h) + self.moe(h)
+
+
+class MixedRowsFeedForward(MoeFeedForward):
+    """Edit: the MoE sees rows centred over the batch (``h - h.mean(0)``): not row-local."""
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.moe(h - h.mean(0))
+
+
+class ReadsExpertsFeedForward(MoeFeedForward):
+    """Edit: the wrapper scales by the first expert's weight norm (another rank's expert is a stand-in there)."""
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.moe(h) * self.moe.experts[0].fc1.weight.norm()
+
+
+def _two_wrappers_twin(ffn: type) -> type:
+    class Twin(TwoWrappersMoE):
+        def __init__(self):
+            super().__init__()
+            self.ffn = ffn()
+
+    Twin.__name__ = Twin.__qualname__ = f"TwoWrappers{ffn.__name__}"
+    return Twin
+
+
+CallsTwiceTwin = _two_wrappers_twin(CallsTwiceFeedForward)
+MixedRowsTwin = _two_wrappers_twin(MixedRowsFeedForward)
+ReadsExpertsTwin = _two_wrappers_twin(ReadsExpertsFeedForward)
+
+
+# ---------------------------------------------------------------------------------------------
+# An experts container with a forward of its own, receiving extra per-row tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryExpert(nn.Module):
+    """An expert that rotates its rows by their position's angles before its MLP, scales its output by the row's
+    routing probability and zeroes masked rows: ``(x, pos, prob, keep)`` all per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D, FF)
+        self.fc2 = nn.Linear(FF, D)
+
+    def forward(self, x, pos, prob, keep):
+        x = x * pos.cos() + rotate_half(x) * pos.sin()
+        return self.fc2(F.gelu(self.fc1(x))) * prob * keep
+
+
+class PerRowExperts(nn.ModuleList):
+    """The experts container whose forward is the loop (``self.experts(x, topk_idx, topk_w, pos_emb, keep)``)."""
+
+    def forward(self, x, topk_idx, topk_w, pos_emb, keep):
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self):
+            tok, slot = torch.where(topk_idx == i)
+            y.index_add_(0, tok, expert(x[tok], pos_emb[tok], topk_w[tok, slot, None], keep[tok]))
+        return y
+
+
+class PerRowExtrasMoE(nn.Module):
+    """Positions per row from a rotary table (a buffer), a per-row mask from the input (rows of zeros are
+    padding), the loop in the experts' own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False)
+        self.experts = PerRowExperts([RotaryExpert() for _ in range(E)])
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+        angles = torch.outer(torch.arange(SEQ_MAX).float(), inv_freq)
+        self.register_buffer("rotary", torch.cat((angles, angles), dim=-1), persistent=False)
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)
+        pos_emb = self.rotary[:s].repeat(b, 1)  # row r's position is r % s
+        keep = (x.abs().sum(-1, keepdim=True) > 0).to(x.dtype)
+        topk_w, topk_idx = _top_k(self.gate, x, K)
+        return self.experts(x, topk_idx, topk_w, pos_emb, keep).reshape(b, s, h)
+
+
+class WholeTableExpert(RotaryExpert):
+    """Edit: the position table's mean over its rows (``pos.mean(0)``) instead of each row's own."""
+
+    def forward(self, x, pos, prob, keep):
+        pos = pos.mean(0)
+        x = x * pos.cos() + rotate_half(x) * pos.sin()
+        return self.fc2(F.gelu(self.fc1(x))) * prob * keep
+
+
+class WholeTableTwin(PerRowExtrasMoE):
+    def __init__(self):
+        super().__init__()
+        self.experts = PerRowExperts([WholeTableExpert() for _ in range(E)])
+
+
+class BoolMaskExperts(PerRowExperts):
+    """Edit: the mask passed as booleans (``keep[tok] > 0``): the model multiplies by it; autoep moves per-row
+    extras in the rows' dtype only, so the call raises naming the cast."""
+
+    def forward(self, x, topk_idx, topk_w, pos_emb, keep):
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self):
+            tok, slot = torch.where(topk_idx == i)
+            y.index_add_(0, tok, expert(x[tok], pos_emb[tok], topk_w[tok, slot, None], keep[tok] > 0))
+        return y
+
+
+class BoolMaskTwin(PerRowExtrasMoE):
+    def __init__(self):
+        super().__init__()
+        self.experts = BoolMaskExperts([RotaryExpert() for _ in range(E)])
+
+
+class ScaledRotaryExpert(RotaryExpert):
+    """An optional ``scale`` (default 1.0): the proof takes the default where a call does not pass it."""
+
+    def forward(self, x, pos, prob, keep, scale=1.0):
+        x = x * pos.cos() + rotate_half(x) * pos.sin()
+        return self.fc2(F.gelu(self.fc1(x))) * prob * keep * scale
+
+
+class GivesOptionalExperts(PerRowExperts):
+    """Edit: the container passes the optional ``scale`` too (each row's norm): a value the proof took at its
+    default; the call raises (the count of per-row tensors is the forward's parameters without a default)."""
+
+    def forward(self, x, topk_idx, topk_w, pos_emb, keep):
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self):
+            tok, slot = torch.where(topk_idx == i)
+            rows = x[tok]
+            y.index_add_(0, tok, expert(rows, pos_emb[tok], topk_w[tok, slot, None], keep[tok], rows.norm(dim=-1,
+                                                                                                  keepdim=True)))
+        return y
+
+
+class GivesOptionalTwin(PerRowExtrasMoE):
+    def __init__(self):
+        super().__init__()
+        self.experts = GivesOptionalExperts([ScaledRotaryExpert() for _ in range(E)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Two-level routing
+# ---------------------------------------------------------------------------------------------
+
+
+class GroupedRoutingMoE(nn.Module):
+    """A router over groups (top-1), then each group's own router over its experts (top-1): the rows of group g
+    go to ``self.experts[g][j]``; the output is weighted by both probabilities (hierarchical MoE)."""
+
+    def __init__(self):
+        super().__init__()
+        self.group_gate = nn.Linear(D, GROUPS, bias=False)
+        self.expert_gates = nn.ModuleList([nn.Linear(D, PER_GROUP, bias=False) for _ in range(GROUPS)])
+        self.experts = nn.ModuleList([nn.ModuleList([FeedForward() for _ in range(PER_GROUP)])
+                                      for _ in range(GROUPS)])
+        self.group_rows: list[list[int]] = []  # rows per group, per call (a load statistic the block keeps)
+
+    def visible_state(self) -> dict:
+        return {"group_rows": [list(r) for r in self.group_rows]}
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        group_w, group_idx = _top_k(self.group_gate, x, 1)
+        self.group_rows.append(torch.bincount(group_idx[:, 0], minlength=GROUPS).tolist())
+        y = torch.zeros_like(x)
+        for g in range(len(self.experts)):
+            rows = torch.where(group_idx[:, 0] == g)[0]
+            xg = x[rows]
+            w, idx = torch.softmax(self.expert_gates[g](xg), dim=-1).max(dim=-1)
+            for j in range(len(self.experts[g])):
+                tok = torch.where(idx == j)[0]
+                out = self.experts[g][j](xg[tok]) * (w[tok] * group_w[rows[tok], 0])[:, None]
+                y.index_add_(0, rows[tok], out)
+        return y.reshape(hidden_states.shape)
+
+
+class FlatGroupedRoutingMoE(GroupedRoutingMoE):
+    """The same routing over one flat list: expert ``g * per_group + j``."""
+
+    def __init__(self):
+        super().__init__()
+        self.per_group = PER_GROUP
+        self.experts = nn.ModuleList([FeedForward() for _ in range(GROUPS * PER_GROUP)])
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        group_w, group_idx = _top_k(self.group_gate, x, 1)
+        y = torch.zeros_like(x)
+        for g in range(GROUPS):
+            rows = torch.where(group_idx[:, 0] == g)[0]
+            xg = x[rows]
+            w, idx = torch.softmax(self.expert_gates[g](xg), dim=-1).max(dim=-1)
+            for j in range(self.per_group):
+                tok = torch.where(idx == j)[0]
+                out = self.experts[g * self.per_group + j](xg[tok]) * (w[tok] * group_w[rows[tok], 0])[:, None]
+                y.index_add_(0, rows[tok], out)
+        return y.reshape(hidden_states.shape)
+
+
+class FlatGroupedLoraMoE(FlatGroupedRoutingMoE):
+    """Two-level routing over two aligned flat lists: each expert's output through its own low-rank adapter
+    (``self.lora[g * per_group + j]``), placed with it on its owner."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = GROUPS * PER_GROUP
+        self.lora = nn.ModuleList([nn.Sequential(nn.Linear(D, 2, bias=False), nn.Linear(2, D, bias=False))
+                                   for _ in range(self.num_experts)])
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        group_w, group_idx = _top_k(self.group_gate, x, 1)
+        y = torch.zeros_like(x)
+        for g in range(GROUPS):
+            rows = torch.where(group_idx[:, 0] == g)[0]
+            xg = x[rows]
+            w, idx = torch.softmax(self.expert_gates[g](xg), dim=-1).max(dim=-1)
+            for j in range(self.per_group):
+                tok = torch.where(idx == j)[0]
+                h = self.experts[g * self.per_group + j](xg[tok])
+                out = h + self.lora[g * self.per_group + j](h)
+                y.index_add_(0, rows[tok], out * (w[tok] * group_w[rows[tok], 0])[:, None])
+        return y.reshape(hidden_states.shape)
+
+
+class FlatLoraMisalignedTwin(FlatGroupedLoraMoE):
+    """Edit: the adapter of the next expert (``(g * per_group + j + 1) % num_experts``)."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        group_w, group_idx = _top_k(self.group_gate, x, 1)
+        y = torch.zeros_like(x)
+        for g in range(GROUPS):
+            rows = torch.where(group_idx[:, 0] == g)[0]
+            xg = x[rows]
+            w, idx = torch.softmax(self.expert_gates[g](xg), dim=-1).max(dim=-1)
+            for j in range(self.per_group):
+                tok = torch.where(idx == j)[0]
+                h = self.experts[g * self.per_group + j](xg[tok])
+                out = h + self.lora[(g * self.per_group + j + 1) % self.num_experts](h)
+                y.index_add_(0, rows[tok], out * (w[tok] * group_w[rows[tok], 0])[:, None])
+        return y.reshape(hidden_states.shape)
+
+
+class GroupRouterOnExpertRowsTwin(GroupedRoutingMoE):
+    """Edit: the group's router is called again on the rows its experts got, and scales their output."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        group_w, group_idx = _top_k(self.group_gate, x, 1)
+        y = torch.zeros_like(x)
+        for g in range(len(self.experts)):
+            rows = torch.where(group_idx[:, 0] == g)[0]
+            xg = x[rows]
+            w, idx = torch.softmax(self.expert_gates[g](xg), dim=-1).max(dim=-1)
+            for j in range(len(self.experts[g])):
+                tok = torch.where(idx == j)[0]
+                out = self.experts[g][j](xg[tok]) * self.expert_gates[g](xg[tok])[:, j:j + 1]
+                y.index_add_(0, rows[tok], out)
+        return y.reshape(hidden_states.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts that slice their own weights
+# ---------------------------------------------------------------------------------------------
+
+
+class FusedSwiGLU(nn.Module):
+    """A SwiGLU expert with gate and up fused in one Linear (as fused checkpoints keep them), split in its
+    forward: ``w1, w3 = self.w13.weight.split(F, dim=0)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = FF
+        self.w13 = nn.Linear(D, 2 * FF, bias=False)
+        self.w2 = nn.Linear(FF, D, bias=False)
+
+    def forward(self, x):
+        w1, w3 = self.w13.weight.split(self.hidden, dim=0)
+        return self.w2(F.silu(F.linear(x, w1)) * F.linear(x, w3))
+
+
+class ChunkedSwiGLU(FusedSwiGLU):
+    """The same with ``chunk`` and a slice of the down weight (``self.w2.weight[:, : self.hidden]``)."""
+
+    def forward(self, x):
+        gate_w, up_w = self.w13.weight.chunk(2, dim=0)
+        h = F.silu(x @ gate_w.t()) * (x @ up_w.t())
+        return F.linear(h, self.w2.weight[:, : self.hidden])
+
+
+class SlicedWeightsMoE(nn.Module):
+    def __init__(self, expert: type = FusedSwiGLU):
+        super().__init__()
+        self.gate = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList([expert() for _ in range(E)])
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        weights, selected = _top_k(self.gate, x, K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+class SplitRowsSwiGLU(FusedSwiGLU):
+    """Edit: the rows are split (``x.split(n, dim=0)``) and the halves' roles swapped: row i reads row i + n."""
+
+    def forward(self, x):
+        w1, w3 = self.w13.weight.split(self.hidden, dim=0)
+        a, b = x.split(x.shape[0] // 2, dim=0)
+        return self.w2(F.silu(F.linear(torch.cat([b, a]), w1)) * F.linear(x, w3))
+
+
+BLOCKS = {
+    "two_wrappers": TwoWrappersMoE,
+    "three_wrappers": ThreeWrappersMoE,
+    "per_row_extras": PerRowExtrasMoE,
+    "grouped_routing": GroupedRoutingMoE,
+    "flat_grouped_routing": FlatGroupedRoutingMoE,
+    "flat_grouped_lora": FlatGroupedLoraMoE,
+    "sliced_weights": SlicedWeightsMoE,
+    "chunked_weights": lambda: SlicedWeightsMoE(ChunkedSwiGLU),
+}
+
+# The soundness fuzzer's targets among BLOCKS (``mutation.replay_targets``): one per mechanism.
+FUZZED = ("two_wrappers", "per_row_extras", "grouped_routing", "flat_grouped_lora", "sliced_weights")
+
+# name -> (builder, what the ReplayError raised at the first call names): accepted spellings EP cannot move
+RAISES = {
+    "bool_mask_extra": (BoolMaskTwin, "of the rows' count and dtype"),
+    "optional_param_given": (GivesOptionalTwin, "its forward's parameters without a default"),
+}
+
+# name -> (builder, what the refusal names)
+TWINS = {
+    "wrapper_calls_twice": (CallsTwiceTwin, "calls self.moe 2 times"),
+    "wrapper_mixes_rows": (MixedRowsTwin, "mixes rows"),
+    "wrapper_reads_experts": (ReadsExpertsTwin, "reads self.moe"),
+    "whole_table": (WholeTableTwin, "mixes rows"),
+    "group_router_on_expert_rows": (GroupRouterOnExpertRowsTwin, "not selected by that id"),
+    "flat_lora_misaligned": (FlatLoraMisalignedTwin, "indexed by the routing loops' ids differently"),
+    "split_rows": (lambda: SlicedWeightsMoE(SplitRowsSwiGLU), "reads the number of rows"),
+}
+
+
+class BlockLoopExtrasMoE(nn.Module):
+    """The per-row extras passed in the block's own loop (no container forward): ``expert(x[tok], pos[tok], ...)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = PerRowExtrasMoE()
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)
+        pos_emb = self.inner.rotary[:s].repeat(b, 1)
+        keep = (x.abs().sum(-1, keepdim=True) > 0).to(x.dtype)
+        topk_w, topk_idx = _top_k(self.inner.gate, x, K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.inner.experts):
+            tok, slot = torch.where(topk_idx == i)
+            y.index_add_(0, tok, expert(x[tok], pos_emb[tok], topk_w[tok, slot, None], keep[tok]))
+        return y.reshape(b, s, h)

@@ -260,12 +260,17 @@ def _by_role(block: nn.Module, fns: list, found: list[str]) -> Experts:
                                      "another loop's id), and no other module container holds experts the routing "
                                      "selects; autoep never shards a router")
     nested = [name for name in found if _is_nested(block.get_submodule(name))]
-    if nested and (len(routed) != 1 or routed != nested or lists or families):
-        raise expert_roles.Misplaced(f"{cls}: self.{nested[0]} holds containers of modules (two-level routing), but "
-                                     f"its entries are not the one source of routed calls (routed: {routed or 'none'}, "
-                                     f"selected as self.{nested[0]}[g][j] or by an index from every routing loop's id)")
-    if len(found) == 1 and not families and (routed or not lists) or nested:
-        return _one_source(block, routed[0] if nested else found[0])
+    if set(nested) & set(routed):  # two-level routing: ``self.experts[g][j]``, each leaf one expert
+        if len(routed) != 1 or lists or families:
+            raise expert_roles.Misplaced(f"{cls}: self.{routed[0]} holds containers of modules called as "
+                                         f"self.{routed[0]}[g][j], beside other sources of routed calls "
+                                         f"({[*routed, *lists, *families]}); autoep places the leaves of one")
+        return _one_source(block, routed[0])
+    if len(found) == 1 and not families and (routed or not lists):
+        if nested:  # a container of containers no routed call reaches (its lists, when built, are read as lists)
+            raise expert_roles.Misplaced(f"{cls}: self.{nested[0]} holds containers of modules, and no routed call "
+                                         f"selects their entries (self.{nested[0]}[g][j], or a list built of them)")
+        return Experts(found[0])
     if lists:
         if routed or families:
             raise expert_roles.Misplaced(f"{cls}: its routed calls select from "

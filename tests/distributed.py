@@ -12,6 +12,10 @@ Tests still group many cases into one process group: ``run_cases(world_size, "mo
 ``{case_name: error_text_or_None}``; the merged result per case lists the ranks that failed. Use ``guarded``
 inside the worker so one failing case records its error and the next case still runs (collectives stay in step:
 compute first, compare last).
+
+``run_command`` runs a console script's entry function (``autoep.cli:train_main``) with an argv in a process forked
+from the same server: the CLI's own code from its first line, exit code and one error line as a subprocess gives
+them, without the seconds of interpreter start and imports (tests/train/test_bad_input.py).
 """
 
 from __future__ import annotations
@@ -93,6 +97,45 @@ def spawn(world_size: int, target: str, *args, backend: str = "gloo") -> list:
             with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
     return results
+
+
+def _command_entry(target: str, argv: list[str], caller: dict, stdout_path: str, stderr_path: str) -> None:
+    """A forked child as the console script's process: the caller's environment, cwd and sys.path, ``sys.argv``,
+    stdout and stderr on files (fds 1 and 2, so C-level writes land there too); ``SystemExit`` is its exit code."""
+    os.environ.clear()
+    os.environ.update(caller["environ"])
+    os.chdir(caller["cwd"])
+    sys.path[:] = caller["sys_path"]
+    for fd, path in ((1, stdout_path), (2, stderr_path)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
+    sys.argv = list(argv)
+    module_name, _, fn_name = target.partition(":")
+    getattr(importlib.import_module(module_name), fn_name)()
+    # NOTE: falling off the end is exit 0, as a script's; multiprocessing's bootstrap maps SystemExit to the exit
+    # code, prints any other exception's traceback to stderr (exit 1) and flushes stdout and stderr.
+
+
+def run_command(target: str, argv: list[str], env: dict, cwd: str, timeout: float) -> dict:
+    """``{"rc", "stdout", "stderr"}`` of the console-script function ``target`` ("module:function") run with
+    ``sys.argv = argv`` in a process forked from the fork server (rc None: still running after ``timeout`` s,
+    then killed)."""
+    caller = {"environ": dict(env), "cwd": str(cwd), "sys_path": list(sys.path)}
+    with tempfile.TemporaryDirectory() as out_dir:
+        paths = [os.path.join(out_dir, name) for name in ("stdout", "stderr")]
+        process = multiprocessing.get_context("forkserver").Process(
+            target=_command_entry, args=(target, argv, caller, *paths))
+        process.start()
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            return {"rc": None, "stdout": "", "stderr": ""}
+        with open(paths[0]) as out, open(paths[1]) as err:
+            return {"rc": process.exitcode, "stdout": out.read(), "stderr": err.read()}
 
 
 def run_cases(world_size: int, target: str, *args, backend: str = "gloo") -> dict[str, list[str]]:

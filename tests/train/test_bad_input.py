@@ -3,8 +3,17 @@
 key, with the documented exit code; no traceback, no hang (a time limit guards), nothing already written changed
 (every case that can touch a finished run gets its own copy of one, hashed before and after).
 
-The subprocesses run four at a time, once per module; each test then reads its case's outcome.
+The cases run four at a time, once per module; each test then reads its case's outcome.
 ``test_catalogue_outcomes`` counts them: clear error / silent / traceback / hang / unclear.
+
+Where each case runs. The cases the early check refuses (``EARLY``: before torch is imported, under a second each) and
+one case per later stage (``STAGES``: a model built and planned, a checkpoint loaded, a rendezvous, the dry run, a
+replayed file) run as the user runs them: a real ``autoep-train`` / ``autoep-plan`` process. Every other case runs
+the same console-script function (``autoep.cli:train_main``) with its argv, environment and working directory in a
+process forked from the tests' warm fork server (``distributed.run_command``): the CLI's own code from its first
+line, exit code and stderr included, without the 3-7 s of interpreter start and imports each real process pays
+(53 cases: 136 s serial as real processes). ``STAGES`` run both ways, and ``test_forked_is_the_console_script``
+asserts the two give the same exit code and stderr.
 """
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from distributed import free_port
+from distributed import free_port, run_command
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -107,6 +116,16 @@ CASES = [
     Case("replay_not_yaml", ["--config-dir", "{W}/replay_junk", "--config-name", "resolved", "run_dir={FRESH}"], "not valid YAML", cli="plan"),
     Case("replay_into_training", ["--config-dir", "{W}/run", "--config-name", "resolved", "trainer.resume=latest", "trainer.steps=2", "run_dir={RUN}"], "so nothing is left to train"),
 ]
+
+# Refused by the early check (autoep.train.command.early_check), before torch is imported: real processes, cheap.
+EARLY = {"steps_zero", "grad_accum_zero", "device_gpu", "device_cuda", "seq_len_one", "batch_size_zero",
+         "text_empty_file", "lr_inf", "betas_one", "steps_not_int", "unknown_key", "unknown_key_added",
+         "unknown_model_key", "plan_index_out_of_range", "plan_entry_typo", "model_option_missing",
+         "override_without_value", "delete_declared_key", "interpolation_missing", "list_expected",
+         "plan_unknown_key_added"}
+# One case per stage past it, run as a real process and forked: the model built on meta and planned, a damaged
+# checkpoint loaded, a rendezvous that times out (exit 4), autoep-plan, a replayed resolved.yaml (--config-dir).
+STAGES = {"top_k_above_experts", "resume_corrupt_checkpoint", "missing_peer", "plan_value", "replay_hash_edited"}
 
 
 # The same checks through the Python API: ``autoep.train.trainer.train(cfg)`` on the composed config, run_dir a finished
@@ -196,8 +215,8 @@ def _fixtures(world: Path) -> None:
     (world / "afile").write_text("not a directory")
 
 
-def _run_case(case: Case, world: Path) -> dict:
-    home = world / "cases" / case.id
+def _run_case(case: Case, forked: bool, world: Path) -> dict:
+    home = world / "cases" / (case.id + "_forked" * forked)
     run, fresh = home / "run", home / "fresh"
     shutil.copytree(world / "run", run)
     if case.damage:
@@ -207,15 +226,19 @@ def _run_case(case: Case, world: Path) -> dict:
     args = [a.format(**fill) for a in case.args]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update({"OMP_NUM_THREADS": "1", **{k: v.format(**fill) for k, v in case.env.items()}})
-    try:
-        proc = subprocess.run([str(BIN / f"autoep-{case.cli}"), *args], cwd=home, env=env, capture_output=True,
-                              text=True, timeout=HANG_GUARD_S)
-        out = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
-    except subprocess.TimeoutExpired:
-        out = {"rc": None, "stdout": "", "stderr": ""}
+    if forked:
+        out = run_command(f"autoep.cli:{case.cli}_main", [f"autoep-{case.cli}", *args], env, home, HANG_GUARD_S)
+    else:
+        try:
+            proc = subprocess.run([str(BIN / f"autoep-{case.cli}"), *args], cwd=home, env=env, capture_output=True,
+                                  text=True, timeout=HANG_GUARD_S)
+            out = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+        except subprocess.TimeoutExpired:
+            out = {"rc": None, "stdout": "", "stderr": ""}
     out["run_unchanged"] = snapshot(run) == before
     out["fresh_files"] = sorted(snapshot(fresh))
     out["expect"] = case.expect.format(**fill)
+    out["own"] = {str(home): "<home>", f":{fill['PORT']}": ":<port>"}  # what differs between two runs of a case
     return out
 
 
@@ -228,12 +251,22 @@ def world(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def outcomes(world):
+def runs(world):
+    """``{case id: outcome}`` as the user runs it where the module docstring says so, else forked; and the
+    forked outcome of each of ``STAGES``."""
     root, _ = world
     cases = [c for c in CASES if not (c.id == "device_cuda" and torch.cuda.is_available())]
+    jobs = [(c, c.id not in EARLY | STAGES) for c in cases] + [(c, True) for c in cases if c.id in STAGES]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda c: _run_case(c, root), cases))
-    return {c.id: r for c, r in zip(cases, results)}
+        results = list(pool.map(lambda job: _run_case(*job, root), jobs))
+    outcomes = {c.id: r for (c, _), r in zip(jobs[:len(cases)], results)}
+    twins = {c.id: r for (c, _), r in zip(jobs[len(cases):], results[len(cases):])}
+    return outcomes, twins
+
+
+@pytest.fixture(scope="module")
+def outcomes(runs):
+    return runs[0]
 
 
 def classify(case: Case, out: dict) -> str:
@@ -266,6 +299,23 @@ def test_cli_case(case, outcomes):
                             f"wanted: {out['expect']}"
     assert out["run_unchanged"], "the finished run's files changed"
     assert out["fresh_files"] == [], f"a refused run wrote {out['fresh_files']}"
+
+
+def _seen(out: dict) -> tuple:
+    text = out["stderr"]
+    for own, common in out["own"].items():
+        text = text.replace(own, common)
+    return out["rc"], text
+
+
+def test_forked_is_the_console_script(runs):
+    """The forked cases stand for real processes: at each stage past the early check, the console script run as a
+    real process and run forked give the same exit code and stderr (the case's paths and port aside)."""
+    outcomes, twins = runs
+    assert EARLY | STAGES <= {c.id for c in CASES} and set(twins) == STAGES
+    for case_id, forked in twins.items():
+        assert _seen(forked) == _seen(outcomes[case_id]), case_id
+        assert forked["run_unchanged"] and forked["fresh_files"] == [], case_id
 
 
 # ---------------------------------------------------------------- the Python API

@@ -87,10 +87,33 @@ FAMILIES = {
 }
 
 
+class DbrxHolder(torch.nn.Module):
+    """transformers 5.x ``DbrxFFN`` alone (its experts: flattened (E*F, D) weights on ``experts.mlp``), F=16 != D=32."""
+
+    def __init__(self):
+        from transformers.models.dbrx import modeling_dbrx
+
+        super().__init__()
+        self.ffn = modeling_dbrx.DbrxFFN(modeling_dbrx.DbrxConfig(d_model=HIDDEN, n_heads=4, ffn_config={
+            "ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2}))
+
+    def forward(self, x):
+        return self.ffn(x)
+
+
+# Families not trained (``train_case``): what PEFT and autoep do with them is tested on its own.
+OTHERS = {"dbrx": (DbrxHolder, {"target_parameters": ["ffn.experts.mlp.w1", "ffn.experts.mlp.v1",
+                                                       "ffn.experts.mlp.w2"]}, "*ffn")}
+
+
+def _spec(family: str) -> tuple:
+    return FAMILIES[family] if family in FAMILIES else OTHERS[family]
+
+
 def build(family: str):
     """The family's tiny model, random weights (HF inits some to zero), the experts' eager forward."""
     torch.manual_seed(0)
-    model = FAMILIES[family][0]()
+    model = _spec(family)[0]()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -107,9 +130,9 @@ def with_lora(model, family: str, trainable: str):
     two adapters active at once (PEFT folds their summed delta, ``_LoraParameterProxy``), both trained."""
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, **FAMILIES[family][1]))
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, **_spec(family)[1]))
     if trainable == "two":
-        peft_model.add_adapter("other", LoraConfig(r=3, lora_alpha=2, **FAMILIES[family][1]))
+        peft_model.add_adapter("other", LoraConfig(r=3, lora_alpha=2, **_spec(family)[1]))
         peft_model.base_model.set_adapter(["default", "other"])
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -180,7 +203,7 @@ def batched_experts(model) -> list:
 def ep_model(family: str, order: str, trainable: str, world: int):
     from autoep import ExpertParallel
 
-    model, plan = build(family), [{"match": FAMILIES[family][2], "local_compute_fn": "auto"}]
+    model, plan = build(family), [{"match": _spec(family)[2], "local_compute_fn": "auto"}]
     if order == "apply_first":
         ep = ExpertParallel(model, {"ep_size": world, "plan": plan}, grad_convention="sum")
         return with_lora(model, family, trainable), ep

@@ -14,13 +14,15 @@ experts gathered, routers and other dense ones summed over ranks) equals the ref
 (momentum: a wrong scale moves the weights) every weight equals the reference's, PEFT left the experts as it
 found them (no parametrization, their own class) and the experts hold the parameter objects the optimizer holds.
 
-``merge_and_unload()`` after a step, in both orders: the merged weights and the merged model's logits equal the
-merged reference's.
+``merge_and_unload()`` after a step and before any forward (apply_first: PEFT's chain set after apply and never
+called), in both orders: the merged weights and the merged model's logits equal the merged reference's.
 
 Harmful twins (refused before any step): a PEFT wrapper whose class runs another forward (one edit: a subclass
 doubling the experts' output), a PEFT version whose code autoep did not read (the digest), in both orders; a
-PEFT wrapper the EP experts would not call (DBRX-style ``target_parameters`` on a submodule of the experts) is in
-``test_after_apply``'s parametrization case's family: a ``LiveStateError`` naming it.
+wrapper class swapped after PEFT set it whose ``merge`` adds the delta twice: ``merge_and_unload()`` raises.
+DBRX (``DbrxExperts``: flattened (E*F, D) weights on ``experts.mlp``) with ``target_parameters`` on them: the model
+itself cannot run that forward (AttributeError through PEFT's wrapper); after apply the block raises
+``LiveStateError`` naming the wrapper and the fix, and ``merge_and_unload()`` is exact; before apply resolve refuses.
 
 ``target_modules`` LoRA on ModuleList experts' Linears (examples/research_moe): after apply it runs in each
 expert's own forward on the owner (the other ranks' adapters are meta stand-ins like the experts) and trains exactly
@@ -99,21 +101,82 @@ def peft_first_module_list_case(rank, world):
         ExpertParallel(model, {"ep_size": world, "plan": [{"match": "*layers.*.moe", "local_compute_fn": "auto"}]})
 
 
-def merge_case(rank, world, order: str):
-    """``merge_and_unload()`` on the EP model after a step (what a user runs to export): each expert's weight
-    becomes ``W + delta`` on its owner, as in the merged reference; the merged model's logits equal the reference's."""
-    from peft_training import weights
-
+def merge_case(rank, world, order: str, stepped: bool = True):
+    """``merge_and_unload()`` on the EP model after a step (what a user runs to export), or before any forward
+    (``stepped=False``: loading an adapter to merge it; apply_first: PEFT's chain set after apply, never called):
+    each expert's weight becomes ``W + delta`` on its owner, as in the merged reference; the merged model's logits
+    equal the reference's."""
     ref = with_lora(build("qwen3_moe"), "qwen3_moe", "lora")
     model, ep = ep_model("qwen3_moe", order, "lora", world)
     ids = inputs("model", 0, world)[rank]
-    run(model, "model", ids).sum().backward()  # a forward and a backward first, as training does
-    merged, want = model.merge_and_unload(), ref.merge_and_unload()
+    if stepped:
+        run(model, "model", ids).sum().backward()  # a forward and a backward first, as training does
+    _merged_equal(model.merge_and_unload(), ref.merge_and_unload(), lambda net: run(net, "model", ids))
+
+
+def _merged_equal(merged, want, forward) -> None:
+    from peft_training import weights
+
     mine = weights(merged)
     assert sorted(mine) == sorted(n for n, _ in want.named_parameters())
     for name, p in want.named_parameters():
         torch.testing.assert_close(mine[name], p.detach(), msg=lambda m: f"merged {name}: {m}")
-    torch.testing.assert_close(run(merged, "model", ids), run(want, "model", ids))
+    torch.testing.assert_close(forward(merged), forward(want))
+
+
+def merged_twice_wrapper(model) -> None:
+    """One edit: the outermost PEFT wrapper of every experts module becomes a subclass whose ``merge`` adds the
+    delta twice (not PEFT's code), after ``get_peft_model`` set it."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    class MergedTwice(ParamWrapper):
+        def merge(self, *args, **kwargs):
+            super().merge(*args, **kwargs)
+            return super().merge(*args, **kwargs)
+
+    for name, m in model.named_modules():
+        if name.endswith(".mlp"):
+            m.experts.__class__ = MergedTwice
+
+
+def merge_twin_case(rank, world):
+    """The harmful twin of merging before any forward: a wrapper class swapped after PEFT set it (adapted then)
+    is checked when its merge runs; ``LiveStateError`` on every rank, nothing merged."""
+    from autoep.errors import LiveStateError
+
+    model, _ = ep_model("qwen3_moe", "apply_first", "lora", world)
+    merged_twice_wrapper(model)
+    with raises(LiveStateError, match=r"ParamWrapper\.merge of MergedTwice is not PEFT's own"):
+        model.merge_and_unload()
+
+
+def dbrx_case(rank, world, order: str, what: str):
+    """DBRX's experts (transformers 5.x ``DbrxExperts``: flattened (E*F, D) weights on the submodule ``experts.mlp``,
+    read by the experts' own loop) with ``target_parameters`` on them. The model itself cannot run that forward
+    (``self.mlp.v1`` through PEFT's wrapper: AttributeError), so there is nothing exact to run: after apply the EP
+    block raises ``LiveStateError`` at its call, naming the wrapper and the fix (was: AttributeError inside autoep's
+    recipe); its ``merge_and_unload()`` (PEFT's 2-D delta, B @ A per weight) is exact: the merged weights and the
+    merged block's output equal the merged reference's. Before apply: refused at resolve, naming the wrapper."""
+    from autoep.errors import LiveStateError, PlanError, UnsupportedModuleStructure
+
+    ref = with_lora(build("dbrx"), "dbrx", "lora")
+    x = inputs("block", 0, world)[rank]
+    with raises(AttributeError, match="has no attribute 'v1'"):
+        ref(x)
+    if order == "peft_first":
+        with raises(UnsupportedModuleStructure if rank == 0 else PlanError,
+                    match=r"ParamWrapper wraps experts\.mlp.*ParamWrapper \(LoraConfig\(target_parameters=\.\.\.\)\) "
+                          r"inside expert-parallel experts is refused"):
+            ep_model("dbrx", order, "lora", world)
+        return
+    model, _ = ep_model("dbrx", order, "lora", world)
+    if what == "forward":
+        with raises(LiveStateError, match=r"DbrxFFN\.experts\.mlp is wrapped by PEFT's ParamWrapper \(LoraConfig\("
+                                          r"target_parameters=\[\.\.\.experts\.mlp\.w2\]\)\), inside the "
+                                          r"expert-parallel DbrxExperts.*merge_and_unload\(\) of this one is exact"):
+            model(x)
+    else:
+        _merged_equal(model.merge_and_unload(), ref.merge_and_unload(), lambda net: net(x))
 
 
 _TWIN_ERRORS = {
@@ -128,6 +191,8 @@ TRAIN = [f"{f}-{o}-{t}-{lv}" for f in FAMILIES for o in ORDERS for t in TRAINABL
          if not (f == "research_moe" and o == "peft_first")]
 TRAIN += [f"qwen3_moe-{o}-two-{lv}" for o in ORDERS for lv in LEVELS]  # two adapters active at once
 TWINS = [f"twin-{t}-{o}" for o in ORDERS for t in _TWIN_ERRORS]
+MERGES = [f"merge{unrun}-{o}" for o in ORDERS for unrun in ("", "_unrun")] + ["twin-merged_twice-apply_first"]
+DBRX = ["dbrx-apply_first-forward", "dbrx-apply_first-merge", "dbrx-peft_first-resolve"]
 
 
 def cases(rank, world):
@@ -138,6 +203,10 @@ def cases(rank, world):
         guarded(results, "research_moe-peft_first", peft_first_module_list_case, rank, world)
         for order in ORDERS:
             guarded(results, f"merge-{order}", merge_case, rank, world, order)
+            guarded(results, f"merge_unrun-{order}", merge_case, rank, world, order, False)
+        guarded(results, "twin-merged_twice-apply_first", merge_twin_case, rank, world)
+        for case in DBRX:
+            guarded(results, case, dbrx_case, rank, world, *case.split("-")[1:])
         for case in TWINS:
             _, twin, order = case.split("-")
             guarded(results, case, twin_case, rank, world, order, twin)
@@ -147,7 +216,7 @@ def cases(rank, world):
 _RESULTS: dict = {}
 
 
-@pytest.mark.parametrize("case", TRAIN + TWINS + ["research_moe-peft_first"] + [f"merge-{o}" for o in ORDERS])
+@pytest.mark.parametrize("case", TRAIN + TWINS + ["research_moe-peft_first"] + MERGES + DBRX)
 def test_two_ranks(case):
     if not _RESULTS.get(2):
         _RESULTS[2] = run_cases(2, "test_adapters:cases")

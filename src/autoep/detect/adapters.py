@@ -154,9 +154,13 @@ def tuner_layers_hint(block: nn.Module) -> str:
     if not found:
         return ""
     name, cls = found[0]
+    after = ("LoRA on the experts' Linears then runs in each expert's own forward, on the rank that owns it"
+             if not is_param_wrapper(block.get_submodule(name)) else
+             "a ParamWrapper (LoraConfig(target_parameters=...)) inside expert-parallel experts is refused then, at "
+             "their first forward (their replaced forward would not call it; merge_and_unload() is exact): "
+             "target_parameters is supported on the experts module's own parameters, e.g. experts.gate_up_proj")
     return (f" (PEFT's {cls} wraps {name}: get_peft_model ran before autoep, and autoep does not read PEFT's layers' "
-            f"code; apply expert parallelism first (ExpertParallel / apply_plan), then get_peft_model: LoRA on the "
-            f"experts' Linears then runs in each expert's own forward, on the rank that owns it)")
+            f"code; apply expert parallelism first (ExpertParallel / apply_plan), then get_peft_model: {after})")
 
 
 @contextlib.contextmanager

@@ -14,21 +14,27 @@ is the model's. The adapter's parameters are dense (replicated) parameters, redu
 
 torch's ``register_parametrization`` (in the wrapper's forward) evaluates the parametrization once, on the
 DTensor, to check its shape and dtype; a plain operand would make DTensor raise there, so the outermost wrapper
-of a chain around EP experts runs under DTensor's implicit replication (``_adapted_forward``, set on it at the
-block's first call after the chain appears, or at ``apply_plan`` where the chain was there before: ``follow``,
-``adopt``). That value is never used: ``local_weight`` never reads the parametrized attribute. PEFT's ``merge`` and
-``unmerge`` (``merge_and_unload``) add the whole delta to the parameter's data: under implicit replication each
-rank adds its experts' rows, which is exact.
+of a chain around EP experts runs under DTensor's implicit replication (``_adapted_forward``). That value is never
+used: ``local_weight`` never reads the parametrized attribute. PEFT's ``merge`` and ``unmerge``
+(``merge_and_unload``) add the whole delta to the parameter's data: under implicit replication each rank adds its
+experts' rows, which is exact. The chain is adapted where the EP experts sit as soon as PEFT sets it there (a
+module-registration hook: ``merge_and_unload()`` right after ``get_peft_model`` on an applied model merges on the
+shards), at ``apply_plan`` where it was there before, and at the block's call otherwise (``follow``, ``adopt``);
+each adapted method checks the chain's code first, again whenever a wrapper's class changed.
 
-Refused (``LiveStateError`` at the first forward, before any exchange): any other parametrization of a sharded
+Refused (``LiveStateError`` at the block's call, before any exchange): any other parametrization of a sharded
 expert parameter (``weight_norm``, one of the user's), a PEFT version whose code changed, and a PEFT wrapper
-that the replaced experts forward would not call (around a submodule of the experts: DBRX's ``experts.mlp``).
+that the replaced experts forward would not call: ``target_parameters`` on a submodule of the experts (DBRX's
+``experts.mlp.w1``, whose own forward cannot run under it either: PEFT's wrapper does not pass ``mlp.v1`` on).
+Its ``merge_and_unload()`` is exact (each rank adds its rows of the 2-D delta). A PEFT ``merge`` whose code is not
+the code read raises ``LiveStateError`` instead of merging.
 """
 from __future__ import annotations
 
 import contextlib
 
 from torch import Tensor, nn
+from torch.nn.modules.module import register_module_module_registration_hook
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -38,14 +44,42 @@ from autoep.errors import LiveStateError
 from autoep.runtime.shared import InstanceMethod
 
 _PATH = "_autoep_adapter_path"  # on a block: where its EP experts are (``follow``)
+_SLOT = "_autoep_adapter_slot"  # on the EP experts' parent: the name they are set under (``follow``)
+_CHECKED = "_autoep_checked_chain"  # on a wrapper: the classes of its chain when it was last checked
+_WHERE = "_autoep_adapter_where"  # on a wrapper: how errors name it
+_REGISTRATIONS = []  # the one process-wide module-registration hook (``_watch_registrations``)
 
 
 def follow(block: nn.Module, path: str) -> None:
-    """Before each call of ``block``: a PEFT chain put around its EP experts at ``path`` (after apply) runs with
-    the shape check of its parametrizations allowed on the shards (module docstring). Idempotent."""
+    """Before each call of ``block``, and as soon as a PEFT chain is set around its EP experts at ``path`` or
+    around a submodule of them (``_registered``): the chain's code checked, its forward, ``merge`` and ``unmerge``
+    run with the shape check of its parametrizations allowed on the shards (module docstring). Idempotent."""
     if getattr(block, _PATH, None) is None:
         setattr(block, _PATH, path)
         block.register_forward_pre_hook(_follow_hook, prepend=True)
+        parent_path, _, name = path.rpartition(".")
+        setattr(block.get_submodule(parent_path) if parent_path else block, _SLOT, name)
+        _watch_registrations()
+
+
+def _watch_registrations() -> None:
+    if not _REGISTRATIONS:
+        # NOTE: process-wide (torch has no per-module registration hook): ``_registered`` looks at two instance
+        # attributes of the parent and returns; PEFT sets its wrappers with setattr, which runs it.
+        _REGISTRATIONS.append(register_module_module_registration_hook(_registered))
+
+
+def _registered(parent: nn.Module, name: str, module) -> None:
+    """``parent.name = module`` where ``follow`` marked the EP experts' slot, or on the EP experts themselves
+    (DBRX's ``experts.mlp``): a PEFT chain set there is adapted at once, so ``merge_and_unload()`` before any
+    forward merges on the shards (its code is checked when a method of it first runs)."""
+    vars_ = parent.__dict__
+    if (vars_.get(_SLOT) != name and vars_.get("_autoep_ep") is None) or not adapters.is_param_wrapper(module):
+        return None
+    where = f"{type(parent).__name__}.{name}"
+    chain, _ = adapters.wrapper_chain(module)
+    _install(chain, where, forward=vars_.get(_SLOT) == name)
+    return None
 
 
 def _follow_hook(block: nn.Module, args) -> None:
@@ -61,47 +95,88 @@ def adopt_all(model: nn.Module) -> None:
 
 
 def adopt(block: nn.Module) -> None:
-    """Where a PEFT chain is around ``block``'s EP experts (``follow``'s path) and not adopted yet: check its code is
-    the code read (``LiveStateError`` otherwise) and run its forward, and each wrapper's ``merge``/``unmerge``,
-    under implicit replication (module docstring). Nothing where no chain is there."""
+    """Where a PEFT chain is around ``block``'s EP experts (``follow``'s path): check its code is the code read
+    (``LiveStateError`` otherwise) and run its forward, and each wrapper's ``merge``/``unmerge``, under implicit
+    replication (module docstring). A PEFT wrapper inside the EP experts raises ``LiveStateError``: their replaced
+    forward would not call it. Nothing where no chain is there."""
     path = getattr(block, _PATH, None)
     top = block.get_submodule(path) if path is not None else None
-    if not adapters.is_param_wrapper(top) or _adapted(top):
-        return
     chain, base = adapters.wrapper_chain(top)
     if getattr(base, "_autoep_ep", None) is None:
         return  # not the experts a recipe bound (the block runs whatever is there, as before)
-    try:
-        for wrapper in chain:
-            adapters.check_wrapper(wrapper, f"{type(block).__name__}.{path}")
-    except Refusal as exc:
-        raise LiveStateError(f"{exc}; the expert-parallel experts under it would compute something autoep has not "
-                             f"read") from None
-    top.forward = InstanceMethod(top, _adapted_forward)
+    where = f"{type(block).__name__}.{path}"
+    for inner, module in base.named_modules():
+        if inner and adapters.is_param_wrapper(module):
+            raise inner_wrapper_error(base, f"{where}.{inner}", module)
+    if chain and not _adapted(top):
+        _install(chain, where, forward=True)
+        _check(top)
+
+
+def inner_wrapper_error(experts: nn.Module, where: str, wrapper: nn.Module) -> LiveStateError:
+    """The refusal of a PEFT wrapper around a submodule of EP experts (``target_parameters`` on DBRX's
+    ``experts.mlp.w1``): the experts' replaced forward computes with their weights itself and never calls it."""
+    return LiveStateError(
+        f"{where} is wrapped by PEFT's {type(wrapper).__name__} (LoraConfig(target_parameters=[..."
+        f"{where.split('.', 1)[-1]}.{getattr(wrapper, 'parameter_name', '?')}])), inside the expert-parallel "
+        f"{type(experts).__name__}, whose replaced forward computes with their weights itself and would not call "
+        f"it: the adapter would be left out. PEFT's LoRA is supported on parameters of the experts module itself "
+        f"(e.g. experts.gate_up_proj), and merge_and_unload() of this one is exact; else leave it out of "
+        f"target_parameters, or this block out of parallel.plan")
+
+
+def _install(chain: list[nn.Module], where: str, forward: bool) -> None:
+    """The outermost wrapper's forward (``forward``) and every wrapper's ``merge``/``unmerge`` under implicit
+    replication, each checking its chain's code first (``_check``)."""
     for wrapper in chain:
+        wrapper.__dict__[_WHERE] = where
         # PEFT's merge adds the whole delta to the parameter (``param.data += delta``): replicated onto the shard,
-        # each rank adds its experts' rows (merge_and_unload after training leaves the EP experts merged).
+        # each rank adds its experts' rows (merge_and_unload leaves the EP experts merged).
         wrapper.merge = InstanceMethod(wrapper, _adapted_merge)
         wrapper.unmerge = InstanceMethod(wrapper, _adapted_unmerge)
+    if forward:
+        chain[0].forward = InstanceMethod(chain[0], _adapted_forward)
 
 
 def _adapted(wrapper: nn.Module) -> bool:
     own = vars(wrapper).get("forward")
-    return isinstance(own, InstanceMethod) and own.fn is _adapted_forward
+    return isinstance(own, InstanceMethod) and own.fn is _adapted_forward and _checked(wrapper)
+
+
+def _checked(wrapper: nn.Module) -> bool:
+    return wrapper.__dict__.get(_CHECKED) == tuple(map(type, adapters.wrapper_chain(wrapper)[0]))
+
+
+def _check(wrapper: nn.Module) -> None:
+    """``LiveStateError`` unless every wrapper of the chain from ``wrapper`` in runs PEFT's code read here
+    (``adapters.check_wrapper``); remembered per chain of classes (a class swapped later is checked again)."""
+    if _checked(wrapper):
+        return
+    chain, _ = adapters.wrapper_chain(wrapper)
+    try:
+        for each in chain:
+            adapters.check_wrapper(each, each.__dict__.get(_WHERE, type(each).__name__))
+    except Refusal as exc:
+        raise LiveStateError(f"{exc}; the expert-parallel experts under it would compute something autoep has not "
+                             f"read") from None
+    wrapper.__dict__[_CHECKED] = tuple(map(type, chain))
 
 
 def _adapted_forward(wrapper: nn.Module, *args, **kwargs):
     """The wrapper's own forward, with DTensor's implicit replication on (module docstring)."""
+    _check(wrapper)
     with _implicit_replication():
         return type(wrapper).forward(wrapper, *args, **kwargs)
 
 
 def _adapted_merge(wrapper: nn.Module, *args, **kwargs):
+    _check(wrapper)
     with _implicit_replication():
         return type(wrapper).merge(wrapper, *args, **kwargs)
 
 
 def _adapted_unmerge(wrapper: nn.Module, *args, **kwargs):
+    _check(wrapper)
     with _implicit_replication():
         return type(wrapper).unmerge(wrapper, *args, **kwargs)
 
@@ -147,13 +222,8 @@ def local_weight(experts: nn.Module, path: str) -> Tensor:
     parametrization is on (module docstring); the parameter itself where it is not sharded."""
     owner_path, _, name = path.rpartition(".")
     owner = experts.get_submodule(owner_path) if owner_path else experts
-    if adapters.is_param_wrapper(owner):
-        raise LiveStateError(
-            f"{type(experts).__name__}.{owner_path} is wrapped by PEFT's {type(owner).__name__} (LoraConfig("
-            f"target_parameters=[...{path}])); the expert-parallel experts compute their weights themselves and "
-            f"would not call it, so the adapter would be left out. PEFT's LoRA is supported on parameters of the "
-            f"experts module itself (e.g. experts.gate_up_proj); leave {path} out of target_parameters, or this "
-            f"block out of parallel.plan")
+    if adapters.is_param_wrapper(owner):  # the experts called without their block (its pre-hook refuses first)
+        raise inner_wrapper_error(experts, f"{type(experts).__name__}.{owner_path}", owner)
     chains = owner._modules.get("parametrizations")
     chain = chains[name] if chains is not None and name in chains else None
     if chain is None:

@@ -34,9 +34,9 @@ from __future__ import annotations
 import contextlib
 
 from torch import Tensor, nn
-from torch.nn.modules.module import register_module_module_registration_hook
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from autoep.detect import adapters
 from autoep.detect.source import Refusal

@@ -100,13 +100,12 @@ def ep_plan(model: nn.Module, modules: list[str]) -> dict:
     from autoep.detect.structure import detect_moe_structure
     from autoep.plan.archetypes import compute_fn_config
 
-    groups: dict[str, list[str]] = {}  # one entry per decision (ernie's text and vision experts differ)
+    groups: dict[str, tuple] = {}  # one entry per decision (ernie's text and vision experts differ)
     for name in modules:
         structure = detect_moe_structure(model.get_submodule(name))
-        groups.setdefault(repr(structure.as_dict()), []).append(name)
+        groups.setdefault(repr(structure.as_dict()), (structure, []))[1].append(name)
     plan = []
-    for names in groups.values():
-        structure = detect_moe_structure(model.get_submodule(names[0]))
+    for structure, names in groups.values():
         decision = {"source": "auto", "structure": structure.as_dict(), "modules": names}
         plan.append({"match": "*", "local_compute_fn": compute_fn_config(structure), "decision": decision})
     return {"ep_size": dist.get_world_size(), "plan": plan}

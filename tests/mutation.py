@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from mutation_block_weight_operators import BLOCK_WEIGHT_OPERATORS
 from mutation_operators import SOURCE_OPERATORS, Edit
 from mutation_replay import REPLAY_OPERATORS
 from mutation_runtime import (
@@ -81,7 +82,7 @@ from autoep.plan.archetypes import RUNNABLE_EXPERT_KINDS, compute_fn_config
 BATCH, SEQ = 2, 3
 OPERATORS = [*SOURCE_OPERATORS, *RUNTIME_OPERATORS]  # the targets of ``targets()``
 # The record/exchange/replay targets of ``replay_targets()`` get these and ``REPLAY_OPERATORS`` too.
-REPLAY_TARGET_OPERATORS = [*OPERATORS, *REPLAY_OPERATORS]
+REPLAY_TARGET_OPERATORS = [*OPERATORS, *REPLAY_OPERATORS, *BLOCK_WEIGHT_OPERATORS]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +101,8 @@ class Target:
     # detected with the record/exchange/replay fallback (``detect_moe_structure(replay=True)``, the plan entry's
     # ``record_replay: True``), and mutated by ``mutation_replay.REPLAY_OPERATORS`` too
     replay: bool = False
+    # experts as 3-D weights on the block (issue 31 item 3): mutated by ``BLOCK_WEIGHT_OPERATORS`` too
+    block_weights: bool = False
 
 
 def _transformers_4() -> bool:
@@ -348,9 +351,11 @@ def replay_targets() -> list[Target]:
     """The blocks of ``tests/replay_blocks.py`` (dispatch loops no fast-path spec reads: comprehension, ``zip``
     chunks, ``vstack``, a cast-masked assignment, batch rows, a config flag, a container with an optional
     argument, nested experts, expert choice, capacity dropping, dropout between calls, a counter, a cached
-    order), run by record/exchange/replay. Not in ``targets()`` (which holds the Switch/NLLB/container/selected
+    order), run by record/exchange/replay; and the blocks of ``tests/block_weight_blocks.py`` (experts as 3-D
+    weights on the block, issue 31 item 3: sites rewritten as expert calls; ``BLOCK_WEIGHT_OPERATORS`` too). Not in ``targets()`` (which holds the Switch/NLLB/container/selected
     targets replay runs too, from before issue 21): ``tests/detect/test_replay_soundness.py`` samples them,
     ``bench/soundness.py --replay`` runs them all."""
+    import block_weight_blocks
     import replay_blocks
     import role_blocks
     import role_blocks_attrs
@@ -358,10 +363,14 @@ def replay_targets() -> list[Target]:
 
     # experts by role (issue 31) too: several containers, numbered attributes, lists built in the forward; and by where
     # they sit, one block per mechanism (three_wrappers, flat_grouped_routing and chunked_weights repeat one: fuzzed
-    # once, 0 accepted-wrong, not kept in the sample's time)
+    # once, 0 accepted-wrong, not kept in the sample's time); 3-D expert weights on the block (their own operators)
     blocks = {**replay_blocks.BLOCKS, **role_blocks.BLOCKS, **role_blocks_attrs.BLOCKS,
               **{n: wrapper_blocks.BLOCKS[n] for n in wrapper_blocks.FUZZED}}
-    return [Target(f"replay/{n}", _hand_written_block(n, make), replay=True) for n, make in blocks.items()]
+    weights = block_weight_blocks.BLOCKS
+    assert not blocks.keys() & weights.keys(), blocks.keys() & weights.keys()
+    return [*(Target(f"replay/{n}", _hand_written_block(n, make), replay=True) for n, make in blocks.items()),
+            *(Target(f"replay/{n}", _hand_written_block(n, make), replay=True, block_weights=True)
+              for n, make in weights.items())]
 
 
 def _training_branch_blocks() -> dict[str, Callable[[], nn.Module]]:
@@ -531,13 +540,16 @@ def source_sites(block: nn.Module) -> list[SourceSite]:
     the batched experts forward and its helpers, or the ModuleList expert forward; the forward (and
     helpers) of a model-defined ``act_fn`` the experts call, then of each model-defined class inside it."""
     sites = []
-    experts_forward = None if is_module_list(block) else inspect.unwrap(type(experts_of(block)).forward)
+    # experts as 3-D weights of the block (issue 31 item 3) have no container, or one the block never calls
+    experts = experts_of(block)
+    experts_forward = None if experts is None or is_module_list(block) or type(experts).forward is nn.Module.forward \
+        else inspect.unwrap(type(experts).forward)
     params = tuple(a.arg for a in function_tree(experts_forward).args.args[1:]) if experts_forward else ()
     for role in ("block", "router", "experts" if not is_module_list(block) else "expert", *act_roles(block),
                  *experts_sub_roles(block)):
         obj = role_objects(block, role)[0]
-        if obj is None or type(obj).__module__.startswith("torch."):
-            continue  # a bare nn.Linear gate: torch's own code is not the model's
+        if obj is None or type(obj).__module__.startswith("torch.") or type(obj).forward is nn.Module.forward:
+            continue  # a bare nn.Linear gate: torch's own code is not the model's; a weights holder never called
         cls = type(obj)
         extra = params if role == "block" else ()
         tree = function_tree(inspect.unwrap(cls.forward))
@@ -609,7 +621,8 @@ def target_mutants(target: Target, names: set[str] | None = None) -> list[Mutant
     those, enumerated alone (a name fixes its site, operator and location: the same mutants, the same numbering)."""
     block = target.build()
     out = []
-    operators = SOURCE_OPERATORS | (REPLAY_OPERATORS if target.replay else {})
+    operators = SOURCE_OPERATORS | (REPLAY_OPERATORS if target.replay else {}) \
+        | (BLOCK_WEIGHT_OPERATORS if target.block_weights else {})
     # NOTE: "<site or role>/<operator>" of each wanted name: every other operator is skipped, its edits unbuilt
     # (enumerating a replay target's every mutant took 40% of a 2-rank soundness run's time in each rank).
     kept = None if names is None else {n[len(target.name) + 1:].split("#")[0] for n in names

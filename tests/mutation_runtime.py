@@ -140,6 +140,9 @@ def roles_of(block: nn.Module) -> list[str]:
     """Roles a run-time mutation can target: the router where the block has one, the experts container only where
     it is called (batched), the experts' model-defined activation module where there is one."""
     router = ["router"] if router_of(block) is not None else []  # VitPose-style blocks take their ids as input
+    experts = experts_of(block)
+    if experts is None or (not is_module_list(block) and type(experts).forward is nn.Module.forward):
+        return ["block", *router]  # 3-D weights on the block or on a child it never calls (issue 31 item 3)
     return ["block", *router, "expert" if is_module_list(block) else "experts", *act_roles(block)[:1]]
 
 

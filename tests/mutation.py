@@ -865,7 +865,7 @@ def make_ep(block: nn.Module, structure, ep_mesh) -> nn.Module:
     module, _, attr = cfg.pop("_factory_").rpartition(".")
     factory = getattr(importlib.import_module(module), attr)
     if ep_mesh is not None:
-        shard_experts(ep, ep_mesh)
+        shard_experts(ep, ep_mesh, dense=live_state.dense_params_of(cfg))  # as ``apply_plan``: the experts' own dense
     factory(ep, ep_mesh=ep_mesh, **cfg)
     try:
         live_state.after_block(ep, "block", held, path)

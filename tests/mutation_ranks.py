@@ -34,7 +34,9 @@ from autoep.runtime.recipes.local_experts import expert_owners
 # The issue-20 operators: rows mixed by a dim given as ``axis=``, or under a default or a flag changed after apply.
 RANK_SENSITIVE = {"conditional_experts_call", "early_return_empty", "padding_index", "mix_rows", "drop_empty_output",
                   "closure_rebound", "flag_and_tokens", "cumsum_axis", "sort_axis", "expert_default_global",
-                  "expert_global_flag", "expert_class_flag", "expert_flag_by_hook"}
+                  "expert_global_flag", "expert_class_flag", "expert_flag_by_hook",
+                  # block weights (issue 31 item 3): a site's rows mixed (or cumulated in place), one rank's rows there
+                  "site_mix_rows", "site_inplace"}
 SPLITS = ([1, 1], [2, 0])  # sequences per rank: even, then one rank without tokens
 HANG_S = 10  # a collective the peer never joins fails after this (the ep group's timeout)
 # A failed collective leaves the ep group out of step: the processes are replaced after it.

@@ -33,13 +33,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from autoep.detect import block_weights, site_calls
+from autoep.detect import block_weights, genuine, site_calls
 from autoep.detect.block_weights import BlockWeightsProof
 from autoep.detect.source import Refusal
 from autoep.detect.splice import compile_changed
 from autoep.detect.structure import MoeStructure
 from autoep.errors import LiveStateError, UnsupportedModuleStructure
 from autoep.runtime.adapters import local_weight
+from autoep.runtime import live_state
 from autoep.runtime.live_state import param_state
 from autoep.runtime.recipes import (
     ProvenCode,
@@ -185,6 +186,7 @@ def _block_forward(self: nn.Module, *args, **kwargs):
     output, failure, local = None, None, {}
     token = _ACTIVE.set(caller)
     try:
+        _no_patched_torch(cls.__name__)  # before any expert work, reported to every peer like any failure
         local = _local_weights(self, state)  # before the forward: a weight replaced after apply raises here
         with Deferring(tape):
             output = forward(self, *args, **kwargs)
@@ -201,6 +203,19 @@ def _block_forward(self: nn.Module, *args, **kwargs):
     touch = tuple(t for t in local.values() if t.requires_grad)
     return run_exchanges(self, spec, experts, tape, output, failure, group, device,
                          functools.partial(_rows_of, tape), touch)
+
+
+def _no_patched_torch(name: str) -> None:
+    """Refuse the call while a torch object an expert computation reaches is patched (``F.silu`` replaced around the
+    call, after apply). Block code the tape defers runs it wrong on several ranks: measured by the fuzzer
+    (``replay/child_weights/block/patch_silu``, ``tests/detect/test_block_weight_soundness.py``): ``self.experts.act``
+    applied to a site's pending output, ``F.silu`` patched to scale by 1.5, was off by 0.68 on 2 ranks (exact in one
+    process)."""
+    patched = genuine.patched_torch_objects(live_state._activation_classes())
+    if patched:
+        raise LiveStateError(f"{name}: {', '.join(patched)} is patched now (not at apply_plan); the block's deferred "
+                             "code would not run it as the model does on several ranks: undo the patch around the "
+                             "block's call, or patch before apply_plan and keep the block off autoep's plan")
 
 
 def _local_weights(block: nn.Module, state: _BlockWeights) -> dict[str, Tensor]:

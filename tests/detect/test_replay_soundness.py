@@ -3,7 +3,9 @@
 refused at resolve, raises at run time on every rank, or is exact on 2 ranks; none is accepted and wrong, none
 crashes the detector.
 
-A fixed sample (``bench/soundness.py --replay --ranks 2`` runs every mutant): every replay-operator mutant of the
+The replay targets include the block-weight blocks (issue 31 item 3; their own operators' sample:
+``tests/detect/test_block_weight_soundness.py``). A fixed sample (``bench/soundness.py --replay --ranks 2`` runs every
+mutant): every replay-operator mutant of the
 ``FULL`` targets (the doors' operators, ``DOORS``: every ``DOORS_EVERY``-th of each FULL target's), and every
 ``OTHERS_EVERY``-th of the rest, in one process (ep_mesh=None: the forward, the exchange and the deferred calls all
 run); then on 2 gloo ranks each target's control, every ``RANK_EVERY``-th accepted-exact mutant and every mutant

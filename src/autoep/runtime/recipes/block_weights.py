@@ -39,8 +39,8 @@ from autoep.detect.source import Refusal
 from autoep.detect.splice import compile_changed
 from autoep.detect.structure import MoeStructure
 from autoep.errors import LiveStateError, UnsupportedModuleStructure
-from autoep.runtime.adapters import local_weight
 from autoep.runtime import live_state
+from autoep.runtime.adapters import local_weight
 from autoep.runtime.live_state import param_state
 from autoep.runtime.recipes import (
     ProvenCode,

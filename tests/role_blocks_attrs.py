@@ -108,6 +108,81 @@ class NumberedListMoE(NumberedExpertsMoE):
         return y.reshape(hidden_states.shape)
 
 
+class NumberedAppendMoE(NumberedExpertsMoE):
+    """The numbered experts listed by ``.append`` in a loop over the ids: ``experts = []``, ``for i in
+    range(self.num_experts): experts.append(getattr(self, f"expert_{i}"))``."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        experts = []
+        for i in range(self.num_experts):
+            experts.append(getattr(self, f"expert_{i}"))
+        weights, selected = _top_k(self.gate, x, K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(experts):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+class NumberedAppendShiftedTwin(NumberedExpertsMoE):
+    """Edit: ``experts.append(getattr(self, f"expert_{i + 1}"))``: no ``expert_{E}`` (which module the last id
+    selects is not known)."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        experts = []
+        for i in range(self.num_experts):
+            experts.append(getattr(self, f"expert_{i + 1}"))
+        weights, selected = _top_k(self.gate, x, K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(experts):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+class AppendListMoE(nn.Module):
+    """A ModuleList's entries listed by ``.append`` in a loop over the ids (``experts.append(self.experts[i])``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = E
+        self.gate = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList([FeedForward() for _ in range(E)])
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        experts = []
+        for i in range(self.num_experts):
+            experts.append(self.experts[i])
+        weights, selected = _top_k(self.gate, x, K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(experts):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
+class AppendSkippingTwin(AppendListMoE):
+    """Edit: a ``continue`` in the appending loop (``if i == 0: continue``): expert 1 lands at id 0; the loop is not
+    unrolled."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        experts = []
+        for i in range(self.num_experts):
+            if i == 0:
+                continue
+            experts.append(self.experts[i])
+        weights, selected = _top_k(self.gate, x, K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(experts):
+            tok, slot = torch.where(selected == i)
+            y.index_add_(0, tok, expert(x[tok]) * weights[tok, slot, None])
+        return y.reshape(hidden_states.shape)
+
+
 class NumberedLoraMoE(nn.Module):
     """A LoRA mixture on a base layer with numbered adapters: ``lora_A{i}``, ``lora_B{i}`` chained, the expert held in
     a local before its call."""
@@ -349,6 +424,8 @@ class MultiTaskAccumulatedTwin(MultiTaskMoE):
 BLOCKS = {
     "numbered_experts": NumberedExpertsMoE,
     "numbered_list": NumberedListMoE,
+    "numbered_append": NumberedAppendMoE,
+    "append_list": AppendListMoE,
     "numbered_lora": NumberedLoraMoE,
     "init_extend": InitExtendMoE,
     "init_concat": InitConcatMoE,
@@ -365,6 +442,10 @@ TWINS = {
     "numbered_gap": (NumberedGapTwin, "gap"),
     "numbered_literal": (NumberedLiteralTwin, "by its name"),
     "numbered_lora_shifted": (NumberedLoraShiftedTwin, "not selected by that id"),
+    "numbered_append_shifted": (NumberedAppendShiftedTwin,
+                                (r"`experts.append\(getattr\(self, f'expert_\{i \+ 1\}'\)\)` \(line 5\) adds a module "
+                                 "of the block to experts in a way autoep does not follow")),
+    "append_skipping": (AppendSkippingTwin, r"`experts.append\(self.experts\[i\]\)` \(line 7\) adds a module"),
     "doubly_registered": (DoublyRegisteredMoE, r"experts\.0\.fc1\.weight is also shared\.0\.fc1\.weight"),
     "forward_insert": (ForwardInsertTwin,
                        (r"`experts.insert\(0, self.shared_experts\[0\]\)` \(line 4\) reads experts in a way autoep "

@@ -31,6 +31,8 @@ def _each(*paths: str) -> tuple:
 @pytest.mark.parametrize("make, path, members", [
     (ra.NumberedExpertsMoE, "expert_0", _each(*(f"expert_{i}" for i in range(E)))),
     (ra.NumberedListMoE, "expert_0", _each(*(f"expert_{i}" for i in range(E)))),
+    (ra.NumberedAppendMoE, "expert_0", _each(*(f"expert_{i}" for i in range(E)))),  # appended in a loop over ids
+    (ra.AppendListMoE, "experts", ()),  # every entry of self.experts in order: that container
     (ra.NumberedLoraMoE, "lora_A0", tuple((f"lora_A{i}", f"lora_B{i}") for i in range(E))),  # the block's order
     (ra.InitExtendMoE, "experts", ()),  # ordinary containers, however __init__ filled them
     (ra.InitConcatMoE, "experts", ()),

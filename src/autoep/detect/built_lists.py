@@ -13,7 +13,9 @@ forward's source), ``len(self.<container>)`` or the counter of an enclosing loop
 range(self.num_tasks)``, ``for t, gate in enumerate(self.gates)``). Where the list reads such a counter it is
 evaluated once per value (its *variants*: each task's experts). After the assignment it may change only by
 ``<name>.extend(...)``, ``<name>.append(<module>)`` or ``<name> += ...`` statements in the same block of statements;
-every other read of the name iterates or copies it (``for``, ``enumerate``, ``zip``, ``len``, ``list``, ``tuple``,
+such a statement may also sit directly in the body of a loop ``for i in range(...)`` of that block of statements that
+no iteration leaves early (``_counted_loop``: ``for i in range(self.num_experts): experts.append(getattr(self,
+f"expert_{i}"))``, unrolled over the range, in order); every other read of the name iterates or copies it (``for``, ``enumerate``, ``zip``, ``len``, ``list``, ``tuple``,
 ``name[i]``, ``name + ...``, ``*name``). A name read any other way (``.insert``, ``.pop``, handed to a function,
 aliased, changed in a branch or another loop) is left out, with the statement that stops it (``unread``): which
 module an id selects would be a guess.
@@ -67,10 +69,17 @@ def lists(block: nn.Module, tree: ast.FunctionDef, where: str) -> tuple[dict, di
                                 "from the statements of its assignment")
             continue
         mutations, stop = _mutations(tree, name, assign, body, parents)
-        mutations += [(n.lineno, "extend", n.value) for n in changes]
+        mutations += [(n.lineno, "extend", n.value, None) for n in changes]
         mutations.sort(key=lambda m: m[0])
         variants = _variants(block, assign.value, mutations, found, _domains(block, assign, parents))
         if variants is None or not any(variants):  # no list of modules (``outputs = []`` and its appends)
+            added = [stop] if stop is not None and _adds_module(block, stop, name) else []
+            added += [] if variants is not None else [
+                parents[id(arg)] for _, _, arg, _ in mutations if _names_module(block, arg) and id(arg) in parents]
+            if added:  # ``experts.append(getattr(self, f"expert_{i + 1}"))``: a module, which one not known
+                stmt = _statement(added[0], parents)
+                unread[name] = (f"{where}: `{ast.unparse(stmt)[:80]}` (line {stmt.lineno}) adds a module of the "
+                                f"block to {name} in a way autoep does not follow")
             continue
         if stop is not None:
             unread[name] = (f"{where}: `{ast.unparse(stop)[:80]}` (line {stop.lineno}) reads {name} in a way autoep "
@@ -123,7 +132,8 @@ def _after(stmt: ast.AST, assign: ast.Assign, body: list | None, parents: dict) 
 
 
 def _mutations(tree, name: str, assign: ast.Assign, body, parents) -> tuple[list, ast.AST | None]:
-    """The ``extend``/``append`` statements of ``name`` (``(line, kind, argument)``) and the first read of it that is
+    """The ``extend``/``append`` statements of ``name`` (``(line, kind, argument, the counted loop around it or
+    None)``) and the first read of it that is
     neither one nor a read that iterates or copies it (None where there is none)."""
     out = []
     for node in ast.walk(tree):
@@ -131,13 +141,55 @@ def _mutations(tree, name: str, assign: ast.Assign, body, parents) -> tuple[list
             continue
         parent = parents.get(id(node))
         call = parents.get(id(parent))
-        if isinstance(parent, ast.Attribute) and parent.attr in ("extend", "append") and isinstance(call, ast.Call) \
-                and call.func is parent and len(call.args) == 1 and not call.keywords \
-                and isinstance(parents.get(id(call)), ast.Expr) and _after(parents[id(call)], assign, body, parents):
-            out.append((call.lineno, parent.attr, call.args[0]))
+        changes = isinstance(parent, ast.Attribute) and parent.attr in ("extend", "append") and isinstance(
+            call, ast.Call) and call.func is parent and len(call.args) == 1 and not call.keywords and isinstance(
+            parents.get(id(call)), ast.Expr)
+        if changes and _after(parents[id(call)], assign, body, parents):
+            out.append((call.lineno, parent.attr, call.args[0], None))
+        elif changes and _counted_loop(parents[id(call)], assign, body, parents) is not None:
+            out.append((call.lineno, parent.attr, call.args[0], parents[id(parents[id(call)])]))
         elif not _copied_or_iterated(node, parent, parents):
             return out, _statement(node, parents)
     return out, None
+
+
+def _adds_module(block: nn.Module, stmt: ast.AST, name: str) -> bool:
+    """``stmt`` is ``<name>.append(<module>)``/``<name>.extend(<modules>)`` (``_names_module``)."""
+    call = stmt.value if isinstance(stmt, ast.Expr) else None
+    return isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in (
+        "append", "extend") and isinstance(call.func.value, ast.Name) and call.func.value.id == name and len(
+        call.args) == 1 and _names_module(block, call.args[0])
+
+
+def _names_module(block: nn.Module, expr: ast.AST) -> bool:
+    """``expr`` is spelled as a module of the block or entries of one: ``self.<child>``, a subscript or slice of it,
+    ``getattr(self, f"<prefix>{...}")`` where children ``<prefix><n>`` exist, ``list(...)`` of those."""
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in ("list", "tuple") \
+            and len(expr.args) == 1:
+        return _names_module(block, expr.args[0])
+    while isinstance(expr, ast.Subscript):
+        expr = expr.value
+    if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == "self":
+        return isinstance(block._modules.get(expr.attr), nn.Module)
+    ref = family_ref(expr)
+    return ref is not None and any(k.startswith(ref[0]) and k[len(ref[0]):].isdigit() for k in block._modules)
+
+
+def _counted_loop(stmt: ast.AST, assign: ast.Assign, body, parents: dict) -> ast.For | None:
+    """The loop ``for <i> in range(...)`` whose body holds ``stmt`` (an ``append``/``extend``) directly, itself a
+    statement of the assignment's ``body`` after it, with no ``else``, no statement that leaves an iteration early
+    (``break``, ``continue``, ``return``, ``raise``) and no other store of ``<i>``: the statement then runs once for
+    each value of the range, in order (the range itself is evaluated in ``_variants``); None otherwise."""
+    loop = parents.get(id(stmt))
+    if not (isinstance(loop, ast.For) and any(s is stmt for s in loop.body) and not loop.orelse
+            and isinstance(loop.target, ast.Name) and _after(loop, assign, body, parents)):
+        return None
+    inner = [n for s in loop.body for n in ast.walk(s)]
+    if any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Raise, ast.Yield, ast.YieldFrom, ast.Await,
+                          ast.FunctionDef, ast.Lambda)) for n in inner) or any(
+            isinstance(n, ast.Name) and n.id == loop.target.id and not isinstance(n.ctx, ast.Load) for n in inner):
+        return None
+    return loop
 
 
 def _copied_or_iterated(node: ast.Name, parent: ast.AST, parents: dict) -> bool:
@@ -182,7 +234,7 @@ def _domains(block: nn.Module, stmt: ast.AST, parents: dict) -> dict[str, range]
 def _variants(block, value, mutations, found, domains) -> tuple[tuple[str, ...], ...] | None:
     """The list's paths for each value of the enclosing counters it reads (one variant where it reads none); None
     where any of them is not a list of the block's modules."""
-    parts = [value, *(arg for _, _, arg in mutations)]
+    parts = [value, *(loop or arg for _, _, arg, loop in mutations)]
     names = sorted({n.id for part in parts for n in ast.walk(part) if isinstance(n, ast.Name)} & set(domains))
     ranges = [domains[n] for n in names]
     if len(list(itertools.islice(itertools.product(*ranges), _MAX_VARIANTS + 1))) > _MAX_VARIANTS:
@@ -191,11 +243,16 @@ def _variants(block, value, mutations, found, domains) -> tuple[tuple[str, ...],
     for values in itertools.product(*ranges):
         env = dict(zip(names, values))
         paths = _paths(block, value, found, env)
-        for _, kind, arg in mutations:
+        for _, kind, arg, loop in mutations:
             if paths is None:
                 break
-            more = _paths(block, arg, found, env) if kind == "extend" else _module(block, arg, env)
-            paths = None if more is None else paths + more
+            counter = [None] if loop is None else _range(block, loop.iter, env)
+            if counter is None:
+                return None
+            for k in counter:  # ``for i in range(self.num_experts): experts.append(getattr(self, f"expert_{i}"))``
+                at = env if loop is None else {**env, loop.target.id: k}
+                more = _paths(block, arg, found, at) if kind == "extend" else _module(block, arg, at)
+                paths = None if more is None or paths is None else paths + more
         if paths is None:
             return None
         out.append(tuple(paths))

@@ -251,6 +251,12 @@ def _by_role(block: nn.Module, fns: list, found: list[str]) -> Experts:
                           f"containers ({found}) and their roles could not be read ({type(exc).__name__}: {exc})"
                           ) from None
         raise
+    iterated = [why for fn in fns for node in ast.walk(function_tree(fn)) if isinstance(node, (ast.For, ast.comprehension))
+                for name in _iterated_names(node.iter) if name in roles.unread for why in [roles.unread[name]]]
+    if iterated:  # a loop over a list of modules whose entries are not known: the id -> module map is a guess
+        raise expert_roles.Misplaced(f"{cls}: a loop iterates a list of the block's modules that autoep does not "
+                                     f"read: {iterated[0]}; build it by assignment, `extend`/`append` (also "
+                                     "in a loop over range(...)) or iterate the container itself")
     lists = [source for source in roles.routed() if source.startswith("list:")]
     families = [source for source in roles.routed() if source.startswith("attr:")]
     routed = [name for name in found if roles.role.get(name) == expert_roles.ROUTED]
@@ -290,6 +296,16 @@ def _by_role(block: nn.Module, fns: list, found: list[str]) -> Experts:
     order = {name: i for i, name in enumerate(block._modules)}  # one expert's modules in the block's order
     first = {name: roles.families[name][0] if name in roles.families else name for name in [*routed, *families]}
     return _aligned(block, sorted([*routed, *families], key=lambda name: order[first[name]]), roles)
+
+
+def _iterated_names(it: ast.AST) -> list[str]:
+    """The local names a loop's iterable iterates: ``xs``, ``enumerate(xs)``, ``zip(xs, ys)``, ``list(xs)``."""
+    if isinstance(it, ast.Name):
+        return [it.id]
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id in ("enumerate", "zip", "list",
+                                                                                     "tuple", "reversed"):
+        return [n for a in it.args for n in _iterated_names(a)]
+    return []
 
 
 def _shown(source: str) -> str:

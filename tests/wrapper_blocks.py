@@ -9,7 +9,10 @@
   per-row tensors besides the hidden states, ``self.experts(x, topk_idx, topk_w, pos_emb)``: a rotary table indexed
   per row, each row's routing probability, a per-row mask, passed to each expert with the rows
   (``expert(x[tok], pos[tok], w[tok, slot, None], keep[tok])``). Twin: the expert reads the table whole
-  (``pos.mean(0)``).
+  (``pos.mean(0)``). ``KeywordExtrasMoE``: the same extras passed by keyword in the block's own loop
+  (``expert(x[tok], pos=pos_emb[tok], prob=..., keep=keep[tok])``, the expert's parameters without a default). Twins:
+  ``pos=pos_emb`` unindexed into an expert reading its mean (refused), a keyword for a parameter with a default
+  (``scale=keep[tok]``: raises at the first call).
 - ``GroupedRoutingMoE``: two-level routing, a router over groups, then a router per group over that group's
   experts (a ModuleList of ModuleLists, ``self.experts[g][j]``); ``FlatGroupedRoutingMoE``: the same experts in one
   flat list indexed ``g * per_group + j``; ``FlatGroupedLoraMoE``: two aligned flat lists (each expert's adapter
@@ -268,6 +271,70 @@ class GivesOptionalTwin(PerRowExtrasMoE):
         self.experts = GivesOptionalExperts([ScaledRotaryExpert() for _ in range(E)])
 
 
+class KeywordExtrasMoE(PerRowExtrasMoE):
+    """The per-row extras passed by keyword in the block's own loop, ``expert(x[tok], pos=pos_emb[tok],
+    prob=topk_w[tok, slot, None], keep=keep[tok])``: the expert's parameters without a default, named (moved with the
+    rows as if passed by position)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([RotaryExpert() for _ in range(E)])
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)
+        pos_emb = self.rotary[:s].repeat(b, 1)
+        keep = (x.abs().sum(-1, keepdim=True) > 0).to(x.dtype)
+        topk_w, topk_idx = _top_k(self.gate, x, K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            tok, slot = torch.where(topk_idx == i)
+            y.index_add_(0, tok, expert(x[tok], pos=pos_emb[tok], prob=topk_w[tok, slot, None], keep=keep[tok]))
+        return y.reshape(b, s, h)
+
+
+class KeywordOptionalTwin(KeywordExtrasMoE):
+    """Edit: the expert's ``scale`` has a default (1.0) and the call names it, ``scale=keep[tok]``: a value the proof
+    took at its default; the first call raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([ScaledRotaryExpert() for _ in range(E)])
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)
+        pos_emb = self.rotary[:s].repeat(b, 1)
+        keep = (x.abs().sum(-1, keepdim=True) > 0).to(x.dtype)
+        topk_w, topk_idx = _top_k(self.gate, x, K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            tok, slot = torch.where(topk_idx == i)
+            y.index_add_(0, tok, expert(x[tok], pos=pos_emb[tok], prob=topk_w[tok, slot, None], keep=keep[tok],
+                                        scale=keep[tok]))
+        return y.reshape(b, s, h)
+
+
+class KeywordWholeTableTwin(KeywordExtrasMoE):
+    """Edit: ``pos=pos_emb`` unindexed, into an expert reading its mean (every row's position, not its rows')."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([WholeTableExpert() for _ in range(E)])
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.reshape(-1, h)
+        pos_emb = self.rotary[:s].repeat(b, 1)
+        keep = (x.abs().sum(-1, keepdim=True) > 0).to(x.dtype)
+        topk_w, topk_idx = _top_k(self.gate, x, K)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            tok, slot = torch.where(topk_idx == i)
+            y.index_add_(0, tok, expert(x[tok], pos=pos_emb, prob=topk_w[tok, slot, None], keep=keep[tok]))
+        return y.reshape(b, s, h)
+
+
 # ---------------------------------------------------------------------------------------------
 # Two-level routing
 # ---------------------------------------------------------------------------------------------
@@ -448,6 +515,7 @@ BLOCKS = {
     "two_wrappers": TwoWrappersMoE,
     "three_wrappers": ThreeWrappersMoE,
     "per_row_extras": PerRowExtrasMoE,
+    "keyword_extras": KeywordExtrasMoE,
     "grouped_routing": GroupedRoutingMoE,
     "flat_grouped_routing": FlatGroupedRoutingMoE,
     "flat_grouped_lora": FlatGroupedLoraMoE,
@@ -462,6 +530,7 @@ FUZZED = ("two_wrappers", "per_row_extras", "grouped_routing", "flat_grouped_lor
 RAISES = {
     "bool_mask_extra": (BoolMaskTwin, "of the rows' count and dtype"),
     "optional_param_given": (GivesOptionalTwin, "its forward's parameters without a default"),
+    "keyword_optional_given": (KeywordOptionalTwin, "its forward's parameters without a default"),
 }
 
 # name -> (builder, what the refusal names)
@@ -470,6 +539,7 @@ TWINS = {
     "wrapper_mixes_rows": (MixedRowsTwin, "mixes rows"),
     "wrapper_reads_experts": (ReadsExpertsTwin, "reads self.moe"),
     "whole_table": (WholeTableTwin, "mixes rows"),
+    "keyword_whole_table": (KeywordWholeTableTwin, "mixes rows"),
     "group_router_on_expert_rows": (GroupRouterOnExpertRowsTwin, "not selected by that id"),
     "flat_lora_misaligned": (FlatLoraMisalignedTwin, "indexed by the routing loops' ids differently"),
     "split_rows": (lambda: SlicedWeightsMoE(SplitRowsSwiGLU), "reads the number of rows"),

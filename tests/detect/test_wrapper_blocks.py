@@ -33,6 +33,7 @@ LEAVES = tuple((f"experts.{g}.{j}",) for g in range(wb.GROUPS) for j in range(wb
     ("two_wrappers", "replay", "ffn.moe.experts", ()),
     ("three_wrappers", "replay", "mlp.ffn.moe.experts", ()),
     ("per_row_extras", "replay", "experts", ()),
+    ("keyword_extras", "replay", "experts", ()),  # the extras passed by their parameters' names
     ("grouped_routing", "replay", "experts", LEAVES),  # each leaf of the ModuleList of ModuleLists one expert
     ("flat_grouped_routing", "replay", "experts", ()),
     ("flat_grouped_lora", "replay", "experts", tuple((f"experts.{e}", f"lora.{e}") for e in range(E))),

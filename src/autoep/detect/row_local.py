@@ -116,8 +116,9 @@ def row_arity(expert: nn.Module) -> int:
     """How many per-row tensors ``expert`` takes: its class forward's positional parameters without a default (the
     rows, then extras such as a position table's rows or each row's routing probability: ``expert(x[tok],
     pos[tok])``), at least 1. The proof binds each to rows (``(n, ·)``, row i of each read with row i of the others,
-    never written); the one-pass execution moves them together and raises on a call passing another number of
-    arguments (an optional parameter the proof took at its default would be given a value)."""
+    never written); the one-pass execution moves them together (passed by position or by their parameters' names)
+    and raises on a call passing another number of arguments or another keyword (an optional parameter the proof
+    took at its default would be given a value)."""
     fn = getattr(type(expert), "forward", None)
     if type(expert).__module__.startswith("torch.") or not inspect.isfunction(fn):
         return 1

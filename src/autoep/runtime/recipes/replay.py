@@ -404,11 +404,13 @@ class _Caller:
     def call(self, e: int, expert: nn.Module, args: tuple, kwargs: dict) -> Tensor:
         i = len(self.tape.calls)
         arity = row_local.row_arity(expert)
+        args, kwargs = _by_position(expert, arity, args, kwargs)
         if kwargs or len(args) != arity or not all(isinstance(a, Tensor) for a in args):
             given = [type(a).__name__ for a in args] + [f"{k}=" for k in kwargs]
             raise self.tape.fail(f"{self.replay.keys[e]} (expert call {i}) is called with ({', '.join(given)}); autoep "
                                  f"proves it row-local for {arity} per-row tensor(s), its forward's parameters without "
-                                 "a default (the rows, then per-row extras), passed by position, and moves only those")
+                                 "a default (the rows, then per-row extras), passed by position or by their names, "
+                                 "and moves only those")
         x, extras = _packed(self.tape, self.replay.keys[e], i, args)
         _facts_unchanged(self.block, f"before {self.replay.keys[e]} (expert call {i})")
         inside = _inside_function()
@@ -424,6 +426,20 @@ class _Caller:
         with torch._C.DisableTorchFunction():
             shadow = torch.empty((*x.shape[:-1], *width), dtype=dtype, device="meta")
         return self.tape.expert_call(e, x, shadow, x.device, grad, extras)
+
+
+def _by_position(expert: nn.Module, arity: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``expert(x[tok], pos_emb=pos[tok])`` as ``expert(x[tok], pos[tok])``: keywords that name the class forward's
+    parameters without a default after those given by position (the ones its proof binds to rows, in order), all of
+    them, moved into place; anything else as given (the caller raises: a keyword for a parameter with a default
+    would change a value the proof took at its default)."""
+    fn = getattr(type(expert), "forward", None)
+    if not kwargs or not inspect.isfunction(fn) or len(args) + len(kwargs) != arity:
+        return args, kwargs
+    names = fn.__code__.co_varnames[1 + len(args):1 + arity]
+    if set(kwargs) != set(names):
+        return args, kwargs
+    return (*args, *(kwargs[n] for n in names)), {}
 
 
 MAX_EXTRAS = 6  # per-row tensors an expert call may pass after its rows (slots in the exchange's metadata)

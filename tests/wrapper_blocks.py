@@ -293,6 +293,23 @@ class KeywordExtrasMoE(PerRowExtrasMoE):
         return y.reshape(b, s, h)
 
 
+class DefaultedRotaryExpert(RotaryExpert):
+    """The extras as optional parameters (``pos=None, prob=None, keep=None``), as real code declares them."""
+
+    def forward(self, x, pos=None, prob=None, keep=None):
+        x = x * pos.cos() + rotate_half(x) * pos.sin()
+        return self.fc2(F.gelu(self.fc1(x))) * prob * keep
+
+
+class KeywordDefaultedMoE(KeywordExtrasMoE):
+    """``KeywordExtrasMoE`` whose expert declares its extras with a default None: refused naming the default (the
+    proof takes it), not yet accepted (``tests/detect/test_wrapper_blocks.py``, xfail)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([DefaultedRotaryExpert() for _ in range(E)])
+
+
 class KeywordOptionalTwin(KeywordExtrasMoE):
     """Edit: the expert's ``scale`` has a default (1.0) and the call names it, ``scale=keep[tok]``: a value the proof
     took at its default; the first call raises."""

@@ -202,3 +202,19 @@ def test_per_group_routers_are_never_taken_for_experts_alone():
 
     with pytest.raises(UnsupportedModuleStructure, match="expert_gates route"):
         detect_moe_structure(PlainGroups())
+
+
+def test_extras_by_keyword_to_parameters_defaulting_to_none_are_refused_naming_the_default():
+    """``expert(x[tok], pos=pos_emb[tok], ...)`` into ``forward(self, x, pos=None, ...)``: the proof takes the
+    default, so the refusal says so and how to have the extra moved (drop the default)."""
+    with pytest.raises(UnsupportedModuleStructure, match=r"`pos` defaults to None, which the proof takes.*drop its "
+                                                         "default"):
+        detect_moe_structure(wb.KeywordDefaultedMoE())
+
+
+@pytest.mark.xfail(strict=True, raises=UnsupportedModuleStructure,
+                   reason="keyword extras bound to parameters with a default: the proof takes the default; proving "
+                          "them as rows needs the keywords the routed calls pass, recorded in the plan (issue 31)")
+def test_extras_by_keyword_to_parameters_defaulting_to_none_are_accepted():
+    found = detect_moe_structure(wb.KeywordDefaultedMoE())
+    assert (found.execution, found.experts_path) == ("replay", "experts")

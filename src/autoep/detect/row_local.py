@@ -105,11 +105,31 @@ def prove_expert(expert: nn.Module, what: str, draws_on_owner: bool = False) -> 
     element-wise dropout with p > 0 is accepted in either mode, its draws made wherever the expert runs
     (``ExpertProof.draws``); without it such a dropout is exact only at p=0 or in eval."""
     ctx = _Context(what, draws_on_owner)
-    out = ctx.call_module(expert, [INPUT] * row_arity(expert), {}, "", None)
+    try:
+        out = ctx.call_module(expert, [INPUT] * row_arity(expert), {}, "", None)
+    except Refusal as exc:
+        exc.args = (f"{exc}{_defaulted_hint(expert, str(exc))}",)
+        raise
     if out not in TWO_D:
         raise Refusal(f"{what} ({type(expert).__name__}) does not return rows (it returns {show(out)})")
     folded = {k: v for k, v in ctx.folded.items() if ctx.reads[k] > 0}
     return ExpertProof(tuple(sorted(folded.items())), not ctx.pinned_by, ctx.pinned_by, tuple(sorted(ctx.draws.items())))
+
+
+def _defaulted_hint(expert: nn.Module, why: str) -> str:
+    """Where the refusal names a parameter of the expert's forward whose default is None (``pos_emb.cos``): the proof
+    took that default, as a call not passing it; a block passing it per row by keyword (``expert(x[tok],
+    pos_emb=pos[tok])``) needs it without a default to have it moved with the rows. Empty otherwise."""
+    fn = getattr(type(expert), "forward", None)
+    if not inspect.isfunction(fn):
+        return ""
+    names = [name for name, p in inspect.signature(fn).parameters.items() if p.default is None]
+    name = next((n for n in names if f"`{n}." in why or f"`{n}`" in why or f"`{n}[" in why), None)
+    if name is None:
+        return ""
+    return (f" ({type(expert).__name__}.forward's `{name}` defaults to None, which the proof takes: autoep moves per-row "
+            f"extras with the rows only for the forward's parameters without a default; where the block passes "
+            f"`{name}=<rows>`, drop its default so that it is proven and moved as the rows' extra)")
 
 
 def row_arity(expert: nn.Module) -> int:

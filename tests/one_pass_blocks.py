@@ -1143,6 +1143,7 @@ CASES: dict[str, Case] = {
     # concatenation, multi-task lists; their one-edit twins are refused (tests/detect/test_expert_roles_attrs.py)
     **{name: Case(make, splits=EMPTY_RANK) for name, make in role_blocks_attrs.BLOCKS.items()},
     **{name: _harmful(make, splits=EMPTY_RANK) for name, (make, _) in role_blocks_attrs.TWINS.items()},
+    "append_skipping": _harmful(role_blocks_attrs.AppendSkippingTwin, splits=EMPTY_RANK),  # an unread list, one container
     # experts by where they sit (issue 31): two and three wrappers down, a container with its own forward passing
     # per-row extras to each expert, two-level routing, experts slicing their own weights; twins refused or raise
     # (tests/detect/test_wrapper_blocks.py)

@@ -5,7 +5,10 @@ accepted spelling with a one-edit harmful twin that must be refused:
   ``setattr`` in ``__init__``), reached in the routed loop with ``getattr(self, f"expert_{i}")``. Twins: the next
   expert's attribute (``f"expert_{(i + 1) % E}"``, misaligned), a family with a gap (a stray ``expert_{E+1}``), a
   member also read by its literal name on every row (``self.expert_0(x)``). ``NumberedListMoE``: the same experts
-  listed first, ``[getattr(self, f"expert_{i}") for i in range(self.num_experts)]``.
+  listed first, ``[getattr(self, f"expert_{i}") for i in range(self.num_experts)]``; ``NumberedAppendMoE``: listed by
+  ``experts = []``, ``for i in range(self.num_experts): experts.append(getattr(self, f"expert_{i}"))`` (twin:
+  ``f"expert_{i + 1}"``, refused naming the append); ``AppendListMoE``: ``experts.append(self.experts[i])`` (its
+  ``continue`` twin, ``AppendSkippingTwin``, keeps the lone container's decision and runs exact, not refused).
 - ``NumberedLoraMoE``: a LoRA mixture in that style (``add_module(f"lora_A{i}", ...)``), one expert over two
   numbered families chained, ``getattr(self, f"lora_B{i}")(getattr(self, f"lora_A{i}")(x[tok]))``: ``lora_A{i}`` and
   ``lora_B{i}`` lie together on expert i's owner. Twin: ``f"lora_B{i + 1}"``.
@@ -166,7 +169,8 @@ class AppendListMoE(nn.Module):
 
 class AppendSkippingTwin(AppendListMoE):
     """Edit: a ``continue`` in the appending loop (``if i == 0: continue``): expert 1 lands at id 0; the loop is not
-    unrolled."""
+    unrolled, the lone container ``self.experts`` keeps its decision and the one pass runs each entry's calls on its
+    owner whatever id picked the rows: exact (``tests/one_pass_blocks.py``, ``append_skipping``), not refused."""
 
     def forward(self, hidden_states):
         x = hidden_states.reshape(-1, D)
@@ -445,7 +449,6 @@ TWINS = {
     "numbered_append_shifted": (NumberedAppendShiftedTwin,
                                 (r"`experts.append\(getattr\(self, f'expert_\{i \+ 1\}'\)\)` \(line 5\) adds a module "
                                  "of the block to experts in a way autoep does not follow")),
-    "append_skipping": (AppendSkippingTwin, r"`experts.append\(self.experts\[i\]\)` \(line 7\) adds a module"),
     "doubly_registered": (DoublyRegisteredMoE, r"experts\.0\.fc1\.weight is also shared\.0\.fc1\.weight"),
     "forward_insert": (ForwardInsertTwin,
                        (r"`experts.insert\(0, self.shared_experts\[0\]\)` \(line 4\) reads experts in a way autoep "

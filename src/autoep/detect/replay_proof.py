@@ -253,7 +253,9 @@ def _by_role(block: nn.Module, fns: list, found: list[str]) -> Experts:
         raise
     iterated = [why for fn in fns for node in ast.walk(function_tree(fn)) if isinstance(node, (ast.For, ast.comprehension))
                 for name in _iterated_names(node.iter) if name in roles.unread for why in [roles.unread[name]]]
-    if iterated:  # a loop over a list of modules whose entries are not known: the id -> module map is a guess
+    # a loop over a list of modules whose entries are not known, and no container to place: which modules the ids
+    # select is a guess (one container keeps its decision: the one pass moves its entries' calls wherever they are)
+    if iterated and not found:
         raise expert_roles.Misplaced(f"{cls}: a loop iterates a list of the block's modules that autoep does not "
                                      f"read: {iterated[0]}; build it by assignment, `extend`/`append` (also "
                                      "in a loop over range(...)) or iterate the container itself")

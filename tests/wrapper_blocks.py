@@ -5,6 +5,13 @@
   (``self.ffn.moe.experts``), each level's forward a plain call of the next on (a row-local transform of) its rows.
   ``ThreeWrappersMoE``: one level more (``self.mlp.ffn.moe.experts``). Twins: a wrapper calling the inner MoE
   twice, on rows mixed across the batch (``h - h.mean(0)``), or reading the experts' parameters.
+- ``AuxTupleMoE``: the MoE two wrappers down returns its load-balancing loss (``out, aux_loss = self.moe(h)``),
+  the wrapper hands the tuple up and the block adds the loss to its output (router grads flow through it);
+  ``AuxStateMoE``: the wrapper counts its calls and keeps the aux loss on ``self`` (``return out``; the block reads
+  ``self.ffn.aux_loss``); ``SharedBelowWrapperMoE``: the MoE below the wrapper holds routed ``experts`` beside
+  ``shared_experts`` run on every row. Twins: the tuple's MoE on rows mixed across the batch, the wrapper reading
+  back the count it keeps (a branch mixing rows from the second call on: at detection the count is 0), the aux loss
+  kept on the wrapped MoE (``self.moe.aux_loss = ...``), the "shared" experts called on the rows expert 0 picks.
 - ``PerRowExtrasMoE``: an experts container with a forward of its own (the loop inside it) that receives extra
   per-row tensors besides the hidden states, ``self.experts(x, topk_idx, topk_w, pos_emb)``: a rotary table indexed
   per row, each row's routing probability, a per-row mask, passed to each expert with the rows
@@ -152,6 +159,193 @@ def _two_wrappers_twin(ffn: type) -> type:
 CallsTwiceTwin = _two_wrappers_twin(CallsTwiceFeedForward)
 MixedRowsTwin = _two_wrappers_twin(MixedRowsFeedForward)
 ReadsExpertsTwin = _two_wrappers_twin(ReadsExpertsFeedForward)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrapper levels whose MoE returns its load-balancing loss, that keep Python state, over shared experts
+# ---------------------------------------------------------------------------------------------
+
+AUX_COEF = 0.01  # the blocks add their aux loss to the output: the router's grads flow through it too
+
+
+class AuxLossMoE(DeepseekStyleMoE):
+    """The MoE returns ``(out, aux_loss)``: a Switch-style load-balancing loss (each expert's picks times its summed
+    probability; a sum, so a rank without tokens has 0, not nan)."""
+
+    def forward(self, x):
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, selected = torch.topk(probs, K, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = selected.view(-1)
+        rows = x.repeat_interleave(K, dim=0)
+        y = torch.empty_like(rows)
+        for i, expert in enumerate(self.experts):
+            y[flat == i] = expert(rows[flat == i])
+        aux_loss = (F.one_hot(selected, E).sum(dim=(0, 1)).to(probs.dtype) * probs.sum(dim=0)).sum() / (K * E)
+        return (y.view(-1, K, D) * weights.unsqueeze(-1)).sum(dim=1), aux_loss
+
+
+class AuxTupleFeedForward(nn.Module):
+    """A wrapper returning what its MoE returns, a tuple: ``out, aux_loss = self.moe(h); return out, aux_loss``."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.moe = AuxLossMoE()
+
+    def forward(self, x):
+        h = self.norm(x)
+        out, aux_loss = self.moe(h)
+        return out, aux_loss
+
+
+class AuxTupleMoE(nn.Module):
+    """``self.ffn.moe.experts``, the aux loss handed up as a tuple and added by the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ffn = AuxTupleFeedForward()
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        y, aux_loss = self.ffn(x)
+        return (x + y + AUX_COEF * aux_loss).reshape(hidden_states.shape)
+
+
+class AuxStateFeedForward(AuxTupleFeedForward):
+    """A wrapper keeping Python state: it counts its calls and keeps the aux loss on ``self`` (read by the block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.aux_loss = 0, None
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.norm(x)
+        out, aux_loss = self.moe(h)
+        self.aux_loss = aux_loss
+        return out
+
+
+class AuxStateMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ffn = AuxStateFeedForward()
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, D)
+        y = self.ffn(x)
+        return (x + y + AUX_COEF * self.ffn.aux_loss).reshape(hidden_states.shape)
+
+    def visible_state(self) -> dict:
+        return {"calls": self.ffn.calls, "aux_loss": round(float(self.ffn.aux_loss.detach()), 5)}
+
+
+class SharedRoutedMoE(DeepseekStyleMoE):
+    """Routed ``experts`` beside ``shared_experts`` run on every row (DeepSeek-V2/Qwen2-MoE style, as a list)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared_experts = nn.ModuleList([FeedForward() for _ in range(2)])
+
+    def forward(self, x):
+        weights, selected = _top_k(self.gate, x, K)
+        flat = selected.view(-1)
+        rows = x.repeat_interleave(K, dim=0)
+        y = torch.empty_like(rows)
+        for i, expert in enumerate(self.experts):
+            y[flat == i] = expert(rows[flat == i])
+        return (y.view(-1, K, D) * weights.unsqueeze(-1)).sum(dim=1) + sum(shared(x) for shared in self.shared_experts)
+
+
+class SharedFeedForward(MoeFeedForward):
+    def __init__(self):
+        super().__init__()
+        self.moe = SharedRoutedMoE()
+
+
+class SharedBelowWrapperMoE(TwoWrappersMoE):
+    """``self.ffn.moe.experts`` routed, ``self.ffn.moe.shared_experts`` on every row (stays where the token is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ffn = SharedFeedForward()
+
+
+class AuxMixedRowsFeedForward(AuxTupleFeedForward):
+    """Edit: the tuple-returning MoE sees rows centred over the batch (``h - h.mean(0)``)."""
+
+    def forward(self, x):
+        h = self.norm(x)
+        out, aux_loss = self.moe(h - h.mean(0))
+        return out, aux_loss
+
+
+class AuxMixedRowsTwin(AuxTupleMoE):
+    def __init__(self):
+        super().__init__()
+        self.ffn = AuxMixedRowsFeedForward()
+
+
+class StateReadBackFeedForward(AuxStateFeedForward):
+    """Edit: the wrapper reads back the count it keeps, mixing rows from its second call on (at detection the
+    count is 0: a proof reading it would follow only the first call's branch)."""
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.norm(x)
+        if self.calls > 1:
+            h = h - h.mean(0)
+        out, aux_loss = self.moe(h)
+        self.aux_loss = aux_loss
+        return out
+
+
+class StateOnInnerFeedForward(AuxStateFeedForward):
+    """Edit: the aux loss is kept on the wrapped MoE (``self.moe.aux_loss = ...``), not on the wrapper."""
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.norm(x)
+        out, aux_loss = self.moe(h)
+        self.moe.aux_loss = self.aux_loss = aux_loss
+        return out
+
+
+def _aux_state_twin(ffn: type) -> type:
+    class Twin(AuxStateMoE):
+        def __init__(self):
+            super().__init__()
+            self.ffn = ffn()
+
+    Twin.__name__ = Twin.__qualname__ = f"AuxState{ffn.__name__}"
+    return Twin
+
+
+StateReadBackTwin = _aux_state_twin(StateReadBackFeedForward)
+StateOnInnerTwin = _aux_state_twin(StateOnInnerFeedForward)
+
+
+class SharedRoutedOnSomeRowsMoE(SharedRoutedMoE):
+    """Edit: the "shared" experts run on the rows expert 0 picks only (in the routed loop): no longer every row."""
+
+    def forward(self, x):
+        weights, selected = _top_k(self.gate, x, K)
+        flat = selected.view(-1)
+        rows = x.repeat_interleave(K, dim=0)
+        y = torch.empty_like(rows)
+        for i, expert in enumerate(self.experts):
+            y[flat == i] = expert(rows[flat == i]) + self.shared_experts[0](rows[flat == i])
+        return (y.view(-1, K, D) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class SharedOnSomeRowsFeedForward(MoeFeedForward):
+    def __init__(self):
+        super().__init__()
+        self.moe = SharedRoutedOnSomeRowsMoE()
+
+
+SharedOnSomeRowsTwin = _two_wrappers_twin(SharedOnSomeRowsFeedForward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,6 +725,9 @@ class SplitRowsSwiGLU(FusedSwiGLU):
 BLOCKS = {
     "two_wrappers": TwoWrappersMoE,
     "three_wrappers": ThreeWrappersMoE,
+    "wrapper_aux_tuple": AuxTupleMoE,
+    "wrapper_aux_state": AuxStateMoE,
+    "wrapper_shared_experts": SharedBelowWrapperMoE,
     "per_row_extras": PerRowExtrasMoE,
     "keyword_extras": KeywordExtrasMoE,
     "grouped_routing": GroupedRoutingMoE,
@@ -555,6 +752,10 @@ TWINS = {
     "wrapper_calls_twice": (CallsTwiceTwin, "calls self.moe 2 times"),
     "wrapper_mixes_rows": (MixedRowsTwin, "mixes rows"),
     "wrapper_reads_experts": (ReadsExpertsTwin, "reads self.moe"),
+    "wrapper_aux_mixes_rows": (AuxMixedRowsTwin, "mixes rows"),
+    "wrapper_reads_back_state": (StateReadBackTwin, "reads self.calls .*which it also writes"),
+    "wrapper_state_on_inner": (StateOnInnerTwin, "assigns an attribute"),
+    "wrapper_shared_on_some_rows": (SharedOnSomeRowsTwin, "not selected by that id"),
     "whole_table": (WholeTableTwin, "mixes rows"),
     "keyword_whole_table": (KeywordWholeTableTwin, "mixes rows"),
     "group_router_on_expert_rows": (GroupRouterOnExpertRowsTwin, "not selected by that id"),

@@ -32,6 +32,9 @@ LEAVES = tuple((f"experts.{g}.{j}",) for g in range(wb.GROUPS) for j in range(wb
 @pytest.mark.parametrize("name, execution, path, members", [
     ("two_wrappers", "replay", "ffn.moe.experts", ()),
     ("three_wrappers", "replay", "mlp.ffn.moe.experts", ()),
+    ("wrapper_aux_tuple", "replay", "ffn.moe.experts", ()),  # the MoE returns (out, aux_loss)
+    ("wrapper_aux_state", "replay", "ffn.moe.experts", ()),  # the wrapper keeps its count and the aux loss
+    ("wrapper_shared_experts", "replay", "ffn.moe.experts", ()),  # ffn.moe.shared_experts stays where the token is
     ("per_row_extras", "replay", "experts", ()),
     ("keyword_extras", "replay", "experts", ()),  # the extras passed by their parameters' names
     ("grouped_routing", "replay", "experts", LEAVES),  # each leaf of the ModuleList of ModuleLists one expert
@@ -90,17 +93,18 @@ def test_the_plan_names_experts_by_the_models_paths():
 
 
 def test_a_wrapper_level_is_read_as_a_call_chain():
-    """Each level below the block is proven, naming what breaks the chain: a loop around the call, a tuple
-    returned, a second module leading to containers."""
+    """Each level below the block is proven, naming what breaks the chain: a loop around the call, no rows
+    returned (the MoE's aux loss in their place), a second module leading to containers."""
     class Looped(wb.MoeFeedForward):
         def forward(self, x):
             for _ in range(1):
                 x = self.moe(self.norm(x))
             return x
 
-    class Tupled(wb.MoeFeedForward):
+    class Tupled(wb.AuxTupleFeedForward):  # the MoE's aux loss returned in place of its rows
         def forward(self, x):
-            return self.moe(self.norm(x)), x
+            out, aux_loss = self.moe(self.norm(x))
+            return aux_loss
 
     class TwoMoes(wb.MoeFeedForward):
         def __init__(self):
@@ -126,6 +130,37 @@ class _NoCall(wb.MoeFeedForward):
 
     def forward(self, x):
         return self.norm(x)
+
+
+def test_a_wrapper_level_keeps_plain_state_and_tuples():
+    """What a call of the wrapped MoE returns is read from its ``return`` statements (a tuple: rows first, the rest
+    opaque), handed up a level as that level returns it; a wrapper may assign plain attributes of its own it never
+    reads back, not a submodule, parameter or buffer; each refusal names the construct."""
+    wrapper = wb.AuxStateFeedForward()
+    out = call_chain.prove_level(wrapper, "moe", "ffn", call_chain._returned(wrapper.moe))
+    assert isinstance(out, call_chain.Row)  # `return out`: the tuple unpacked, its rows returned
+    assert isinstance(call_chain._returned(wb.AuxLossMoE())[1], call_chain.Opaque)
+    assert call_chain._returned(wb.DeepseekStyleMoE()) == call_chain.ROWS
+    tupled = call_chain.prove_level(wb.AuxTupleFeedForward(), "moe", "ffn", call_chain._returned(wrapper.moe))
+    assert isinstance(tupled[0], call_chain.Row) and isinstance(tupled[1], call_chain.Opaque)
+    with pytest.raises(Refusal, match="cannot split"):  # a tuple unpacked from a MoE returning rows
+        call_chain.prove_level(wb.AuxTupleFeedForward(), "moe", "ffn", call_chain.ROWS)
+
+    class KeepsNorm(wb.AuxStateFeedForward):
+        def forward(self, x):
+            self.norm = nn.Identity()  # a submodule replaced: what the model computes changes
+            out, aux_loss = self.moe(self.norm(x))
+            return out
+
+    class Sums(wb.AuxStateFeedForward):
+        def forward(self, x):
+            out, aux_loss = self.moe(self.norm(x))
+            self.total = self.total + aux_loss  # read back: the previous call's value at run time
+            return out
+
+    for cls, reason in ((KeepsNorm, "assigns self.norm .* a submodule"), (Sums, "reads self.total .* also writes")):
+        with pytest.raises(Refusal, match=reason):
+            call_chain.prove_level(cls(), "moe", "ffn", call_chain._returned(wb.AuxLossMoE()))
 
 
 def test_experts_slicing_their_weights_by_values_known_only_at_run_time_are_refused():

@@ -239,7 +239,8 @@ class Interpreter:
             for t, v in zip(target.elts, items):
                 self.store(t, Obj(v) if isinstance(value, Obj) else v, stmt)
         elif isinstance(target, ast.Attribute):
-            self.refuse(stmt, f"assigns an attribute: it {STATE}")
+            if not self.ctx.writes_attribute(self, target):
+                self.refuse(stmt, f"assigns an attribute: it {STATE}")
         elif isinstance(target, ast.Subscript):
             base = self.eval(target.value)
             if aliases(base):
@@ -251,7 +252,10 @@ class Interpreter:
     def aug_assign(self, stmt: ast.AugAssign) -> None:
         target = stmt.target
         if isinstance(target, ast.Attribute):
-            self.refuse(stmt, f"updates an attribute: it {STATE}")
+            if not self.ctx.writes_attribute(self, target):
+                self.refuse(stmt, f"updates an attribute: it {STATE}")
+            self.binop(stmt, self.eval(target), stmt.op, self.eval(stmt.value))  # the update itself interpreted
+            return
         if not isinstance(target, ast.Name):
             self.refuse(stmt, "is an in-place update the proof does not follow")
         current = self.eval(target)

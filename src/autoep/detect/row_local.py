@@ -209,6 +209,11 @@ class _Context:
         wraps); none here."""
         return False
 
+    def writes_attribute(self, interp, target) -> bool:
+        """Whether ``<target> = ...`` (an ``ast.Attribute``) is accepted: a wrapper level's plain Python state
+        (``call_chain``); never an expert's."""
+        return False
+
     def fold(self, path: str, value) -> None:
         self.folded[path] = fold_repr(value)
         self.reads[path] += 1

@@ -11,7 +11,9 @@
   ``self.ffn.aux_loss``); ``SharedBelowWrapperMoE``: the MoE below the wrapper holds routed ``experts`` beside
   ``shared_experts`` run on every row. Twins: the tuple's MoE on rows mixed across the batch, the wrapper reading
   back the count it keeps (a branch mixing rows from the second call on: at detection the count is 0), the aux loss
-  kept on the wrapped MoE (``self.moe.aux_loss = ...``), the "shared" experts called on the rows expert 0 picks.
+  kept on the wrapped MoE (``self.moe.aux_loss = ...``), the "shared" experts called on the rows expert 0 picks,
+  the routed loop left to the parent's forward (``super().forward(x)``; below a wrapper and as the block itself:
+  the shared list was taken for the experts before).
 - ``PerRowExtrasMoE``: an experts container with a forward of its own (the loop inside it) that receives extra
   per-row tensors besides the hidden states, ``self.experts(x, topk_idx, topk_w, pos_emb)``: a rotary table indexed
   per row, each row's routing probability, a per-row mask, passed to each expert with the rows
@@ -346,6 +348,27 @@ class SharedOnSomeRowsFeedForward(MoeFeedForward):
 
 
 SharedOnSomeRowsTwin = _two_wrappers_twin(SharedOnSomeRowsFeedForward)
+
+
+class SharedViaSuperMoE(DeepseekStyleMoE):
+    """Edit: the routed loop is the parent's (``super().forward(x)``), the shared list alone read here: taken for
+    the experts before (sharded, the routed ones left replicated); now refused naming the parent's read."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared_experts = nn.ModuleList([FeedForward() for _ in range(2)])
+
+    def forward(self, x):
+        return super().forward(x) + sum(shared(x) for shared in self.shared_experts)
+
+
+class SharedViaSuperFeedForward(MoeFeedForward):
+    def __init__(self):
+        super().__init__()
+        self.moe = SharedViaSuperMoE()
+
+
+SharedViaSuperTwin = _two_wrappers_twin(SharedViaSuperFeedForward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -756,6 +779,7 @@ TWINS = {
     "wrapper_reads_back_state": (StateReadBackTwin, "reads self.calls .*which it also writes"),
     "wrapper_state_on_inner": (StateOnInnerTwin, "assigns an attribute"),
     "wrapper_shared_on_some_rows": (SharedOnSomeRowsTwin, "not selected by that id"),
+    "wrapper_shared_via_super": (SharedViaSuperTwin, r"super\(\)\.forward\(\.\.\.\) .* reads self\.experts"),
     "whole_table": (WholeTableTwin, "mixes rows"),
     "keyword_whole_table": (KeywordWholeTableTwin, "mixes rows"),
     "group_router_on_expert_rows": (GroupRouterOnExpertRowsTwin, "not selected by that id"),

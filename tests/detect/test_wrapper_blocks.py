@@ -163,6 +163,15 @@ def test_a_wrapper_level_keeps_plain_state_and_tuples():
             call_chain.prove_level(cls(), "moe", "ffn", call_chain._returned(wb.AuxLossMoE()))
 
 
+def test_experts_looped_in_a_parents_forward_are_refused_not_misplaced():
+    """A block (or an MoE below a wrapper) whose routed loop is its parent's (``super().forward(x)``) and whose own
+    forward reads only its shared list: the shared list was taken for the experts (sharded; the routed experts left
+    replicated). Refused naming the parent's read, as the block itself and two wrappers down."""
+    for block in (wb.SharedViaSuperMoE(), wb.SharedViaSuperTwin()):
+        with pytest.raises(UnsupportedModuleStructure, match=r"super\(\)\.forward\(\.\.\.\) .* reads self\.experts"):
+            detect_moe_structure(block)
+
+
 def test_experts_slicing_their_weights_by_values_known_only_at_run_time_are_refused():
     class RowSliced(wb.FusedSwiGLU):
         def forward(self, x):

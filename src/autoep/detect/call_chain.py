@@ -78,6 +78,7 @@ def _descend(block: nn.Module, name: str, child: nn.Module, depth: int, deep: bo
     except Refusal:
         return [], ROWS
     found = [f"{name}.{sub}" for sub, g in child._modules.items() if is_container(g) and _reads(forward, sub)]
+    through_super(child, forward, found, f"{name}.")
     if len(found) > 1 and depth > 0:
         # An MoE below a wrapper level reading several containers (routed ``experts`` beside ``shared_experts``):
         # told apart by role on the MoE itself, as for a block holding them (``replay_proof.find_experts``).
@@ -140,6 +141,35 @@ def _as_called(out: object) -> object:
     if isinstance(out, tuple):
         return tuple(_as_called(v) for v in out)
     return out if isinstance(out, Opaque) else Opaque(show(out))
+
+
+def through_super(module: nn.Module, fns, found: list[str], prefix: str = "") -> None:
+    """``Refusal`` where a method ``fns`` holds calls ``super().<method>(...)`` and the parent's method reads a module
+    container of ``module`` that ``found`` (paths, under ``prefix``) lacks: the experts' loop there is not followed,
+    and the container read in the subclass alone (a shared list beside routed experts the parent loops over) would
+    be taken for the experts."""
+    cls = type(module)
+    for fn in fns:
+        owner = next((c for c in cls.__mro__ if any(v is fn for v in vars(c).values())), cls)
+        mro = cls.__mro__[cls.__mro__.index(owner) + 1:]
+        for node in ast.walk(function_tree(fn)):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Call) and isinstance(node.func.value.func, ast.Name)
+                    and node.func.value.func.id == "super"):
+                continue
+            parent = next((vars(c)[node.func.attr] for c in mro if node.func.attr in vars(c)), None)
+            if parent is None or not callable(parent) or getattr(parent, "__module__", "").startswith("torch."):
+                continue
+            try:
+                tree = function_tree(parent)
+            except Refusal:
+                continue
+            hidden = [sub for sub, g in module._modules.items()
+                      if is_container(g) and f"{prefix}{sub}" not in found and self_reads(tree, sub)]
+            if hidden:
+                raise Unfollowed(f"{cls.__name__}: super().{node.func.attr}(...) (line {node.lineno}) reads "
+                                 f"self.{hidden[0]}, which autoep does not follow into a parent's method; call the "
+                                 f"loop over self.{hidden[0]} in {cls.__name__}'s own forward (or opt out)")
 
 
 def _reads(fns, attr: str) -> bool:

@@ -209,6 +209,7 @@ def find_experts(block: nn.Module) -> Experts:
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or type(child).forward is nn.Module.forward:
             continue
         found += call_chain.descend(block, name, child, deep=False)  # ``moe.experts``
+    call_chain.through_super(block, forward_fns, found)  # a container read in a parent's method only: refused
     # A plain dict/list of modules the forward reads, only where no registered container is: a block that was
     # taken for its ModuleList/ModuleDict keeps that decision (no detector outcome changes but refusals lifted).
     for name in plain_experts.candidates(block) if not found else ():

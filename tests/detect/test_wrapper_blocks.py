@@ -163,6 +163,18 @@ def test_a_wrapper_level_keeps_plain_state_and_tuples():
             call_chain.prove_level(cls(), "moe", "ffn", call_chain._returned(wb.AuxLossMoE()))
 
 
+def test_shared_experts_below_a_wrapper_stay_dense():
+    """Routed ``ffn.moe.experts`` placed, one per expert id; ``ffn.moe.shared_experts`` (every row) never placed."""
+    model = nn.ModuleDict({"mlp": wb.SharedBelowWrapperMoE()})
+    keys = set(model.state_dict())
+    resolved = resolve_plan({"ep_size": 2, "plan": [{"match": "mlp"}]}, model)
+    assert resolved.plan[0].decision.num_experts == E
+    apply_plan(model, OmegaConf.create({**OmegaConf.to_container(resolved), "ep_size": 1}), None)
+    owners = expert_owners(model)
+    assert set(owners) == {k for k in keys if k.startswith("mlp.ffn.moe.experts.")}
+    assert sorted({owners[k].expert for k in owners}) == list(range(E))
+
+
 def test_experts_looped_in_a_parents_forward_are_refused_not_misplaced():
     """A block (or an MoE below a wrapper) whose routed loop is its parent's (``super().forward(x)``) and whose own
     forward reads only its shared list: the shared list was taken for the experts (sharded; the routed experts left

@@ -158,7 +158,22 @@ def test_a_wrapper_level_keeps_plain_state_and_tuples():
             self.total = self.total + aux_loss  # read back: the previous call's value at run time
             return out
 
-    for cls, reason in ((KeepsNorm, "assigns self.norm .* a submodule"), (Sums, "reads self.total .* also writes")):
+    class HelperReads(wb.AuxStateFeedForward):
+        def forward(self, x):
+            self.calls += 1
+            out, aux_loss = self.moe(self.norm(x) * self.scale())
+            return out
+
+        def scale(self):
+            return 2.0 if self.calls > 1 else 1.0  # read back in a method the forward calls
+
+    class Getter(wb.AuxStateFeedForward):
+        def get_aux_loss(self):  # read outside the forward's calls: accepted
+            return self.aux_loss
+
+    call_chain.prove_level(Getter(), "moe", "ffn", call_chain._returned(wb.AuxLossMoE()))
+    for cls, reason in ((KeepsNorm, "assigns self.norm .* a submodule"), (Sums, "reads self.total .* also writes"),
+                        (HelperReads, "reads self.calls .* also writes")):
         with pytest.raises(Refusal, match=reason):
             call_chain.prove_level(cls(), "moe", "ffn", call_chain._returned(wb.AuxLossMoE()))
 

@@ -21,7 +21,8 @@ row_local``; dropout draws accepted: a wrapper runs where the token is, as writt
 - and reads nothing else of it (``self.moe.experts[0].fc1.weight``: another rank's expert is a stand-in there),
 - assigning only plain Python state of its own it never reads back (``self.calls += 1``, ``self.aux_loss = aux``;
   a submodule, parameter, buffer or property assigned changes what the model computes; a value read back is the
-  previous call's at run time, not the one the proof sees, ``if self.calls > 1:``),
+  previous call's at run time, not the one the proof sees, ``if self.calls > 1:``, in the forward or a method of
+  the wrapper it calls),
 
 and returns rows, or a tuple of them first and what else it keeps. What a call of the next level returns is read
 from it: a wrapper's as proven, the MoE's from its ``return`` statements (every one a tuple of one length,
@@ -35,6 +36,7 @@ refusal naming it.
 from __future__ import annotations
 
 import ast
+import inspect
 
 import torch.nn as nn
 
@@ -215,18 +217,39 @@ def _written_state(wrapper: nn.Module, tree: ast.AST, what: str) -> set[str]:
     before at run time, not the one seen at detection: ``if self.calls > 1:`` would decide a branch wrongly)."""
     stores = {n.attr: n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
               and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    trees = _called_methods(type(wrapper), tree) if stores else []
     for attr, node in stores.items():
         if attr in wrapper._modules or attr in wrapper._parameters or attr in wrapper._buffers \
                 or isinstance(getattr(type(wrapper), attr, None), (property, nn.Module)):
             raise Refusal(f"{what}: its forward assigns self.{attr} (line {node.lineno}), a submodule, parameter, "
                           "buffer or property; a wrapper level may keep plain Python state only")
-        reads = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == attr
+        reads = [n for t in trees for n in ast.walk(t) if isinstance(n, ast.Attribute) and n.attr == attr
                  and isinstance(n.ctx, ast.Load) and isinstance(n.value, ast.Name) and n.value.id == "self"]
         if reads:
             raise Refusal(f"{what}: its forward reads self.{attr} (line {reads[0].lineno}), which it also writes: at "
                           "run time that value is the previous call's, not the one seen at detection; keep state a "
                           "wrapper reads back out of its forward (or opt out)")
     return set(stores)
+
+
+def _called_methods(cls: type, tree: ast.AST) -> list[ast.AST]:
+    """``tree`` and the trees of the methods of ``cls`` it calls on ``self`` (``self.helper(h)``), transitively:
+    where a value the forward writes could be read back during the call."""
+    trees, seen, todo = [], set(), [tree]
+    while todo:
+        t = todo.pop()
+        trees.append(t)
+        for n in ast.walk(t):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) \
+                    and n.func.value.id == "self" and n.func.attr not in seen:
+                fn = getattr(cls, n.func.attr, None)
+                if inspect.isfunction(fn) and not fn.__module__.startswith("torch."):
+                    seen.add(n.func.attr)
+                    try:
+                        todo.append(function_tree(fn))
+                    except Refusal:
+                        continue  # a method not read here is refused by the interpreter if the forward calls it
+    return trees
 
 
 def _self_attr(expr: ast.AST, attr: str) -> bool:

@@ -103,7 +103,7 @@ def test_a_wrapper_level_is_read_as_a_call_chain():
 
     class Tupled(wb.AuxTupleFeedForward):  # the MoE's aux loss returned in place of its rows
         def forward(self, x):
-            out, aux_loss = self.moe(self.norm(x))
+            _, aux_loss = self.moe(self.norm(x))
             return aux_loss
 
     class TwoMoes(wb.MoeFeedForward):
@@ -149,7 +149,7 @@ def test_a_wrapper_level_keeps_plain_state_and_tuples():
     class KeepsNorm(wb.AuxStateFeedForward):
         def forward(self, x):
             self.norm = nn.Identity()  # a submodule replaced: what the model computes changes
-            out, aux_loss = self.moe(self.norm(x))
+            out, _ = self.moe(self.norm(x))
             return out
 
     class Sums(wb.AuxStateFeedForward):
@@ -161,7 +161,7 @@ def test_a_wrapper_level_keeps_plain_state_and_tuples():
     class HelperReads(wb.AuxStateFeedForward):
         def forward(self, x):
             self.calls += 1
-            out, aux_loss = self.moe(self.norm(x) * self.scale())
+            out, _ = self.moe(self.norm(x) * self.scale())
             return out
 
         def scale(self):

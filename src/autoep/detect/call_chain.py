@@ -27,8 +27,10 @@ row_local``; dropout draws accepted: a wrapper runs where the token is, as writt
 and returns rows, or a tuple of them first and what else it keeps. What a call of the next level returns is read
 from it: a wrapper's as proven, the MoE's from its ``return`` statements (every one a tuple of one length,
 ``return out, aux_loss``: rows first, the rest opaque values the wrapper may keep or return but never hand to the
-experts, which it reaches only through its one call; else rows). Why this suffices for exactness: the one-pass execution runs every level's forward as written
-where the token is and moves only the experts' calls; what the chain proof adds is that the modules found at the
+experts, which it reaches only through its one call; else rows).
+
+Why this suffices for exactness: the one-pass execution runs every level's forward as written where the token is
+and moves only the experts' calls; what the chain proof adds is that the modules found at the
 bottom are reached only through those calls, on the rows the levels above hand down. A level that cannot be read
 this way (aux loss returned in place of the rows, a helper the interpreter does not follow, two candidates) is a
 refusal naming it.

@@ -67,15 +67,18 @@ def _user_module(m) -> bool:
         type(m).forward is not nn.Module.forward and not type(m).__module__.startswith("torch.")
 
 
-def descend(block: nn.Module, name: str, child: nn.Module, depth: int = 0, deep: bool = True) -> list[str]:
+def descend(block: nn.Module, name: str, child: nn.Module, find, depth: int = 0, deep: bool = True) -> list[str]:
     """The container paths under the block's child ``name`` (``child``) its forward reads (module docstring):
     ``name.sub`` where ``child`` holds them; else (``deep``), through the one user module ``child``'s forward reads
     (a wrapper level, proven by ``prove_level``), that module's. ``[]`` where none is found; ``Refusal`` where a
-    level is not a plain call chain or two modules of one level lead to containers."""
-    return _descend(block, name, child, depth, deep)[0]
+    level is not a plain call chain or two modules of one level lead to containers. ``find``: how the experts of an
+    MoE reading several containers are told apart (``replay_proof.find_experts``, handed down by its caller: this
+    module sits below it)."""
+    return _descend(block, name, child, find, depth, deep)[0]
 
 
-def _descend(block: nn.Module, name: str, child: nn.Module, depth: int, deep: bool) -> tuple[list[str], object]:
+def _descend(block: nn.Module, name: str, child: nn.Module, find, depth: int,
+             deep: bool) -> tuple[list[str], object]:
     """``descend``'s paths, and what ``child`` returns as its caller's interpreter sees it (``_returned``)."""
     try:
         forward = [plain_method(type(child), "forward", child)]
@@ -86,8 +89,7 @@ def _descend(block: nn.Module, name: str, child: nn.Module, depth: int, deep: bo
     if len(found) > 1 and depth > 0:
         # An MoE below a wrapper level reading several containers (routed ``experts`` beside ``shared_experts``):
         # told apart by role on the MoE itself, as for a block holding them (``replay_proof.find_experts``).
-        from autoep.detect.replay_proof import find_experts
-        experts = find_experts(child)
+        experts = find(child)
         if experts.members:
             raise Unfollowed(f"{type(child).__name__} ({name}) keeps each expert across several modules "
                              f"({experts.members[0]}); autoep follows wrapper levels down to experts of one "
@@ -98,7 +100,7 @@ def _descend(block: nn.Module, name: str, child: nn.Module, depth: int, deep: bo
     below = {}
     for sub, g in child._modules.items():
         if _user_module(g) and _reads(forward, sub):
-            deeper = _descend(child, sub, g, depth + 1, True)
+            deeper = _descend(child, sub, g, find, depth + 1, True)
             if deeper[0]:
                 below[sub] = deeper
     if len(below) > 1:

@@ -208,7 +208,7 @@ def find_experts(block: nn.Module) -> Experts:
             continue
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or type(child).forward is nn.Module.forward:
             continue
-        found += call_chain.descend(block, name, child, deep=False)  # ``moe.experts``
+        found += call_chain.descend(block, name, child, find_experts, deep=False)  # ``moe.experts``
     call_chain.through_super(block, forward_fns, found)  # a container read in a parent's method only: refused
     # A plain dict/list of modules the forward reads, only where no registered container is: a block that was
     # taken for its ModuleList/ModuleDict keeps that decision (no detector outcome changes but refusals lifted).
@@ -224,7 +224,7 @@ def find_experts(block: nn.Module) -> Experts:
     for name, child in block._modules.items() if not found else ():
         if child is not None and not isinstance(child, (nn.ModuleList, nn.ModuleDict)) and _reads(forward_fns, name) \
                 and type(child).forward is not nn.Module.forward:
-            found += call_chain.descend(block, name, child)
+            found += call_chain.descend(block, name, child, find_experts)
     plain = [name for name in found if is_plain(block, name)]
     if len(found) > 1 and (plain or any("." in name for name in found)):
         raise Refusal(f"{cls.__name__}.forward reads several module containers ({found}); which one holds the "

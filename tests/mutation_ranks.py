@@ -207,7 +207,11 @@ def apply_rank_results(outcomes: list[Outcome], ranks: dict[str, tuple[str, str]
 # in place is applied once per backward, and the reference runs one backward per rank's slice (the hook then
 # rescales slice 0's gradient twice) while EP runs one backward over both: they differ by construction, not by
 # EP. ModuleList experts keep such a hook on the owner rank since issue 16; in one process it is checked exactly.
-RANK_INCOMPARABLE = {"param_post_accumulate"}
+# ``buffer_write``: the mutant keeps a call counter on the module and scales by it; the reference runs every slice
+# on one copy (the counter is 2 at slice 1) where each rank holds its own replica (1 on every rank), so they differ
+# by construction too (hf/switch_transformers/experts.forward/buffer_write#0, on stop 34's main as on this one).
+# Judged exactly in one process; a per-rank replica reference is the fix that would let ranks judge it.
+RANK_INCOMPARABLE = {"param_post_accumulate", "buffer_write"}
 # Mutants that compute part of the block in bf16 (``autocast`` around a statement): on several ranks each expert
 # runs on other batches of rows than the per-slice reference gives it (another GEMM blocking, fp32 round-off),
 # and a bf16 cast downstream (the router's backward) can round that round-off up to one bf16 ulp. Judged there

@@ -36,6 +36,7 @@ from autoep.detect.expert_loop import ExpertId, Hit, Index, Obj, Opaque, Row, We
 from autoep.detect.flat_experts import FlatProver
 from autoep.detect.loop_values import Attr, Chunks, Param, ShapeItem
 from autoep.detect.source import Refusal
+from autoep.errors import FactChanged
 
 BRANCHES = ("training", "cpu_or_training")
 
@@ -84,7 +85,7 @@ def check_branch(module: nn.Module, kind: str, hidden: torch.Tensor, line: int) 
     takes_loop = module.training if kind == "training" else (hidden.device.type == "cpu" or module.training)
     if not takes_loop:
         cond = "not training" if kind == "training" else "not training and not on CPU"
-        raise RuntimeError(
+        raise FactChanged(  # the mode the proof read at apply (training), changed after it
             f"{type(module).__name__}.forward line {line}: {cond}, the experts' own forward computes every expert "
             "on every token (its dense branch), which autoep's expert-parallel exchange does not reproduce (it "
             "computes only the routed experts: no NaN from 0 * an overflowed expert, another summation order). "
